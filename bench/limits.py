@@ -1,0 +1,158 @@
+"""The machine's own limits, measured in the same run as the libraries (numpy + os only).
+
+* memcpy GB/s: ``np.copyto`` of a large, already-touched buffer;
+* disk write GB/s: buffered ``os.write`` of a file + ``fsync`` (the time includes the fsync);
+* disk read GB/s, cold: after ``fsync`` + ``posix_fadvise(DONTNEED)`` evicts the file's pages;
+  warm: the same file read again (page cache);
+* fsync latency: small write + fsync, the per-commit cost that dominates tiny checkpoints.
+
+Also the helpers the runners share: evicting a directory from the page cache, counting the
+files/bytes of a checkpoint, describing the machine and the disk under a directory.
+The device-side limit (``jax.device_get`` of the sharded state) needs JAX and the state, so it is
+measured in a worker: see ``runners.op_device_limits``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+GB = 1e9
+CHUNK = 16 << 20
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+  src = np.ones(nbytes // 8, np.float64)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)                    # touch both buffers first
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - t)
+  return src.nbytes / statistics.median(times) / GB
+
+
+def evict(path: str) -> None:
+  """Flush and drop from the page cache every file under ``path`` (a file or a directory)."""
+  files = [path] if os.path.isfile(path) else [
+      os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+  for f in files:
+    try:
+      fd = os.open(f, os.O_RDONLY)
+    except OSError:
+      continue
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def _read_all(path: str, buf: memoryview) -> int:
+  n = 0
+  with open(path, "rb", buffering=0) as f:
+    while True:
+      k = f.readinto(buf)
+      if not k:
+        return n
+      n += k
+
+
+def disk_gbps(directory: str, nbytes: int, repeats: int = 3) -> dict[str, float]:
+  """Median write (+fsync), cold read and warm read bandwidth of one file in ``directory``."""
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"limits-{os.getpid()}.bin")
+  data = np.random.default_rng(0).integers(0, 255, CHUNK, dtype=np.uint8)  # incompressible
+  buf = memoryview(bytearray(CHUNK))
+  w, rc, rw = [], [], []
+  try:
+    for _ in range(repeats):
+      t = time.perf_counter()
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      try:
+        for _ in range(nbytes // CHUNK):
+          os.write(fd, data)
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      w.append(time.perf_counter() - t)
+      evict(path)
+      t = time.perf_counter()
+      n = _read_all(path, buf)
+      rc.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      _read_all(path, buf)
+      rw.append(time.perf_counter() - t)
+      os.unlink(path)
+  finally:
+    if os.path.exists(path):
+      os.unlink(path)
+  return {"disk_write_gbps": n / statistics.median(w) / GB,
+          "disk_read_cold_gbps": n / statistics.median(rc) / GB,
+          "disk_read_warm_gbps": n / statistics.median(rw) / GB}
+
+
+def fsync_ms(directory: str, repeats: int = 50) -> float:
+  """Median time to create a 4 KiB file, write it and fsync it (one small object, durably)."""
+  os.makedirs(directory, exist_ok=True)
+  times = []
+  for i in range(repeats):
+    path = os.path.join(directory, f"fsync-{os.getpid()}-{i}")
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, b"x" * 4096)
+    os.fsync(fd)
+    os.close(fd)
+    times.append(time.perf_counter() - t)
+    os.unlink(path)
+  return statistics.median(times) * 1e3
+
+
+def measure(directory: str, nbytes: int) -> dict[str, float]:
+  out = {"memcpy_gbps": memcpy_gbps(nbytes)}
+  out.update(disk_gbps(directory, nbytes))
+  out["fsync_ms"] = fsync_ms(directory)
+  return out
+
+
+def dir_stats(path: str) -> dict[str, int]:
+  files = nbytes = 0
+  for d, _, fs in os.walk(path):
+    for f in fs:
+      files += 1
+      nbytes += os.path.getsize(os.path.join(d, f))
+  return {"files": files, "bytes": nbytes}
+
+
+def _first_line(cmd: list[str]) -> str:
+  try:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
+def machine(directory: str) -> dict[str, str]:
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+  except OSError:
+    pass
+  ram = 0
+  try:
+    with open("/proc/meminfo") as f:
+      ram = int(next(l.split()[1] for l in f if l.startswith("MemTotal"))) * 1024
+  except (OSError, StopIteration):
+    pass
+  df = _first_line(["df", "-hT", directory]).splitlines()[-1:]
+  disk = " ".join(df[0].split()[:3]) if df else "?"   # device, fs type, size
+  usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"cpu": cpu or platform.processor() or "?", "cores": str(usable),
+          "ram_gib": f"{ram / 2**30:.1f}", "disk": disk, "kernel": platform.release(),
+          "python": platform.python_version()}

@@ -1,0 +1,28 @@
+"""fnckpt: checkpoints of JAX pytrees as pure functions.
+
+``save(tree, path)`` returns once the arrays are off the devices and commits in the
+background; ``restore(path, target)`` reads onto any mesh; ``metadata(path)`` describes a
+checkpoint without reading its arrays. See README.md for the format and the guarantees.
+"""
+
+__version__ = "0.1.0"
+
+from ._errors import BarrierTimeoutError as BarrierTimeoutError
+from ._errors import CheckpointError as CheckpointError
+from ._errors import NotCommittedError as NotCommittedError
+from ._errors import TreeMismatchError as TreeMismatchError
+from ._restore import ArrayMetadata as ArrayMetadata
+from ._restore import CheckpointMetadata as CheckpointMetadata
+from ._restore import SavedSharding as SavedSharding
+from ._restore import metadata as metadata
+from ._restore import restore as restore
+from ._save import SaveHandle as SaveHandle
+from ._save import SaveStats as SaveStats
+from ._save import save as save
+from ._save import wait as wait
+
+__all__ = [
+    "save", "restore", "metadata", "wait",
+    "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
+    "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
+]

@@ -1,0 +1,110 @@
+"""Checkpoint locations -> TensorStore kvstore specs; listing and deletion.
+
+A location is a string: a local path, ``file://...``, ``memory://...``, ``gs://bucket/...`` or
+``s3://bucket/...``. Every function here works on the kvstore of the *directory* (a spec whose
+path ends in ``/``), so the same code lists, reads, writes and deletes on every backend.
+
+The only shared state is the TensorStore context holding the ``memory://`` store: by design its
+contents live as long as the process (that is what an in-memory checkpoint is).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import tensorstore as ts
+
+from ._errors import CheckpointError
+
+__all__ = ["kvstore_spec", "join", "display", "open_kvstore", "context"]
+
+_SCHEMES = ("file://", "memory://", "gs://", "s3://")
+
+_root_lock = threading.Lock()
+_root_context: ts.Context | None = None
+
+
+def _root() -> ts.Context:
+  """The parent context: holds only the process-wide ``memory://`` key-value store."""
+  global _root_context
+  with _root_lock:
+    if _root_context is None:
+      _root_context = ts.Context({"memory_key_value_store": {}})
+    return _root_context
+
+
+def context(*, concurrency: int | None = None) -> ts.Context:
+  """A fresh TensorStore context for one save or restore: no cache, bounded concurrency.
+
+  Fresh per operation so that nothing grows across saves; the ``memory://`` store is inherited
+  from the process-wide parent so in-memory checkpoints outlive one operation.
+  """
+  spec: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}}
+  if concurrency is not None:
+    spec["data_copy_concurrency"] = {"limit": concurrency}
+    spec["file_io_concurrency"] = {"limit": max(concurrency, 8)}
+  return ts.Context(spec, parent=_root())
+
+
+def _split_scheme(path: str) -> tuple[str, str]:
+  path = os.fspath(path)
+  for scheme in _SCHEMES:
+    if path.startswith(scheme):
+      return scheme[:-3], path[len(scheme):]
+  if "://" in path:
+    raise CheckpointError(
+        f"Unsupported storage location {path!r}: the scheme is not one of "
+        f"{', '.join(s for s in _SCHEMES)}. Use a local path or one of these URLs.")
+  return "file", path
+
+
+def display(path: str) -> str:
+  """The location as users wrote it, normalised (used in every error message)."""
+  scheme, rest = _split_scheme(path)
+  if scheme == "file":
+    return os.path.abspath(os.path.expanduser(rest))
+  return f"{scheme}://{rest.rstrip('/')}"
+
+
+def join(path: str, *names: str) -> str:
+  """``path/name/...`` for any scheme."""
+  out = os.fspath(path).rstrip("/")
+  for name in names:
+    out = f"{out}/{name.strip('/')}"
+  return out
+
+
+def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The TensorStore kvstore JSON spec for the *directory* ``path`` (its path ends in ``/``).
+
+  ``options`` are per-backend settings (see :func:`fnckpt.save`'s ``storage_options``).
+
+  >>> kvstore_spec("/tmp/run/10")
+  {'driver': 'file', 'path': '/tmp/run/10/'}
+  >>> kvstore_spec("memory://run/10")
+  {'driver': 'memory', 'path': 'run/10/'}
+  """
+  options = dict(options or {})
+  scheme, rest = _split_scheme(path)
+  if scheme == "file":
+    spec: dict[str, Any] = {"driver": "file",
+                            "path": os.path.abspath(os.path.expanduser(rest)).rstrip("/") + "/"}
+  elif scheme == "memory":
+    spec = {"driver": "memory", "path": rest.strip("/") + "/"}
+  else:
+    from . import _object_stores  # gs:// and s3:// settings live there
+    spec = _object_stores.kvstore_spec(scheme, rest, options)
+    options = {}
+  if options:
+    raise CheckpointError(
+        f"storage_options {sorted(options)} are not used by {display(path)!r}; "
+        "they apply to gs:// and s3:// locations only.")
+  return spec
+
+
+def open_kvstore(path: str, options: dict[str, Any] | None = None,
+                 ctx: ts.Context | None = None) -> ts.KvStore:
+  """Open the directory ``path`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
+  return ts.KvStore.open(kvstore_spec(path, options), context=ctx or context()).result()

@@ -1,0 +1,410 @@
+"""restore() and metadata().
+
+restore matches the target to the saved leaves by key path (one error listing every problem),
+then reads, for each array, only the slices this process's devices need, each distinct slice
+once, under a host-memory budget, and places them with the target's shardings.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from ._errors import CheckpointError
+
+__all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedSharding:
+  """How an array was sharded when saved: mesh axis names and sizes, and the PartitionSpec
+  (``type`` is ``"named"``; ``"single"`` for one device; other JAX shardings by class name)."""
+  type: str
+  axes: tuple[str, ...] = ()
+  sizes: tuple[int, ...] = ()
+  spec: jax.sharding.PartitionSpec | None = None
+
+  def to_sharding(self, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Sharding:
+    """The same sharding on ``devices`` (default: all devices), if their count fits."""
+    if self.type != "named":
+      return jax.sharding.SingleDeviceSharding((devices or jax.devices())[0])
+    mesh = jax.make_mesh(self.sizes, self.axes, devices=devices)
+    return jax.sharding.NamedSharding(mesh, self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+  """A saved array leaf: what :func:`fnckpt.metadata` returns in place of its data.
+
+  ``dtype`` is the stored dtype; for a typed PRNG key (``impl`` set) ``shape``/``dtype`` are
+  those of its key data. ``stored`` is ``"inline"`` or the directory inside the checkpoint."""
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  sharding: SavedSharding | None
+  impl: str | None
+  stored: str
+  nbytes: int
+
+  @property
+  def key_shape(self) -> tuple[int, ...]:
+    if self.impl is None:
+      return self.shape
+    trailing = len(jax.random.key_data(jax.random.key(0, impl=self.impl)).shape)
+    return self.shape[:len(self.shape) - trailing]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+  """A checkpoint's description. ``tree``: nested dicts/lists with :class:`ArrayMetadata` for
+  arrays and the values themselves for everything else."""
+  location: str
+  tree: Any
+  user_metadata: Any
+  format_version: int
+  versions: dict[str, str]
+  created: float
+  process_count: int
+  leaves: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
+
+
+def _saved_sharding(rec: dict[str, Any] | None) -> SavedSharding | None:
+  if rec is None:
+    return None
+  if rec["type"] != "named":
+    return SavedSharding(rec["type"])
+  spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in rec["spec"]])
+  return SavedSharding("named", tuple(rec["axes"]), tuple(rec["sizes"]), spec)
+
+
+def _array_metadata(rec: dict[str, Any]) -> ArrayMetadata:
+  dtype = _leaves.dtype_of(rec["dtype"])
+  shape = tuple(rec["shape"])
+  return ArrayMetadata(shape, dtype, _saved_sharding(rec.get("sharding")), rec.get("impl"),
+                       "inline" if "inline" in rec else rec["store"]["dir"],
+                       _layout.nbytes(shape, dtype.itemsize))
+
+
+def _open(path: str, storage_options) -> tuple[str, dict, ts.Context, dict[str, Any]]:
+  location = _paths.display(path)
+  kv_spec = _paths.kvstore_spec(path, storage_options)
+  ctx = _paths.context()
+  kv = ts.KvStore.open(kv_spec, context=ctx).result()
+  manifest, _ = _commit.read_header(kv, location)
+  return location, kv_spec, ctx, manifest
+
+
+def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
+  """Describe a committed checkpoint without reading array data.
+
+  >>> import numpy as np, fnckpt, tempfile
+  >>> d = tempfile.mkdtemp()
+  >>> _ = fnckpt.save({"w": np.zeros((2, 3), np.float32)}, f"{d}/c").wait()
+  >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
+  (2, 3)
+  """
+  location, _, _, manifest = _open(path, storage_options)
+  return _describe(location, manifest)
+
+
+def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
+  leaves = manifest["leaves"]
+  values = [_array_metadata(r) if r["kind"] in ("array", "key") else _leaves.decode_value(r)
+            for r in leaves]
+  tree = _tree.unflatten_from_paths([r["path"] for r in leaves], values)
+  return CheckpointMetadata(location, tree, manifest.get("metadata"), manifest["version"],
+                            dict(manifest.get("versions", {})), manifest.get("created", 0.0),
+                            manifest.get("process_count", 1), tuple(leaves))
+
+
+# --- what the target asks for, per leaf ----------------------------------------------------
+
+@dataclasses.dataclass
+class _Want:
+  rec: dict[str, Any]
+  host: bool = True                          # numpy result (no sharding)
+  sharding: jax.sharding.Sharding | None = None
+  dtype: np.dtype | None = None
+  value: Any = None                          # for non-array targets: the target leaf
+  array_target: bool = True
+
+
+def _is_sharding_tree(target: Any) -> bool:
+  leaves = jax.tree_util.tree_leaves(target)
+  return bool(leaves) and all(isinstance(l, jax.sharding.Sharding) for l in leaves)
+
+
+def _prefix_shardings(target: Any, records: list[dict]) -> list[_Want]:
+  if isinstance(target, jax.sharding.Sharding):
+    by_prefix = {(): target}
+  else:
+    pairs, _ = _tree.flatten(target)
+    by_prefix = {_tree.match_key(p): s for p, s in pairs}
+  wants = []
+  for rec in records:
+    key = _tree.match_key(rec["path"])
+    sharding = next((by_prefix[key[:i]] for i in range(len(key), -1, -1) if key[:i] in by_prefix),
+                    None)
+    wants.append(_Want(rec, host=sharding is None, sharding=sharding))
+  return wants
+
+
+def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
+  """(kind, shape, dtype, sharding) of a target leaf; kind 'array', 'key', 'host' or 'value'."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+    sharding = getattr(leaf, "sharding", None)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      return "key", tuple(leaf.shape), None, sharding
+    return "array", tuple(leaf.shape), np.dtype(leaf.dtype), sharding
+  if isinstance(leaf, np.ndarray):
+    return "host", tuple(leaf.shape), leaf.dtype, None
+  if isinstance(leaf, jax.sharding.Sharding):
+    return "array", None, None, leaf
+  return "value", None, None, None
+
+
+def _match(location: str, records: list[dict], target: Any, partial: bool, cast: bool):
+  pairs, treedef = _tree.flatten(target)
+  by_key = {_tree.match_key(r["path"]): r for r in records}
+  missing, mismatched, wants = [], [], []
+  for path, leaf in pairs:
+    rec = by_key.get(_tree.match_key(path))
+    where = _tree.keystr(path)
+    if rec is None:
+      missing.append(where)
+      continue
+    kind, shape, dtype, sharding = _target_spec(leaf)
+    saved_kind = rec["kind"]
+    if kind in ("array", "host"):
+      if saved_kind != "array":
+        mismatched.append(f"{where}: the target is an array, the checkpoint holds a "
+                          f"{_saved_desc(rec)}")
+        continue
+      saved_shape, saved_dtype = tuple(rec["shape"]), _leaves.dtype_of(rec["dtype"])
+      if shape is not None and shape != saved_shape:
+        mismatched.append(f"{where}: shape {saved_shape} saved, {shape} in the target")
+        continue
+      if dtype is not None and dtype != saved_dtype and not cast:
+        mismatched.append(f"{where}: dtype {saved_dtype} saved, {dtype} in the target "
+                          "(pass cast=True to convert)")
+        continue
+      wants.append(_Want(rec, host=kind == "host", sharding=sharding, dtype=dtype))
+    elif kind == "key":
+      if saved_kind != "key":
+        mismatched.append(f"{where}: the target is a PRNG key array, the checkpoint holds a "
+                          f"{_saved_desc(rec)}")
+        continue
+      meta = _array_metadata(rec)
+      if shape != meta.key_shape:
+        mismatched.append(f"{where}: key shape {meta.key_shape} saved, {shape} in the target")
+        continue
+      wants.append(_Want(rec, host=False, sharding=sharding))
+    else:
+      if saved_kind in ("array", "key") and not isinstance(leaf, (bool, int, float, complex)):
+        mismatched.append(f"{where}: the target is {type(leaf).__name__}, the checkpoint holds "
+                          f"a {_saved_desc(rec)}")
+        continue
+      wants.append(_Want(rec, value=leaf, array_target=False,
+                         host=saved_kind in ("array", "key")))
+  unexpected = []
+  if not partial:
+    wanted = {_tree.match_key(p) for p, _ in pairs}
+    unexpected = [_tree.keystr(r["path"]) for r in records
+                  if _tree.match_key(r["path"]) not in wanted]
+  if missing or unexpected or mismatched:
+    hint = ("To restore a subset of the checkpoint, pass partial=True."
+            if unexpected and not missing and not mismatched else
+            "fnckpt.metadata(path).tree shows what the checkpoint holds.")
+    raise _tree.mismatch_error(location, missing=missing, unexpected=unexpected,
+                               mismatched=mismatched, hint=hint)
+  return wants, treedef
+
+
+def _saved_desc(rec: dict[str, Any]) -> str:
+  if rec["kind"] in ("array", "key"):
+    what = "PRNG key array" if rec["kind"] == "key" else "array"
+    return f"{what} {rec['dtype']}{list(rec['shape'])}"
+  if rec["kind"] == "scalar":
+    return f"{rec['type']} value"
+  return {"empty": f"empty {rec.get('type')}", "npgen": "numpy Generator",
+          "bigint": "int value", "npscalar": f"numpy {rec.get('dtype')} scalar"}[rec["kind"]]
+
+
+# --- reading -----------------------------------------------------------------------------
+
+def _data_sharding(want: _Want, rec: dict[str, Any]) -> jax.sharding.Sharding | None:
+  """For a PRNG key: the sharding of its key data (trailing dimensions unsharded)."""
+  s = want.sharding
+  if rec["kind"] != "key" or s is None:
+    return s
+  trailing = len(rec["shape"]) - len(_array_metadata(rec).key_shape)
+  if isinstance(s, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(
+        *s.spec, *([None] * (len(rec["shape"]) - len(s.spec) - trailing)), *([None] * trailing)))
+  if isinstance(s, jax.sharding.SingleDeviceSharding):
+    return s
+  raise CheckpointError(f"PRNG key at {_tree.keystr(rec['path'])}: only NamedSharding or "
+                        "SingleDeviceSharding targets are supported for key arrays.")
+
+
+def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool = False,
+            budget_bytes: int | None = None,
+            storage_options: dict[str, Any] | None = None) -> Any:
+  """Restore a committed checkpoint.
+
+  Args:
+    path: the checkpoint's location (as given to :func:`fnckpt.save`).
+    target: what to restore into. ``None``: host numpy values in plain dicts/lists. A pytree
+      of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays: the same tree, each array
+      placed with that sharding (a different mesh, device count or PartitionSpec than saved
+      is fine). A ``Sharding`` or a prefix tree of them: every array below it placed so.
+      ``np.ndarray`` leaves give numpy results; other leaves (ints, strings, None) take the
+      saved value.
+    partial: allow the target to hold only a subset of the checkpoint's key paths.
+    cast: convert arrays whose saved dtype differs from the target's (else an error).
+    budget_bytes: host bytes held by reads in flight (default: a quarter of free memory).
+    storage_options: settings for ``gs://``/``s3://``.
+
+  >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
+  >>> d = tempfile.mkdtemp()
+  >>> _ = fnckpt.save({"w": jnp.arange(8.0)}, f"{d}/c").wait()
+  >>> target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32,
+  ...                                     sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+  >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
+  Array(28., dtype=float32)
+  """
+  location, kv_spec, ctx, manifest = _open(path, storage_options)
+  records = manifest["leaves"]
+  if target is None:
+    wants, treedef = [_Want(r) for r in records], None
+  elif _is_sharding_tree(target):
+    wants, treedef = _prefix_shardings(target, records), None
+  else:
+    wants, treedef = _match(location, records, target, partial, cast)
+
+  from ._save import default_budget_bytes
+  budget = budget_bytes or default_budget_bytes()
+  values = _read_all(location, kv_spec, ctx, wants, budget)
+  if treedef is None:
+    return _tree.unflatten_from_paths([w.rec["path"] for w in wants], values)
+  return jax.tree_util.tree_unflatten(treedef, values)
+
+
+@dataclasses.dataclass
+class _Read:
+  """One array leaf being read: where its slices go and what has arrived."""
+  want: _Want
+  shape: tuple[int, ...]
+  sharding: jax.sharding.Sharding | None       # None: one host numpy array
+  parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[Any]:
+  values: list[Any] = [None] * len(wants)
+  reads: dict[int, _Read] = {}
+  opened: dict[int, ts.Future] = {}
+  for i, w in enumerate(wants):
+    rec = w.rec
+    if rec["kind"] not in ("array", "key"):
+      keep_target = not w.array_target and rec["kind"] == "empty"
+      values[i] = w.value if keep_target else _leaves.decode_value(rec)
+      continue
+    sharding = None if w.host else _data_sharding(w, rec)
+    if sharding is None and not w.host:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    reads[i] = _Read(w, tuple(rec["shape"]), sharding)
+    if "store" in rec:  # open every array at once (no I/O: the manifest has the metadata)
+      opened[i] = _store.open_array(
+          _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], rec["shape"]), ctx, mode="read")
+
+  # Stream the reads: keep at most `budget` bytes in flight, place each slice as it lands.
+  pending: collections.deque = collections.deque()
+  held = 0
+
+  def land() -> None:
+    nonlocal held
+    i, fut, devices, n = pending.popleft()
+    r = reads[i]
+    try:
+      host = _convert(r.want, fut.result())
+    except Exception as e:
+      raise _read_error(location, r.want.rec, e) from None
+    if devices is None:
+      r.parts[None] = host
+    else:
+      r.parts.update({d: jax.device_put(host, d) for d in devices})
+    held -= n
+
+  for i, r in reads.items():
+    rec = r.want.rec
+    if "inline" in rec:
+      host = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(r.shape)
+      r.parts[None] = _convert(r.want, host)
+      continue
+    store = opened[i].result()
+    itemsize = _leaves.dtype_of(rec["dtype"]).itemsize
+    if r.sharding is None:
+      plan = {tuple((0, n) for n in r.shape): None}
+    else:
+      plan = _layout.read_plan({d: _layout.normalize_index(idx, r.shape) for d, idx in
+                                r.sharding.addressable_devices_indices_map(r.shape).items()})
+    for index, devices in plan.items():
+      n = _layout.nbytes([b - a for a, b in index], itemsize)
+      while pending and held + n > budget:
+        land()
+      pending.append((i, _store.read_slice(store, index), devices, n))
+      held += n
+  while pending:
+    land()
+
+  for i, r in reads.items():
+    if None in r.parts:  # one host array (inline, or read whole for a host target)
+      host = r.parts[None]
+      value = host if r.sharding is None else jax.device_put(host, r.sharding)
+    else:
+      value = jax.make_array_from_single_device_arrays(
+          r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
+    values[i] = _finish_leaf(r.want, value)
+  return values
+
+
+def _convert(w: _Want, host: np.ndarray) -> np.ndarray:
+  if w.dtype is not None and host.dtype != w.dtype:
+    return host.astype(w.dtype)
+  return host
+
+
+def _finish_leaf(w: _Want, value: Any) -> Any:
+  rec = w.rec
+  if rec["kind"] == "key":
+    if isinstance(value, np.ndarray):
+      value = jax.numpy.asarray(value)
+    return jax.random.wrap_key_data(value, impl=rec["impl"])
+  if not w.array_target:  # e.g. a Python scalar target for a saved 0-d array
+    t = type(w.value)
+    if isinstance(w.value, (bool, int, float, complex)) and np.ndim(value) == 0:
+      return t(np.asarray(value).item())
+    return np.asarray(value)
+  if isinstance(value, np.ndarray) and not w.host:
+    return jax.device_put(value)
+  return value
+
+
+def _read_error(location: str, rec: dict[str, Any], e: Exception) -> CheckpointError:
+  where = _tree.keystr(rec["path"])
+  store = f"{location}/{rec['store']['dir']}" if "store" in rec else location
+  text = str(e)
+  if "checksum" in text.lower() or "crc" in text.lower():
+    cause = "its data is corrupt (crc32c checksum mismatch)"
+  elif "missing" in text.lower() or "NOT_FOUND" in text:
+    cause = "a chunk of its data is missing"
+  else:
+    cause = f"reading failed ({type(e).__name__}: {text})"
+  return CheckpointError(
+      f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
+      f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")

@@ -1,0 +1,352 @@
+"""save(): plan -> stage off the devices (under a host-memory budget) -> background write ->
+barrier -> manifest -> barrier -> commit marker. The handle; waiting for pending saves."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from ._errors import CheckpointError
+
+__all__ = ["save", "wait", "SaveHandle", "SaveStats"]
+
+# Arrays of at most this many bytes are stored inside the manifest (no files of their own).
+INLINE_BYTES = 16 << 10
+
+
+def default_budget_bytes() -> int:
+  """A quarter of the memory available now (at least 256 MiB)."""
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    available = int(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  return max(256 << 20, available // 4)
+
+
+_budget_lock = threading.Lock()
+_budget: _store.ByteBudget | None = None
+_pending: set["SaveHandle"] = set()
+_pending_lock = threading.Lock()
+
+
+def _process_budget(limit: int) -> _store.ByteBudget:
+  """One budget per process, shared by overlapping saves; its limit is the latest asked."""
+  global _budget
+  with _budget_lock:
+    if _budget is None:
+      _budget = _store.ByteBudget(limit)
+    _budget.limit = limit
+    return _budget
+
+
+@dataclasses.dataclass
+class SaveStats:
+  """What one save did on this process. Seconds are wall-clock."""
+  blocking_s: float = 0.0      # time save() held the caller
+  write_s: float = 0.0         # from the first chunk write until all chunks are durable
+  commit_s: float = 0.0        # barriers, manifest and commit marker
+  total_s: float = 0.0         # from the call until committed
+  bytes_written: int = 0       # array bytes this process wrote (chunks and inline values)
+  chunks_written: int = 0
+  peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
+
+
+class SaveHandle:
+  """A save in flight. ``wait()`` blocks until the checkpoint is committed and re-raises any
+  error; ``done()`` polls; ``stats`` says what happened."""
+
+  def __init__(self, location: str):
+    self.location = location
+    self.stats = SaveStats()
+    self._event = threading.Event()
+    self._error: BaseException | None = None
+    self._thread: threading.Thread | None = None
+
+  def done(self) -> bool:
+    return self._event.is_set()
+
+  def wait(self, timeout: float | None = None) -> SaveStats:
+    """Block until committed (or ``timeout`` seconds); raise the save's error if it failed."""
+    if not self._event.wait(timeout):
+      raise TimeoutError(f"The save to {self.location!r} is still running after {timeout}s.")
+    if self._error is not None:
+      raise self._error
+    return self.stats
+
+  def __repr__(self) -> str:
+    state = "failed" if self._error else "committed" if self.done() else "pending"
+    return f"SaveHandle({self.location!r}, {state})"
+
+
+def wait() -> None:
+  """Wait for every pending save of this process; raise the first error.
+
+  >>> import fnckpt
+  >>> fnckpt.wait()  # nothing pending: returns at once
+  """
+  with _pending_lock:
+    handles = list(_pending)
+  errors = []
+  for h in handles:
+    try:
+      h.wait()
+    except BaseException as e:  # collect all, raise the first
+      errors.append(e)
+  if errors:
+    raise errors[0]
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+  with _pending_lock:
+    handles = list(_pending)
+  for h in handles:
+    try:
+      h.wait()
+    except BaseException as e:
+      print(f"fnckpt: the save to {h.location!r} failed at interpreter exit: {e}",
+            file=sys.stderr)
+
+
+@dataclasses.dataclass
+class _Array:
+  rec: dict[str, Any]
+  data: Any                      # jax.Array or np.ndarray holding the bytes
+  spec: dict[str, Any]
+  units: list[_layout.WriteUnit]
+
+
+def _plan(leaves, kv_spec: dict, inline_bytes: int, zstd: int | None):
+  """Leaf records for the manifest and the arrays this process writes (pure but for jax
+  sharding queries)."""
+  records, arrays, problems = [], [], []
+  is_main = jax.process_index() == 0
+  for i, (path, leaf) in enumerate(leaves):
+    try:
+      rec, data = _leaves.encode_leaf(path, leaf)
+    except CheckpointError as e:
+      problems.append(str(e))
+      continue
+    records.append(rec)
+    if data is None:
+      continue
+    if isinstance(data, jax.Array) and data.is_deleted():
+      problems.append(f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
+                      "save the state before the step that donates it.")
+      continue
+    dtype = np.dtype(data.dtype)
+    shape = tuple(data.shape)
+    size = _layout.nbytes(shape, dtype.itemsize)
+    visible = isinstance(data, np.ndarray) or data.is_fully_addressable or data.is_fully_replicated
+    if size <= inline_bytes and visible:
+      value = b""
+      if is_main:
+        host = data if isinstance(data, np.ndarray) else _leaves.host_value(data)
+        value = _leaves.to_little_endian(np.ascontiguousarray(host)).tobytes()
+      rec["inline"] = value
+      continue
+    if isinstance(data, np.ndarray):
+      shards = {"host": tuple((0, n) for n in shape)}
+      local = ["host"] if is_main else []
+      shard_shape, replicas = shape, 1
+    else:
+      shards = {d: _layout.normalize_index(idx, shape)
+                for d, idx in data.sharding.devices_indices_map(shape).items()}
+      local = data.sharding.addressable_devices
+      shard_shape = data.sharding.shard_shape(shape)
+      replicas = _layout.replica_count(shards)
+    chunks = _layout.chunk_shape(shard_shape, replicas, dtype.itemsize)
+    inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
+    rec["store"] = _store.store_record(f"{_manifest.DATA_DIR}/{i}", chunks, inner, zstd)
+    units = _layout.write_plan(shards, local, chunks) if size else []
+    arrays.append(_Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape),
+                         units))
+  if problems:
+    raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
+  return records, arrays
+
+
+def _host_chunk(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
+  """The unit's bytes on the host. On CPU a view of the device buffer is enough: TensorStore
+  copies it into its transaction before save() returns."""
+  local = tuple(slice(a, b) for a, b in unit.local)
+  if isinstance(data, np.ndarray):
+    return data[local]
+  if shard_data.shape == tuple(b - a for a, b in unit.local):
+    return np.asarray(shard_data)
+  if next(iter(shard_data.devices())).platform == "cpu":
+    return np.asarray(shard_data)[local]
+  return np.asarray(shard_data[local])
+
+
+def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
+         budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
+         zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+         storage_options: dict[str, Any] | None = None) -> SaveHandle:
+  """Save a pytree to ``path``; return once its arrays are copied off the devices.
+
+  Writing and committing continue in the background: ``handle.wait()`` (or
+  :func:`fnckpt.wait`) blocks until the checkpoint is committed and raises any error. Once
+  ``save`` returns, the caller may delete, donate or overwrite the arrays it passed. With
+  several processes (``jax.distributed``), every process calls ``save`` with its part of the
+  same global tree; each writes only the chunks it owns.
+
+  Args:
+    tree: any pytree of jax/numpy arrays, scalars, strings, PRNG keys, ... (see README).
+    path: a local path, ``file://``, ``memory://``, ``gs://`` or ``s3://`` location.
+    overwrite: replace an existing checkpoint (or interrupted save) at ``path``.
+    metadata: small msgpack-able user data stored in the manifest.
+    budget_bytes: host bytes this process may hold for pending saves before ``save`` waits
+      for the writes to drain (default: a quarter of available memory).
+    inline_bytes: arrays up to this size go inside the manifest instead of their own files.
+    zstd: compress chunks with zstd at this level (default: no compression).
+    barrier_timeout_s: deadline of each cross-process barrier.
+    storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
+
+  >>> import jax.numpy as jnp, fnckpt, tempfile
+  >>> d = tempfile.mkdtemp()
+  >>> h = fnckpt.save({"w": jnp.ones((4, 4)), "step": 1}, f"{d}/ckpt")
+  >>> _ = h.wait()
+  >>> fnckpt.restore(f"{d}/ckpt")["step"]
+  1
+  """
+  t0 = time.perf_counter()
+  location = _paths.display(path)
+  if metadata is not None:
+    _manifest.check_msgpackable(metadata, "save(metadata=...)")
+  kv_spec = _paths.kvstore_spec(path, storage_options)
+  ctx = _paths.context()
+  kv = ts.KvStore.open(kv_spec, context=ctx).result()
+  leaves, _ = _tree.flatten(tree)
+  records, arrays = _plan(leaves, kv_spec, inline_bytes, zstd)
+  _prepare_location(kv, location, overwrite, barrier_timeout_s)
+
+  handle = SaveHandle(location)
+  budget = _process_budget(budget_bytes or default_budget_bytes())
+  is_main = jax.process_index() == 0
+  # process 0 writes the zarr.json of every array, concurrently with the data.
+  creating = [_store.open_array(a.spec, ctx, mode="create") for a in arrays] if is_main else []
+  opened = [_store.open_array(a.spec, ctx, mode="write") for a in arrays]
+  commits: list[ts.Future] = []
+  first_write = time.perf_counter()
+  try:
+    for a, fut in zip(arrays, opened):
+      store = fut.result()
+      shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                    if isinstance(a.data, jax.Array) and a.units else {})
+      for unit in a.units:
+        n = _layout.nbytes([b - s for s, b in unit.index], np.dtype(a.data.dtype).itemsize)
+        budget.acquire(n)
+        try:
+          host = _host_chunk(a.data, unit, shard_data.get(unit.device))
+          commit = _store.write_chunk(store, unit.index, host)
+        except BaseException:
+          budget.release(n)
+          raise
+        del host
+        commit.add_done_callback(lambda _f, n=n: budget.release(n))
+        commits.append(commit)
+        handle.stats.bytes_written += n
+        handle.stats.chunks_written += 1
+  except BaseException as e:
+    for c in commits:  # let the writes already issued finish before reporting
+      try:
+        c.result()
+      except Exception:
+        pass
+    raise _wrap(e, location, "staging the arrays") from e
+
+  handle.stats.blocking_s = time.perf_counter() - t0
+  manifest = _manifest_dict(records, metadata)
+  handle._thread = threading.Thread(
+      target=_finish, name=f"fnckpt-save:{location}",
+      args=(handle, kv, creating, commits, manifest, barrier_timeout_s, t0, first_write, budget))
+  with _pending_lock:
+    _pending.add(handle)
+  handle._thread.start()
+  return handle
+
+
+def _manifest_dict(records, metadata) -> dict[str, Any]:
+  from importlib import metadata as importlib_metadata
+  from . import __version__
+  try:
+    ts_version = importlib_metadata.version("tensorstore")
+  except importlib_metadata.PackageNotFoundError:
+    ts_version = "unknown"
+  return {"format": _manifest.FORMAT_NAME, "version": _manifest.FORMAT_VERSION,
+          "created": time.time(), "process_count": jax.process_count(),
+          "versions": {"fnckpt": __version__, "jax": jax.__version__,
+                       "tensorstore": ts_version},
+          "metadata": metadata, "leaves": records}
+
+
+def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s: float) -> None:
+  """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
+  it before any new byte lands."""
+  committed = _commit.is_committed(kv)
+  leftovers = committed or bool(kv.list().result())
+  if leftovers and not overwrite:
+    what = "A checkpoint" if committed else "An interrupted save (uncommitted data)"
+    raise CheckpointError(
+        f"{what} already exists at {location!r}. Pass overwrite=True to replace it, or save "
+        "to a new path.")
+  if leftovers and jax.process_index() == 0:
+    kv.delete_range(ts.KvStore.KeyRange(_manifest.COMMIT, _manifest.COMMIT + "\0")).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+  if overwrite:
+    _commit.barrier(location, "cleared", timeout_s)
+
+
+def _finish(handle: SaveHandle, kv, creating, commits, manifest, timeout_s, t0, t_write,
+            budget) -> None:
+  phase = "writing the arrays"
+  try:
+    for f in creating:
+      f.result()
+    for c in commits:
+      c.result()
+    handle.stats.write_s = time.perf_counter() - t_write
+    t_commit = time.perf_counter()
+    manifest_bytes = _manifest.encode(manifest)
+    if jax.process_index() == 0:
+      phase = "writing the manifest"
+      kv.write(_manifest.MANIFEST, manifest_bytes).result()
+    phase = "waiting for every process to finish writing"
+    _commit.barrier(handle.location, "written", timeout_s)
+    if jax.process_index() == 0:
+      phase = "writing the commit marker"
+      _commit.write_commit(kv, manifest_bytes)
+    phase = "waiting for the commit"
+    _commit.barrier(handle.location, "committed", timeout_s)
+    handle.stats.commit_s = time.perf_counter() - t_commit
+    handle.stats.total_s = time.perf_counter() - t0
+    handle.stats.peak_staged_bytes = budget.peak
+  except BaseException as e:
+    handle._error = _wrap(e, handle.location, phase)
+  finally:
+    handle._event.set()
+    with _pending_lock:
+      _pending.discard(handle)
+
+
+def _wrap(e: BaseException, location: str, phase: str) -> BaseException:
+  if isinstance(e, CheckpointError):
+    return e
+  if not isinstance(e, Exception):
+    return e
+  return CheckpointError(
+      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {e}. Nothing was "
+      "committed; earlier checkpoints are intact.")

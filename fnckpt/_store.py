@@ -1,0 +1,120 @@
+"""The module that calls TensorStore for array data: zarr3 specs, chunk writes, slice reads.
+
+Every array leaf is a zarr3 array whose chunk grid is the write chunk (``_layout``), encoded
+with ``sharding_indexed`` (inner chunks; data and index each followed by ``crc32c``), optional
+``zstd``. Writers open with ``assume_metadata`` (no I/O) and write only their own chunks, each
+in its own transaction, so a chunk is written whole, once, never read back. Process 0 writes
+the ``zarr.json`` files. Readers also open with ``assume_metadata`` (the manifest carries
+everything) and with ``fill_missing_data_reads: false``, so a missing chunk is an error,
+never zeros.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from ._layout import Index
+
+__all__ = ["zarr_spec", "store_record", "open_array", "write_chunk", "read_slice",
+           "ByteBudget"]
+
+_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
+_CRC = {"name": "crc32c"}
+
+
+def store_record(dir_name: str, chunks: Sequence[int], inner: Sequence[int],
+                 zstd: int | None) -> dict[str, Any]:
+  """What the manifest records about an array's storage (enough to open it without I/O)."""
+  return {"dir": dir_name, "chunks": list(chunks), "inner": list(inner), "zstd": zstd}
+
+
+def _fill_value(dtype: str) -> Any:
+  if dtype == "bool":
+    return False
+  if dtype.startswith("complex"):
+    return [0.0, 0.0]
+  return 0
+
+
+def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
+              shape: Sequence[int]) -> dict[str, Any]:
+  """The zarr3 TensorStore spec of one array leaf under the checkpoint kvstore ``kv``."""
+  inner_codecs: list[dict[str, Any]] = [_BYTES]
+  if store.get("zstd"):
+    inner_codecs.append({"name": "zstd", "configuration": {"level": int(store["zstd"])}})
+  inner_codecs.append(_CRC)
+  sub = dict(kv)
+  sub["path"] = kv.get("path", "") + store["dir"].strip("/") + "/"
+  return {
+      "driver": "zarr3",
+      "kvstore": sub,
+      "metadata": {
+          "shape": list(shape),
+          "data_type": dtype,
+          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": store["chunks"]}},
+          "chunk_key_encoding": {"name": "default"},
+          "fill_value": _fill_value(dtype),
+          "codecs": [{"name": "sharding_indexed", "configuration": {
+              "chunk_shape": store["inner"],
+              "codecs": inner_codecs,
+              "index_codecs": [_BYTES, _CRC],
+              "index_location": "end"}}],
+      },
+  }
+
+
+def open_array(spec: dict[str, Any], ctx: ts.Context, *, mode: str) -> ts.Future:
+  """``mode``: ``"write"`` (no I/O), ``"create"`` (writes zarr.json), ``"read"`` (no I/O;
+  missing chunks are errors)."""
+  if mode == "create":
+    return ts.open(spec, create=True, open=True, context=ctx)
+  if mode == "write":
+    return ts.open({**spec, "store_data_equal_to_fill_value": True}, write=True,
+                   assume_metadata=True, context=ctx)
+  if mode == "read":
+    return ts.open({**spec, "fill_missing_data_reads": False}, read=True,
+                   assume_metadata=True, context=ctx)
+  raise ValueError(mode)
+
+
+def _slices(index: Index) -> tuple[slice, ...]:
+  return tuple(slice(a, b) for a, b in index)
+
+
+def write_chunk(array: ts.TensorStore, index: Index, data: np.ndarray) -> ts.Future:
+  """Write one whole chunk in its own transaction (one writeback, no read-modify-write).
+  Returns the commit future; ``data`` must stay alive and unchanged until it completes."""
+  txn = ts.Transaction()
+  array.with_transaction(txn)[_slices(index)].write(data).result()  # staged in the txn, no I/O
+  return txn.commit_async()
+
+
+def read_slice(array: ts.TensorStore, index: Index, batch: ts.Batch | None = None) -> ts.Future:
+  return array[_slices(index)].read(batch=batch)
+
+
+class ByteBudget:
+  """A counting semaphore over bytes. ``acquire(n)`` waits while ``n`` more bytes would go over
+  the limit, except when nothing is held (so one item larger than the budget still passes:
+  peak <= limit + one item)."""
+
+  def __init__(self, limit: int):
+    self.limit = int(limit)
+    self.held = 0
+    self.peak = 0
+    self._cv = threading.Condition()
+
+  def acquire(self, n: int) -> None:
+    with self._cv:
+      self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
+      self.held += n
+      self.peak = max(self.peak, self.held)
+
+  def release(self, n: int) -> None:
+    with self._cv:
+      self.held -= n
+      self._cv.notify_all()

@@ -1,0 +1,152 @@
+"""PURE: pytrees <-> key paths; structure rebuilt from key paths; structure diffs with clear errors.
+
+A key path is stored as a list of ``[kind, key]`` entries, kind one of ``"dict"`` (``DictKey``),
+``"seq"`` (``SequenceKey``), ``"attr"`` (``GetAttrKey``) and ``"flat"`` (``FlattenedIndexKey``).
+Matching a target against a checkpoint compares the *keys* only (:func:`match_key`), so a tree
+saved as a flax struct restores into a dict with the same field names and vice versa.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import jax
+
+from ._errors import CheckpointError, TreeMismatchError
+
+__all__ = ["PathEntry", "flatten", "keystr", "match_key", "unflatten_from_paths", "diff",
+           "is_empty_node"]
+
+PathEntry = tuple[str, Any]  # (kind, key)
+Path = tuple[PathEntry, ...]
+
+_KEY_TYPES = (str, int)
+
+
+def is_empty_node(x: Any) -> bool:
+  """Containers with no children (and None): they vanish from a flat leaf list, so we keep them
+  as leaves of their own to restore them faithfully."""
+  if x is None:
+    return True
+  if isinstance(x, (dict, list, tuple)) and len(x) == 0:
+    return True
+  return False
+
+
+def _entry(k: Any, where: str) -> PathEntry:
+  tu = jax.tree_util
+  if isinstance(k, tu.DictKey):
+    key = k.key
+    if not isinstance(key, _KEY_TYPES) or isinstance(key, bool):
+      raise CheckpointError(
+          f"Unsupported dict key {key!r} (type {type(key).__name__}) at {where}: checkpoint "
+          "keys must be str or int. Convert the dict's keys, e.g. {str(k): v for k, v in d.items()}.")
+    return ("dict", key)
+  if isinstance(k, tu.SequenceKey):
+    return ("seq", int(k.idx))
+  if isinstance(k, tu.GetAttrKey):
+    return ("attr", str(k.name))
+  if isinstance(k, tu.FlattenedIndexKey):
+    return ("flat", int(k.key))
+  raise CheckpointError(f"Unsupported pytree key {k!r} at {where}.")
+
+
+def keystr(path: Sequence[Sequence[Any]]) -> str:
+  """A key path as users see it in errors.
+
+  >>> keystr([("dict", "params"), ("attr", "kernel"), ("seq", 0)])
+  "['params'].kernel[0]"
+  """
+  if not path:
+    return "<root>"
+  out = []
+  for kind, key in path:
+    if kind == "attr":
+      out.append(f".{key}")
+    elif kind == "dict":
+      out.append(f"[{key!r}]")
+    else:
+      out.append(f"[{key}]")
+  return "".join(out)
+
+
+def match_key(path: Sequence[Sequence[Any]]) -> tuple:
+  """What two key paths must share to be the same leaf: the keys, not how they are reached."""
+  return tuple(key for _, key in path)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
+  """``[(path, leaf)]`` in pytree order and the treedef; empty containers and None are leaves.
+
+  >>> leaves, _ = flatten({"a": 1, "b": [], "c": None})
+  >>> [(keystr(p), v) for p, v in leaves]
+  [("['a']", 1), ("['b']", []), ("['c']", None)]
+  """
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
+  out = []
+  for kp, leaf in pairs:
+    where = jax.tree_util.keystr(kp)
+    out.append((tuple(_entry(k, where) for k in kp), leaf))
+  return out, treedef
+
+
+def unflatten_from_paths(paths: Sequence[Sequence[Sequence[Any]]], values: Sequence[Any]) -> Any:
+  """Rebuild plain containers from key paths: dicts for dict and attribute keys, lists for
+  sequence and flattened-index keys. Used when restoring without a target.
+
+  >>> unflatten_from_paths([[("dict", "a"), ("seq", 0)], [("dict", "a"), ("seq", 1)]], [1, 2])
+  {'a': [1, 2]}
+  """
+  if len(paths) == 1 and len(paths[0]) == 0:
+    return values[0]
+  root: Any = None
+
+  def container(kind: str) -> Any:
+    return [] if kind in ("seq", "flat") else {}
+
+  for path, value in zip(paths, values):
+    if root is None:
+      root = container(path[0][0])
+    node = root
+    for i, (kind, key) in enumerate(path):
+      last = i == len(path) - 1
+      child = value if last else container(path[i + 1][0])
+      if isinstance(node, list):
+        while len(node) <= key:
+          node.append(None)
+        if last or node[key] is None:
+          node[key] = child
+        node = node[key]
+      else:
+        if last or key not in node:
+          node[key] = child
+        node = node[key]
+  return {} if root is None else root
+
+
+def diff(saved: Iterable[Sequence[Sequence[Any]]], wanted: Iterable[Sequence[Sequence[Any]]]
+         ) -> tuple[list[str], list[str]]:
+  """Key paths only in ``wanted`` (missing from the checkpoint) and only in ``saved``."""
+  saved_keys = {match_key(p): keystr(p) for p in saved}
+  wanted_keys = {match_key(p): keystr(p) for p in wanted}
+  missing = [s for k, s in wanted_keys.items() if k not in saved_keys]
+  unexpected = [s for k, s in saved_keys.items() if k not in wanted_keys]
+  return missing, unexpected
+
+
+def mismatch_error(location: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                   mismatched: Sequence[str] = (), hint: str = "") -> TreeMismatchError:
+  """One error listing every problem, so a user fixes them all in one go."""
+  lines = [f"The restore target does not match the checkpoint at {location!r}:"]
+  limit = 20
+  for title, items in (("missing from the checkpoint (in the target only)", missing),
+                       ("in the checkpoint but not in the target", unexpected),
+                       ("shape or dtype differs", mismatched)):
+    if items:
+      lines.append(f"  {len(items)} key path(s) {title}:")
+      lines.extend(f"    {item}" for item in list(items)[:limit])
+      if len(items) > limit:
+        lines.append(f"    ... and {len(items) - limit} more")
+  if hint:
+    lines.append(hint)
+  return TreeMismatchError("\n".join(lines))
