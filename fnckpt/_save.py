@@ -35,6 +35,13 @@ def default_budget_bytes() -> int:
   return max(256 << 20, available // 4)
 
 
+def _phase(name: str) -> None:
+  """Called as a save passes each phase ("staging", "staged", "written", "manifest",
+  "committing", "committed"). A no-op; fault-injection tests replace it in a child process
+  to stop or kill the save at an exact instant."""
+  del name
+
+
 _budget_lock = threading.Lock()
 _budget: _store.ByteBudget | None = None
 _pending: set["SaveHandle"] = set()
@@ -241,6 +248,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in arrays]
   commits: list[ts.Future] = []
   first_write = time.perf_counter()
+  _phase("staging")
   try:
     for a, fut in zip(arrays, opened):
       store = fut.result()
@@ -249,6 +257,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       for unit in a.units:
         n = _layout.nbytes([b - s for s, b in unit.index], np.dtype(a.data.dtype).itemsize)
         budget.acquire(n)
+        handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
         try:
           host = _host_chunk(a.data, unit, shard_data.get(unit.device))
           commit = _store.write_chunk(store, unit.index, host)
@@ -268,6 +277,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
         pass
     raise _wrap(e, location, "staging the arrays") from e
 
+  _phase("staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   manifest = _manifest_dict(records, metadata)
   handle._thread = threading.Thread(
@@ -319,13 +329,16 @@ def _finish(handle: SaveHandle, kv, creating, commits, manifest, timeout_s, t0, 
     for c in commits:
       c.result()
     handle.stats.write_s = time.perf_counter() - t_write
+    _phase("written")
     t_commit = time.perf_counter()
     manifest_bytes = _manifest.encode(manifest)
     if jax.process_index() == 0:
       phase = "writing the manifest"
       kv.write(_manifest.MANIFEST, manifest_bytes).result()
+      _phase("manifest")
     phase = "waiting for every process to finish writing"
     _commit.barrier(handle.location, "written", timeout_s)
+    _phase("committing")
     if jax.process_index() == 0:
       phase = "writing the commit marker"
       _commit.write_commit(kv, manifest_bytes)
@@ -333,7 +346,7 @@ def _finish(handle: SaveHandle, kv, creating, commits, manifest, timeout_s, t0, 
     _commit.barrier(handle.location, "committed", timeout_s)
     handle.stats.commit_s = time.perf_counter() - t_commit
     handle.stats.total_s = time.perf_counter() - t0
-    handle.stats.peak_staged_bytes = budget.peak
+    _phase("committed")
   except BaseException as e:
     handle._error = _wrap(e, handle.location, phase)
   finally:
