@@ -23,7 +23,7 @@ Index = tuple[tuple[int, int], ...]
 # A replicated shard at least this large is split so that every replica writes a piece.
 SPLIT_REPLICATED_BYTES = 16 << 20
 # Inner chunks (the unit of a partial read and of a checksum) are at most this large.
-INNER_CHUNK_BYTES = 4 << 20
+INNER_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -89,16 +89,17 @@ def chunk_shape(shard_shape: Sequence[int], replicas: int, itemsize: int,
 def inner_chunk_shape(chunk: Sequence[int], itemsize: int,
                       target_bytes: int = INNER_CHUNK_BYTES) -> tuple[int, ...]:
   """Divide the chunk (each inner dimension divides the chunk's) until an inner chunk holds at
-  most ``target_bytes``; leading dimensions are divided first, so an inner chunk is a
-  contiguous run of rows whenever it can be.
+  most ``target_bytes``, always halving (or dividing by the smallest factor of) the largest
+  dimension, so inner chunks stay close to square and a resharded read that slices any
+  dimension fetches little it does not need.
 
   >>> inner_chunk_shape((4096, 4096), itemsize=4, target_bytes=4 << 20)
-  (256, 4096)
+  (1024, 1024)
   """
   inner = list(chunk)
   while inner and nbytes(inner, itemsize) > target_bytes:
-    dim = next((d for d, n in enumerate(inner) if n > 1), None)
-    if dim is None:
+    dim = max(range(len(inner)), key=lambda d: inner[d])
+    if inner[dim] <= 1:
       break
     inner[dim] //= _smallest_factor(inner[dim])
   return tuple(inner)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import queue
 import sys
 import threading
 import time
@@ -79,6 +80,11 @@ class SaveHandle:
     self.stats = SaveStats()
     self._event = threading.Event()
     self._error: BaseException | None = None
+    self._writer_error: BaseException | None = None   # set by the writer thread
+    self._aborted = False                             # staging failed: commit nothing
+    # The writer starts once staging is done, or earlier when the budget is full: writing
+    # while the caller is still blocked would only compete with its copies.
+    self._drain = threading.Event()
     self._thread: threading.Thread | None = None
 
   def done(self) -> bool:
@@ -185,17 +191,22 @@ def _plan(leaves, kv_spec: dict, inline_bytes: int, zstd: int | None):
   return records, arrays
 
 
-def _host_chunk(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
-  """The unit's bytes on the host. On CPU a view of the device buffer is enough: TensorStore
-  copies it into its transaction before save() returns."""
+def _host_copy(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
+  """The unit's bytes in a host buffer that fnckpt owns (the caller may then reuse ``data``).
+
+  On an accelerator ``np.asarray`` *is* the device-to-host copy; on CPU it is a view of the
+  device buffer, so the bytes are copied once more."""
   local = tuple(slice(a, b) for a, b in unit.local)
   if isinstance(data, np.ndarray):
-    return data[local]
-  if shard_data.shape == tuple(b - a for a, b in unit.local):
-    return np.asarray(shard_data)
+    return np.array(data[local], copy=True)
+  whole = shard_data.shape == tuple(b - a for a, b in unit.local)
   if next(iter(shard_data.devices())).platform == "cpu":
-    return np.asarray(shard_data)[local]
-  return np.asarray(shard_data[local])
+    view = np.asarray(shard_data)
+    return np.array(view if whole else view[local], copy=True)
+  return np.asarray(shard_data if whole else shard_data[local])
+
+
+_END = object()
 
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
@@ -246,46 +257,51 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   # process 0 writes the zarr.json of every array, concurrently with the data.
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in arrays] if is_main else []
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in arrays]
-  commits: list[ts.Future] = []
-  first_write = time.perf_counter()
-  _phase("staging")
-  try:
-    for a, fut in zip(arrays, opened):
-      store = fut.result()
-      shard_data = ({s.device: s.data for s in a.data.addressable_shards}
-                    if isinstance(a.data, jax.Array) and a.units else {})
-      for unit in a.units:
-        n = _layout.nbytes([b - s for s, b in unit.index], np.dtype(a.data.dtype).itemsize)
-        budget.acquire(n)
-        handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
-        try:
-          host = _host_chunk(a.data, unit, shard_data.get(unit.device))
-          commit = _store.write_chunk(store, unit.index, host)
-        except BaseException:
-          budget.release(n)
-          raise
-        del host
-        commit.add_done_callback(lambda _f, n=n: budget.release(n))
-        commits.append(commit)
-        handle.stats.bytes_written += n
-        handle.stats.chunks_written += 1
-  except BaseException as e:
-    for c in commits:  # let the writes already issued finish before reporting
-      try:
-        c.result()
-      except Exception:
-        pass
-    raise _wrap(e, location, "staging the arrays") from e
-
-  _phase("staged")
-  handle.stats.blocking_s = time.perf_counter() - t0
   manifest = _manifest_dict(records, metadata)
+  # Staging (here) copies chunks off the devices; the writer thread hands them to TensorStore
+  # as they arrive and then commits. The budget is released as each chunk becomes durable.
+  chunks: queue.SimpleQueue = queue.SimpleQueue()
   handle._thread = threading.Thread(
       target=_finish, name=f"fnckpt-save:{location}",
-      args=(handle, kv, creating, commits, manifest, barrier_timeout_s, t0, first_write, budget))
+      args=(handle, kv, creating, chunks, manifest, barrier_timeout_s, t0, budget))
   with _pending_lock:
     _pending.add(handle)
   handle._thread.start()
+  _phase("staging")
+  where = "staging the arrays"
+  try:
+    for a, fut in zip(arrays, opened):
+      where = f"staging {_tree.keystr(a.rec['path'])}"
+      store = fut.result()
+      shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                    if isinstance(a.data, jax.Array) and a.units else {})
+      itemsize = np.dtype(a.data.dtype).itemsize
+      for unit in a.units:
+        if handle._writer_error is not None:
+          raise handle._writer_error
+        n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+        if budget.held + n > budget.limit:
+          handle._drain.set()  # the budget is full: the writer must free some of it
+        budget.acquire(n)
+        try:
+          host = _host_copy(a.data, unit, shard_data.get(unit.device))
+        except BaseException:
+          budget.release(n)
+          raise
+        chunks.put((store, unit.index, host, n))
+        handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
+        handle.stats.bytes_written += n
+        handle.stats.chunks_written += 1
+  except BaseException as e:
+    handle._aborted = True
+    chunks.put(_END)
+    handle._drain.set()
+    handle._event.wait()  # the writer drains what was staged, commits nothing
+    raise _wrap(e, location, where) from e
+  chunks.put(_END)
+  handle._drain.set()
+  _phase("staged")
+  handle.stats.blocking_s = time.perf_counter() - t0
   return handle
 
 
@@ -320,14 +336,41 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s:
     _commit.barrier(location, "cleared", timeout_s)
 
 
-def _finish(handle: SaveHandle, kv, creating, commits, manifest, timeout_s, t0, t_write,
-            budget) -> None:
+def _write_chunks(handle: SaveHandle, chunks: queue.SimpleQueue, budget) -> list[ts.Future]:
+  """Hand staged chunks to TensorStore until the end marker. After a failure, keep draining
+  (releasing their budget) so that staging never waits on bytes nobody will free."""
+  commits = []
+  handle._drain.wait()
+  while (item := chunks.get()) is not _END:
+    store, index, host, n = item
+    if handle._writer_error is not None or handle._aborted:
+      budget.release(n)
+      continue
+    try:
+      commit = _store.write_chunk(store, index, host)
+    except BaseException as e:
+      budget.release(n)
+      handle._writer_error = e
+      continue
+    commit.add_done_callback(lambda _f, n=n: budget.release(n))
+    commits.append(commit)
+  return commits
+
+
+def _finish(handle: SaveHandle, kv, creating, chunks, manifest, timeout_s, t0, budget) -> None:
   phase = "writing the arrays"
   try:
-    for f in creating:
-      f.result()
-    for c in commits:
-      c.result()
+    t_write = time.perf_counter()
+    commits = _write_chunks(handle, chunks, budget)
+    for c in [*creating, *commits]:  # wait for every write, even after a failure
+      try:
+        c.result()
+      except BaseException as e:
+        handle._writer_error = handle._writer_error or e
+    if handle._aborted:
+      return
+    if handle._writer_error is not None:
+      raise handle._writer_error
     handle.stats.write_s = time.perf_counter() - t_write
     _phase("written")
     t_commit = time.perf_counter()
