@@ -18,7 +18,8 @@ import tensorstore as ts
 
 from ._errors import CheckpointError
 
-__all__ = ["kvstore_spec", "join", "display", "open_kvstore", "context"]
+__all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
+           "delete_prefix"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
@@ -35,13 +36,16 @@ def _root() -> ts.Context:
     return _root_context
 
 
-def context(*, concurrency: int | None = None) -> ts.Context:
+def context(*, concurrency: int | None = None,
+            resources: dict[str, Any] | None = None) -> ts.Context:
   """A fresh TensorStore context for one save or restore: no cache, bounded concurrency.
 
   Fresh per operation so that nothing grows across saves; the ``memory://`` store is inherited
-  from the process-wide parent so in-memory checkpoints outlive one operation.
+  from the process-wide parent so in-memory checkpoints outlive one operation. ``resources``
+  (request limits, retries, credentials of an object store) are shared by every store opened
+  in the context, so a limit holds for the whole operation, not per leaf.
   """
-  spec: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}}
+  spec: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, **(resources or {})}
   if concurrency is not None:
     spec["data_copy_concurrency"] = {"limit": concurrency}
     spec["file_io_concurrency"] = {"limit": max(concurrency, 8)}
@@ -104,7 +108,58 @@ def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, 
   return spec
 
 
+def resolve(path: str, options: dict[str, Any] | None = None
+            ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
+  """For one save or restore: the directory's kvstore spec (without context resources), a
+  fresh context holding them, and the opened directory kvstore."""
+  spec = kvstore_spec(path, options)
+  resources: dict[str, Any] = {}
+  if spec["driver"] in ("s3", "gcs"):
+    from . import _object_stores
+    spec, resources = _object_stores.split_context_resources(spec)
+  ctx = context(resources=resources)
+  return spec, ctx, ts.KvStore.open(spec, context=ctx).result()
+
+
 def open_kvstore(path: str, options: dict[str, Any] | None = None,
                  ctx: ts.Context | None = None) -> ts.KvStore:
   """Open the directory ``path`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
   return ts.KvStore.open(kvstore_spec(path, options), context=ctx or context()).result()
+
+
+def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
+  """Every key under the directory ``path``, relative to it, sorted (one kvstore list; a
+  location that does not exist has no keys).
+
+  >>> kv = open_kvstore("memory://doc/list_keys")
+  >>> _ = kv.write("3/COMMIT", b"x").result()
+  >>> list_keys("memory://doc/list_keys")
+  ['3/COMMIT']
+  """
+  keys = resolve(path, options)[2].list().result()
+  return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
+
+
+def delete_prefix(path: str, options: dict[str, Any] | None = None,
+                  first: tuple[str, ...] = ()) -> None:
+  """Delete the directory ``path`` and everything under it, on any backend. The keys in
+  ``first`` (e.g. a commit marker) are deleted before the rest, so a reader never sees them
+  beside a partly deleted directory. On local files the emptied directory is removed too
+  (TensorStore removes the files and subdirectories, not the directory it was opened on).
+
+  >>> kv = open_kvstore("memory://doc/delete_prefix")
+  >>> _ = kv.write("a/b", b"x").result()
+  >>> delete_prefix("memory://doc/delete_prefix")
+  >>> list_keys("memory://doc/delete_prefix")
+  []
+  """
+  _, _, kv = resolve(path, options)
+  for key in first:
+    kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+  kv.delete_range(ts.KvStore.KeyRange()).result()
+  scheme, rest = _split_scheme(path)
+  if scheme == "file":
+    try:
+      os.rmdir(os.path.abspath(os.path.expanduser(rest)))
+    except OSError:  # not empty (a concurrent writer) or already gone: leave it
+      pass

@@ -92,10 +92,15 @@ def _array_metadata(rec: dict[str, Any]) -> ArrayMetadata:
 
 def _open(path: str, storage_options) -> tuple[str, dict, ts.Context, dict[str, Any]]:
   location = _paths.display(path)
-  kv_spec = _paths.kvstore_spec(path, storage_options)
-  ctx = _paths.context()
-  kv = ts.KvStore.open(kv_spec, context=ctx).result()
-  manifest, _ = _commit.read_header(kv, location)
+  try:
+    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
+    manifest, _ = _commit.read_header(kv, location)
+  except CheckpointError:
+    raise
+  except Exception as e:  # TensorStore's I/O errors: a file in the way, no permission, ...
+    raise CheckpointError(
+        f"Cannot read a checkpoint at {location!r} ({type(e).__name__}: {e}). Check that the "
+        "path is a checkpoint directory and that it is readable.") from e
   return location, kv_spec, ctx, manifest
 
 
@@ -132,6 +137,7 @@ class _Want:
   dtype: np.dtype | None = None
   value: Any = None                          # for non-array targets: the target leaf
   array_target: bool = True
+  from_scalar: bool = False                  # a saved scalar into a 0-d array target
 
 
 def _is_sharding_tree(target: Any) -> bool:
@@ -181,8 +187,18 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
     kind, shape, dtype, sharding = _target_spec(leaf)
     saved_kind = rec["kind"]
     if kind in ("array", "host"):
+      if saved_kind in ("scalar", "npscalar") and shape in (None, ()):
+        # e.g. flax's TrainState.step: a Python int when saved, a 0-d array in
+        # jax.eval_shape(init) (or after a jitted step)
+        problem = _scalar_problem(rec, dtype, cast)
+        if problem:
+          mismatched.append(f"{where}: {problem}")
+        else:
+          wants.append(_Want(rec, host=kind == "host", sharding=sharding, dtype=dtype,
+                             from_scalar=True))
+        continue
       if saved_kind != "array":
-        mismatched.append(f"{where}: the target is an array, the checkpoint holds a "
+        mismatched.append(f"{where}: the target is an array, the checkpoint holds "
                           f"{_saved_desc(rec)}")
         continue
       saved_shape, saved_dtype = tuple(rec["shape"]), _leaves.dtype_of(rec["dtype"])
@@ -196,7 +212,7 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
       wants.append(_Want(rec, host=kind == "host", sharding=sharding, dtype=dtype))
     elif kind == "key":
       if saved_kind != "key":
-        mismatched.append(f"{where}: the target is a PRNG key array, the checkpoint holds a "
+        mismatched.append(f"{where}: the target is a PRNG key array, the checkpoint holds "
                           f"{_saved_desc(rec)}")
         continue
       meta = _array_metadata(rec)
@@ -207,7 +223,7 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
     else:
       if saved_kind in ("array", "key") and not isinstance(leaf, (bool, int, float, complex)):
         mismatched.append(f"{where}: the target is {type(leaf).__name__}, the checkpoint holds "
-                          f"a {_saved_desc(rec)}")
+                          f"{_saved_desc(rec)}")
         continue
       wants.append(_Want(rec, value=leaf, array_target=False,
                          host=saved_kind in ("array", "key")))
@@ -225,14 +241,37 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
   return wants, treedef
 
 
+def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> str:
+  """Why a saved scalar cannot fill a 0-d array target of ``dtype`` ('' if it can): it must
+  be a number of the same kind (bool, integer in range, floating, complex) unless cast."""
+  value = _leaves.decode_value(rec)
+  if isinstance(value, (str, bytes)):
+    return f"the target is an array, the checkpoint holds {_saved_desc(rec)}"
+  if dtype is None or cast:
+    return ""
+  saved = np.asarray(value)
+  if saved.dtype == dtype:
+    return ""
+  kind = {"b": "b", "i": "i", "u": "i", "f": "f", "c": "c"}
+  target_kind = "f" if "float" in dtype.name else kind.get(dtype.kind)
+  if rec["kind"] == "scalar" and kind.get(saved.dtype.kind) == target_kind:
+    if target_kind != "i" or np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+      return ""
+  return (f"{_saved_desc(rec)} {value!r} saved, a {dtype} array in the target (pass "
+          "cast=True to convert)")
+
+
 def _saved_desc(rec: dict[str, Any]) -> str:
+  """What a saved leaf is, with its article: 'an array float32[4, 2]', 'None', 'a str value'."""
   if rec["kind"] in ("array", "key"):
-    what = "PRNG key array" if rec["kind"] == "key" else "array"
+    what = "a PRNG key array" if rec["kind"] == "key" else "an array"
     return f"{what} {rec['dtype']}{list(rec['shape'])}"
   if rec["kind"] == "scalar":
-    return f"{rec['type']} value"
-  return {"empty": f"empty {rec.get('type')}", "npgen": "numpy Generator",
-          "bigint": "int value", "npscalar": f"numpy {rec.get('dtype')} scalar"}[rec["kind"]]
+    return f"a{'n' if rec['type'] == 'int' else ''} {rec['type']} value"
+  if rec["kind"] == "empty":
+    return "None" if rec.get("type") == "none" else f"an empty {rec.get('type')}"
+  return {"npgen": "a numpy Generator", "bigint": "an int value",
+          "npscalar": f"a numpy {rec.get('dtype')} scalar"}[rec["kind"]]
 
 
 # --- reading -----------------------------------------------------------------------------
@@ -313,6 +352,11 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
     if rec["kind"] not in ("array", "key"):
       keep_target = not w.array_target and rec["kind"] == "empty"
       values[i] = w.value if keep_target else _leaves.decode_value(rec)
+      if w.from_scalar:
+        host = np.asarray(values[i])
+        host = host if w.dtype is None else host.astype(w.dtype)
+        values[i] = host if w.host else jax.device_put(
+            host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
       continue
     sharding = None if w.host else _data_sharding(w, rec)
     if sharding is None and not w.host:
@@ -331,7 +375,7 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
     i, fut, devices, n = pending.popleft()
     r = reads[i]
     try:
-      host = _convert(r.want, fut.result())
+      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec["dtype"]))
     except Exception as e:
       raise _read_error(location, r.want.rec, e) from None
     if devices is None:
@@ -343,7 +387,9 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
   for i, r in reads.items():
     rec = r.want.rec
     if "inline" in rec:
-      host = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(r.shape)
+      # a copy: frombuffer over bytes is read-only, and results must be writable like read ones
+      host = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(
+          r.shape).copy()
       r.parts[None] = _convert(r.want, host)
       continue
     store = opened[i].result()
@@ -399,8 +445,11 @@ def _read_error(location: str, rec: dict[str, Any], e: Exception) -> CheckpointE
   where = _tree.keystr(rec["path"])
   store = f"{location}/{rec['store']['dir']}" if "store" in rec else location
   text = str(e)
-  if "checksum" in text.lower() or "crc" in text.lower():
+  low = text.lower()
+  if any(w in low for w in ("checksum", "crc", "digest mismatch")):  # TS: "Digest mismatch"
     cause = "its data is corrupt (crc32c checksum mismatch)"
+  elif "DATA_LOSS" in text:
+    cause = "its data is corrupt or truncated"
   elif "missing" in text.lower() or "NOT_FOUND" in text:
     cause = "a chunk of its data is missing"
   else:

@@ -43,6 +43,13 @@ def _phase(name: str) -> None:
   del name
 
 
+def _reached(location: str, name: str) -> None:
+  """A save on this process reached phase ``name``: tell the other processes (for barrier
+  timeout messages), then call the test hook."""
+  _commit.report(location, name)
+  _phase(name)
+
+
 _budget_lock = threading.Lock()
 _budget: _store.ByteBudget | None = None
 _pending: set["SaveHandle"] = set()
@@ -94,6 +101,8 @@ class SaveHandle:
     """Block until committed (or ``timeout`` seconds); raise the save's error if it failed."""
     if not self._event.wait(timeout):
       raise TimeoutError(f"The save to {self.location!r} is still running after {timeout}s.")
+    with _pending_lock:  # a failed save stays pending until its error has been raised once
+      _pending.discard(self)
     if self._error is not None:
       raise self._error
     return self.stats
@@ -104,7 +113,8 @@ class SaveHandle:
 
 
 def wait() -> None:
-  """Wait for every pending save of this process; raise the first error.
+  """Wait for every pending save of this process; raise the first error (also of saves
+  that failed earlier in the background and whose error nobody has seen yet).
 
   >>> import fnckpt
   >>> fnckpt.wait()  # nothing pending: returns at once
@@ -123,14 +133,16 @@ def wait() -> None:
 
 @atexit.register
 def _finish_at_exit() -> None:
+  """Saves still running finish before the interpreter exits (their thread is not a daemon,
+  so Python joins it before running this); failures nobody waited for are reported here."""
   with _pending_lock:
     handles = list(_pending)
   for h in handles:
     try:
       h.wait()
     except BaseException as e:
-      print(f"fnckpt: the save to {h.location!r} failed at interpreter exit: {e}",
-            file=sys.stderr)
+      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and was not "
+            f"committed: {e}", file=sys.stderr)
 
 
 @dataclasses.dataclass
@@ -244,12 +256,17 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   location = _paths.display(path)
   if metadata is not None:
     _manifest.check_msgpackable(metadata, "save(metadata=...)")
-  kv_spec = _paths.kvstore_spec(path, storage_options)
-  ctx = _paths.context()
-  kv = ts.KvStore.open(kv_spec, context=ctx).result()
+  kv_spec, ctx, kv = _paths.resolve(path, storage_options)
   leaves, _ = _tree.flatten(tree)
   records, arrays = _plan(leaves, kv_spec, inline_bytes, zstd)
-  _prepare_location(kv, location, overwrite, barrier_timeout_s)
+  with _pending_lock:  # an earlier save to this location still writing: let it finish first
+    earlier = [h for h in _pending if h.location == location and not h.done()]
+  for h in earlier:
+    h._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
+  try:
+    _prepare_location(kv, location, overwrite, barrier_timeout_s)
+  except Exception as e:  # TensorStore I/O errors, e.g. a file where the directory should be
+    raise _wrap(e, location, "checking the location") from e
 
   handle = SaveHandle(location)
   budget = _process_budget(budget_bytes or default_budget_bytes())
@@ -267,7 +284,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   with _pending_lock:
     _pending.add(handle)
   handle._thread.start()
-  _phase("staging")
+  _reached(location, "staging")
   where = "staging the arrays"
   try:
     for a, fut in zip(arrays, opened):
@@ -300,7 +317,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     raise _wrap(e, location, where) from e
   chunks.put(_END)
   handle._drain.set()
-  _phase("staged")
+  _reached(location, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
 
@@ -329,6 +346,9 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s:
     raise CheckpointError(
         f"{what} already exists at {location!r}. Pass overwrite=True to replace it, or save "
         "to a new path.")
+  # Every process must have looked before any of them writes (or deletes): else a fast
+  # process 0 creating files makes a slow one see "an interrupted save" and give up.
+  _commit.barrier(location, "checked", timeout_s)
   if leftovers and jax.process_index() == 0:
     kv.delete_range(ts.KvStore.KeyRange(_manifest.COMMIT, _manifest.COMMIT + "\0")).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
@@ -372,16 +392,16 @@ def _finish(handle: SaveHandle, kv, creating, chunks, manifest, timeout_s, t0, b
     if handle._writer_error is not None:
       raise handle._writer_error
     handle.stats.write_s = time.perf_counter() - t_write
-    _phase("written")
+    _reached(handle.location, "written")
     t_commit = time.perf_counter()
     manifest_bytes = _manifest.encode(manifest)
     if jax.process_index() == 0:
       phase = "writing the manifest"
       kv.write(_manifest.MANIFEST, manifest_bytes).result()
-      _phase("manifest")
+      _reached(handle.location, "manifest")
     phase = "waiting for every process to finish writing"
     _commit.barrier(handle.location, "written", timeout_s)
-    _phase("committing")
+    _reached(handle.location, "committing")
     if jax.process_index() == 0:
       phase = "writing the commit marker"
       _commit.write_commit(kv, manifest_bytes)
@@ -389,13 +409,15 @@ def _finish(handle: SaveHandle, kv, creating, chunks, manifest, timeout_s, t0, b
     _commit.barrier(handle.location, "committed", timeout_s)
     handle.stats.commit_s = time.perf_counter() - t_commit
     handle.stats.total_s = time.perf_counter() - t0
-    _phase("committed")
+    _reached(handle.location, "committed")
   except BaseException as e:
     handle._error = _wrap(e, handle.location, phase)
   finally:
-    handle._event.set()
+    _commit.forget(handle.location)
     with _pending_lock:
-      _pending.discard(handle)
+      if handle._error is None:  # a failure stays until reported: wait() or at exit
+        _pending.discard(handle)
+    handle._event.set()
 
 
 def _wrap(e: BaseException, location: str, phase: str) -> BaseException:

@@ -8,3 +8,5 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+from servers import gcs, gcs_env, s3, s3_env  # noqa: E402,F401  (object-store test servers)
