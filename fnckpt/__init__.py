@@ -11,6 +11,7 @@ from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
+from ._manager import CheckpointManager as CheckpointManager
 from ._restore import ArrayMetadata as ArrayMetadata
 from ._restore import CheckpointMetadata as CheckpointMetadata
 from ._restore import SavedSharding as SavedSharding
@@ -22,7 +23,7 @@ from ._save import save as save
 from ._save import wait as wait
 
 __all__ = [
-    "save", "restore", "metadata", "wait",
+    "save", "restore", "metadata", "wait", "CheckpointManager",
     "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
     "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
 ]

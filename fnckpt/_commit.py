@@ -19,7 +19,7 @@ import tensorstore as ts
 from . import _manifest, _paths
 from ._errors import BarrierTimeoutError, CheckpointError, NotCommittedError
 
-__all__ = ["barrier", "read_header", "write_commit", "is_committed"]
+__all__ = ["barrier", "report", "forget", "read_header", "write_commit", "is_committed"]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -31,46 +31,97 @@ def _client() -> Any:
   return distributed.global_state.client
 
 
+def _key(location: str) -> str:
+  return hashlib.sha256(_paths.display(location).encode()).hexdigest()[:24]
+
+
+def report(location: str, phase: str) -> None:
+  """Publish the phase this process has reached for ``location`` (multi-process only), so a
+  barrier timeout on another process can say where the missing processes are."""
+  if jax.process_count() == 1:
+    return
+  try:
+    _client().key_value_set(f"fnckpt/{_key(location)}/progress/{jax.process_index()}",
+                            f"{phase}@{time.time():.3f}", allow_overwrite=True)
+  except Exception:  # diagnostics only: never fail a save for them
+    pass
+
+
+def forget(location: str) -> None:
+  """Drop this process's progress entry for ``location`` (the save is over)."""
+  if jax.process_count() == 1:
+    return
+  try:
+    _client().key_value_delete(f"fnckpt/{_key(location)}/progress/{jax.process_index()}")
+  except Exception:
+    pass
+
+
+def _progress(client: Any, key: str, missing: list[int]) -> str:
+  """Where the missing processes last said they were (from :func:`report`)."""
+  try:
+    entries = dict(client.key_value_dir_get(f"fnckpt/{key}/progress/"))
+  except Exception:
+    return ""
+  now, parts = time.time(), []
+  for p in missing:
+    value = next((v for k, v in entries.items() if k.rsplit("/", 1)[-1] == str(p)), None)
+    if value is None:
+      parts.append(f"process {p} has not started this save")
+    else:
+      phase, _, when = value.rpartition("@")
+      try:
+        ago = f" {now - float(when):.1f}s ago"
+      except ValueError:
+        ago = ""
+      parts.append(f"process {p} last reported phase '{phase}'{ago}")
+  return f" ({'; '.join(parts)})" if parts else ""
+
+
 def barrier(location: str, phase: str, timeout_s: float) -> None:
-  """Wait until every process reaches ``phase`` for ``location``; no-op with one process."""
+  """Wait until every process reaches ``phase`` for ``location``; no-op with one process.
+
+  The barrier id is the location's hash and the phase; the coordination service counts
+  repeated uses of one id (a second save to the same location)."""
   n = jax.process_count()
   if n == 1:
     return
   client = _client()
-  key = hashlib.sha256(_paths.display(location).encode()).hexdigest()[:24]
+  key = _key(location)
   start = time.monotonic()
   try:
     client.wait_at_barrier(f"fnckpt/{key}/{phase}", max(1, int(timeout_s * 1000)))
   except Exception as e:  # jaxlib raises its own runtime error type
     text = str(e)
-    missing = re.search(r"timed out task names:\s*([\d\s,]+)", text)
-    who = (f"process(es) {', '.join(missing.group(1).split())}" if missing
-           else "some processes")
-    alive = ""
-    try:
-      live = client.get_live_nodes(list(range(n)))
-      dead = sorted(set(range(n)) - set(live))
-      if dead:
-        alive = f" Processes {dead} are no longer alive."
-    except Exception:
-      pass
+    # The service lists the processes that did not arrive ("Some timed out task names:").
+    # (Never ask it which nodes are alive here: that call is itself a barrier.)
+    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
+    missing = [int(p) for p in found.group(1).replace(",", " ").split()] if found else []
+    who = (f"process(es) {', '.join(map(str, missing))} did not arrive"
+           f"{_progress(client, key, missing)}" if missing else
+           "not every process arrived")
     raise BarrierTimeoutError(
         f"Barrier '{phase}' for {_paths.display(location)!r} failed after "
         f"{time.monotonic() - start:.1f}s (deadline {timeout_s:g}s) on process "
-        f"{jax.process_index()}: {who} did not arrive.{alive} Every process must call the same "
-        f"fnckpt save/restore for this location; raise barrier_timeout_s if they are merely "
-        f"slow. ({text.splitlines()[0] if text else type(e).__name__})") from None
+        f"{jax.process_index()}: {who}. Every process must call the same fnckpt "
+        f"save/restore for this location; raise barrier_timeout_s if they are merely slow. "
+        f"({text.splitlines()[0] if text else type(e).__name__})") from None
 
 
 def read_header(kv: ts.KvStore, location: str) -> tuple[dict[str, Any], bytes]:
   """The validated manifest of a *committed* checkpoint, and its bytes. Clear errors for: no
   such location, an interrupted save, a marker that does not match its manifest."""
-  commit_r = kv.read(_manifest.COMMIT)
-  manifest_r = kv.read(_manifest.MANIFEST)
-  commit_raw, manifest_raw = commit_r.result(), manifest_r.result()
+  try:  # TensorStore I/O errors (no such bucket, access denied, unreachable) name the URL
+    commit_r = kv.read(_manifest.COMMIT)
+    manifest_r = kv.read(_manifest.MANIFEST)
+    commit_raw, manifest_raw = commit_r.result(), manifest_r.result()
+    leftovers = commit_raw.state != "value" and (
+        manifest_raw.state == "value" or bool(kv.list(range=ts.KvStore.KeyRange(
+            _manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0")).result()))
+  except Exception as e:
+    raise _paths.io_error(e, location, "reading its commit marker and manifest") from e
   if commit_raw.state != "value":
-    if manifest_raw.state == "value" or kv.list(range=ts.KvStore.KeyRange(
-        _manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0")).result():
+    if leftovers:
       raise NotCommittedError(
           f"{location!r} holds an interrupted save: its data is (partly) there but it has no "
           f"commit marker, so it is not a checkpoint. Restore an earlier step, or delete "
@@ -88,7 +139,10 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[dict[str, Any], bytes]:
 
 
 def is_committed(kv: ts.KvStore) -> bool:
-  return kv.read(_manifest.COMMIT).result().state == "value"
+  try:
+    return kv.read(_manifest.COMMIT).result().state == "value"
+  except Exception as e:
+    raise _paths.io_error(e, _paths.location_of(kv), "reading its commit marker") from e
 
 
 def write_commit(kv: ts.KvStore, manifest_bytes: bytes) -> None:

@@ -32,6 +32,19 @@ def dtype_of(name: str) -> np.dtype:
     raise CheckpointError(f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
 
 
+def _storable(dtype: np.dtype) -> bool:
+  """Numeric and bool dtypes, ml_dtypes' ones (bfloat16, int4, float8_*: numpy kind 'V')
+  included; not strings, objects, dates, raw void or structured dtypes."""
+  if dtype.fields is not None or dtype.kind in "OUSMm":
+    return False
+  if dtype.kind != "V":
+    return True
+  try:
+    return np.dtype(jnp.dtype(dtype.name)) == dtype
+  except TypeError:
+    return False
+
+
 def is_key_array(x: Any) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -134,7 +147,7 @@ def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:
                sharding=sharding_record(leaf.sharding))
     return rec, data
   if isinstance(leaf, np.ndarray):
-    if leaf.dtype.kind in "OUSVM" or leaf.dtype.fields is not None:
+    if not _storable(leaf.dtype):
       raise CheckpointError(
           f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only numeric and bool "
           "arrays are stored. Convert it (e.g. strings to a list of str) before saving.")
@@ -142,7 +155,7 @@ def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:
                sharding=None)
     return rec, leaf
   if isinstance(leaf, np.generic):
-    if leaf.dtype.kind in "OUSVM":
+    if not _storable(leaf.dtype):
       raise _unsupported(path, leaf)
     a = to_little_endian(np.asarray(leaf))
     rec.update(kind="npscalar", dtype=a.dtype.name, value=a.tobytes())

@@ -19,7 +19,8 @@ import tensorstore as ts
 from ._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
-           "delete_prefix"]
+           "delete_prefix", "io_error", "io_hint", "location_of",
+           "redact"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
@@ -108,6 +109,78 @@ def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, 
   return spec
 
 
+def io_hint(e: BaseException) -> str:
+  """What a TensorStore I/O error most likely means, as a sentence to append ('' if unsure).
+
+  >>> io_hint(ValueError("NOT_FOUND: NoSuchBucket: The specified bucket does not exist"))
+  ' The bucket does not exist: check its name (and the endpoint or account it lives in).'
+  """
+  text = str(e)
+  # (GCS answers a write into a missing bucket with a bare 404)
+  if "NoSuchBucket" in text or ("NOT_FOUND" in text and "Error writing gs://" in text):
+    return " The bucket does not exist: check its name (and the endpoint or account it lives in)."
+  if any(w in text for w in ("PERMISSION_DENIED", "UNAUTHENTICATED", "SignatureDoesNotMatch",
+                             "InvalidAccessKeyId", "AccessDenied", "http_response_code='403'",
+                             "http_response_code='401'")):
+    return (" Access was denied: check the credentials (AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, the AWS profile or storage option 'credentials'; "
+            "GOOGLE_APPLICATION_CREDENTIALS for gs://) and the bucket's permissions.")
+  if any(w in text for w in ("CURL error", "Could not connect", "Could not resolve",
+                             "Timeout was reached", "retry attempts failed", "UNAVAILABLE")):
+    return (" The storage server could not be reached: check the endpoint (storage option "
+            "'endpoint' or FNCKPT_S3_ENDPOINT for s3://, TENSORSTORE_GCS_HTTP_URL for a GCS "
+            "emulator) and the network. Storage options 'max_retries' / 'max_delay' "
+            "(FNCKPT_REQUEST_RETRIES / FNCKPT_REQUEST_MAX_DELAY) bound how long it keeps trying.")
+  return ""
+
+
+def redact(text: str) -> str:
+  """``text`` with the values of secret environment variables blanked out (belt and braces:
+  TensorStore's messages are not known to contain them)."""
+  for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+    value = os.environ.get(var, "")
+    if len(value) >= 4:
+      text = text.replace(value, "<redacted>")
+  return text
+
+
+def io_error(e: BaseException, path: str, doing: str) -> CheckpointError:
+  """A :class:`CheckpointError` for a failed storage operation on ``path``: names the
+  location, what was being done, the likely cause, and TensorStore's message (never a
+  secret). A ``CheckpointError`` passes through unchanged.
+
+  >>> str(io_error(ValueError("ABORTED: All 1 retry attempts failed: CURL error"),
+  ...              "s3://b/run", "listing"))[:60]
+  "Cannot access 's3://b/run' (listing): the storage server cou"
+  """
+  if isinstance(e, CheckpointError):
+    return e
+  hint = io_hint(e)
+  text = redact(str(e))
+  if len(text) > 600:
+    text = text[:600] + " ..."
+  if not hint:
+    return CheckpointError(f"Cannot access {display(path)!r} ({doing}): "
+                           f"{type(e).__name__}: {text}")
+  return CheckpointError(f"Cannot access {display(path)!r} ({doing}): {hint[1].lower()}"
+                         f"{hint[2:-1]}. [{type(e).__name__}: {text}]")
+
+
+def location_of(kv: ts.KvStore) -> str:
+  """The location (as :func:`display` writes it) of an opened directory kvstore.
+
+  >>> location_of(open_kvstore("memory://doc/location_of/"))
+  'memory://doc/location_of'
+  """
+  spec = kv.spec().to_json()
+  path = spec.get("path", "").rstrip("/")
+  scheme = {"s3": "s3", "gcs": "gs", "memory": "memory"}.get(spec.get("driver"))
+  if scheme is None:
+    return path
+  bucket = f"{spec['bucket']}/" if "bucket" in spec else ""
+  return f"{scheme}://{bucket}{path}".rstrip("/")
+
+
 def resolve(path: str, options: dict[str, Any] | None = None
             ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
   """For one save or restore: the directory's kvstore spec (without context resources), a
@@ -118,13 +191,20 @@ def resolve(path: str, options: dict[str, Any] | None = None
     from . import _object_stores
     spec, resources = _object_stores.split_context_resources(spec)
   ctx = context(resources=resources)
-  return spec, ctx, ts.KvStore.open(spec, context=ctx).result()
+  try:  # no I/O, except an S3 bucket's region lookup when no region is given
+    return spec, ctx, ts.KvStore.open(spec, context=ctx).result()
+  except Exception as e:
+    raise io_error(e, path, "opening the location") from e
 
 
 def open_kvstore(path: str, options: dict[str, Any] | None = None,
                  ctx: ts.Context | None = None) -> ts.KvStore:
   """Open the directory ``path`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
-  return ts.KvStore.open(kvstore_spec(path, options), context=ctx or context()).result()
+  spec = kvstore_spec(path, options)
+  try:
+    return ts.KvStore.open(spec, context=ctx or context()).result()
+  except Exception as e:
+    raise io_error(e, path, "opening the location") from e
 
 
 def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
@@ -136,7 +216,11 @@ def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
   >>> list_keys("memory://doc/list_keys")
   ['3/COMMIT']
   """
-  keys = resolve(path, options)[2].list().result()
+  kv = resolve(path, options)[2]
+  try:
+    keys = kv.list().result()
+  except Exception as e:
+    raise io_error(e, path, "listing") from e
   return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
 
@@ -154,9 +238,12 @@ def delete_prefix(path: str, options: dict[str, Any] | None = None,
   []
   """
   _, _, kv = resolve(path, options)
-  for key in first:
-    kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-  kv.delete_range(ts.KvStore.KeyRange()).result()
+  try:
+    for key in first:
+      kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+  except Exception as e:
+    raise io_error(e, path, "deleting") from e
   scheme, rest = _split_scheme(path)
   if scheme == "file":
     try:

@@ -53,6 +53,8 @@ class ArrayMetadata:
 
   @property
   def key_shape(self) -> tuple[int, ...]:
+    """The shape of the saved array as users see it: for a typed PRNG key array, without the
+    trailing dimensions of its key data (``shape`` (8, 2) -> ``key_shape`` (8,))."""
     if self.impl is None:
       return self.shape
     trailing = len(jax.random.key_data(jax.random.key(0, impl=self.impl)).shape)
@@ -298,12 +300,15 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
 
   Args:
     path: the checkpoint's location (as given to :func:`fnckpt.save`).
-    target: what to restore into. ``None``: host numpy values in plain dicts/lists. A pytree
-      of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays: the same tree, each array
+    target: what to restore into. ``None``: host values in plain containers (dicts for dict
+      keys and attributes, lists for sequences): every array as a writable ``np.ndarray``,
+      typed PRNG keys as key arrays on the default device, scalars, strings, None, empty
+      containers and numpy Generators as saved. A pytree of ``jax.ShapeDtypeStruct`` (with
+      ``sharding``; none: the default device) or of arrays: the same tree, each array
       placed with that sharding (a different mesh, device count or PartitionSpec than saved
       is fine). A ``Sharding`` or a prefix tree of them: every array below it placed so.
       ``np.ndarray`` leaves give numpy results; other leaves (ints, strings, None) take the
-      saved value.
+      saved value; a 0-d array target takes a saved Python number.
     partial: allow the target to hold only a subset of the checkpoint's key paths.
     cast: convert arrays whose saved dtype differs from the target's (else an error).
     budget_bytes: host bytes held by reads in flight (default: a quarter of free memory).
@@ -367,11 +372,17 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
           _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], rec["shape"]), ctx, mode="read")
 
   # Stream the reads: keep at most `budget` bytes in flight, place each slice as it lands.
+  # Reads go out in batches (one per budget's worth): TensorStore then fetches each inner
+  # chunk that several slices overlap once, not once per slice.
   pending: collections.deque = collections.deque()
   held = 0
+  batch: list[ts.Batch | None] = [None]
 
   def land() -> None:
     nonlocal held
+    if batch[0] is not None:
+      batch[0].submit()
+      batch[0] = None
     i, fut, devices, n = pending.popleft()
     r = reads[i]
     try:
@@ -403,7 +414,9 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
       n = _layout.nbytes([b - a for a, b in index], itemsize)
       while pending and held + n > budget:
         land()
-      pending.append((i, _store.read_slice(store, index), devices, n))
+      if batch[0] is None:
+        batch[0] = ts.Batch()
+      pending.append((i, _store.read_slice(store, index, batch[0]), devices, n))
       held += n
   while pending:
     land()

@@ -12,7 +12,7 @@ never zeros.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -20,7 +20,7 @@ import tensorstore as ts
 from ._layout import Index
 
 __all__ = ["zarr_spec", "store_record", "open_array", "write_chunk", "read_slice",
-           "ByteBudget"]
+           "storage_dtype", "from_storage", "ByteBudget"]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
@@ -30,6 +30,35 @@ def store_record(dir_name: str, chunks: Sequence[int], inner: Sequence[int],
                  zstd: int | None) -> dict[str, Any]:
   """What the manifest records about an array's storage (enough to open it without I/O)."""
   return {"dir": dir_name, "chunks": list(chunks), "inner": list(inner), "zstd": zstd}
+
+
+# The data types zarr3 in TensorStore knows. Any other dtype JAX has (uint2, uint4,
+# float8_e4m3) is stored as its bits in the unsigned integer of the same size; the manifest
+# keeps the real dtype and readers view the bits back (from_storage).
+_ZARR3_DTYPES = frozenset((
+    "bool int2 int4 int8 uint8 int16 uint16 int32 uint32 int64 uint64 float8_e3m4 "
+    "float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn float16 bfloat16 float32 float64 complex64 complex128").split())
+
+
+def storage_dtype(dtype: str) -> str:
+  """The zarr3 data type that stores arrays of ``dtype``.
+
+  >>> storage_dtype("bfloat16"), storage_dtype("uint4")
+  ('bfloat16', 'uint8')
+  """
+  if dtype in _ZARR3_DTYPES:
+    return dtype
+  from ._leaves import dtype_of
+  return {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}[dtype_of(dtype).itemsize]
+
+
+def from_storage(host: np.ndarray, dtype: str) -> np.ndarray:
+  """Data read from a zarr3 array -> the saved ``dtype`` (a view for bit-stored dtypes)."""
+  if host.dtype.name != dtype:
+    from ._leaves import dtype_of
+    return host.view(dtype_of(dtype))
+  return host
 
 
 def _fill_value(dtype: str) -> Any:
@@ -54,10 +83,10 @@ def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
       "kvstore": sub,
       "metadata": {
           "shape": list(shape),
-          "data_type": dtype,
+          "data_type": storage_dtype(dtype),
           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": store["chunks"]}},
           "chunk_key_encoding": {"name": "default"},
-          "fill_value": _fill_value(dtype),
+          "fill_value": _fill_value(storage_dtype(dtype)),
           "codecs": [{"name": "sharding_indexed", "configuration": {
               "chunk_shape": store["inner"],
               "codecs": inner_codecs,
@@ -88,6 +117,9 @@ def _slices(index: Index) -> tuple[slice, ...]:
 def write_chunk(array: ts.TensorStore, index: Index, data: np.ndarray) -> ts.Future:
   """Write one whole chunk in its own transaction (one writeback, no read-modify-write).
   Returns the commit future; ``data`` must stay alive and unchanged until it completes."""
+  stored = array.dtype.numpy_dtype
+  if data.dtype.name != stored.name:  # a dtype stored as its bits (storage_dtype)
+    data = data.view(stored)
   txn = ts.Transaction()
   array.with_transaction(txn)[_slices(index)].write(data).result()  # staged in the txn, no I/O
   return txn.commit_async()
@@ -108,9 +140,14 @@ class ByteBudget:
     self.peak = 0
     self._cv = threading.Condition()
 
-  def acquire(self, n: int) -> None:
+  def acquire(self, n: int, on_wait: Callable[[], Any] | None = None) -> None:
+    """Take ``n`` bytes; if that has to wait, call ``on_wait()`` first (under the lock, so
+    it cannot miss the wait), e.g. to start the writer that will free some."""
     with self._cv:
-      self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
+      fits = lambda: self.held == 0 or self.held + n <= self.limit  # noqa: E731
+      if on_wait is not None and not fits():
+        on_wait()
+      self._cv.wait_for(fits)
       self.held += n
       self.peak = max(self.peak, self.held)
 

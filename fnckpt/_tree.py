@@ -82,7 +82,12 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   >>> [(keystr(p), v) for p, v in leaves]
   [("['a']", 1), ("['b']", []), ("['c']", None)]
   """
-  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
+  try:
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
+  except (TypeError, ValueError) as e:  # e.g. a dict whose keys do not sort (1 and "a")
+    raise CheckpointError(
+        f"The tree cannot be flattened by jax.tree_util ({e}). A dict's keys must sort: use "
+        "keys of one type (all str or all int).") from e
   out = []
   for kp, leaf in pairs:
     where = jax.tree_util.keystr(kp)

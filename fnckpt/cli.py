@@ -1,0 +1,521 @@
+"""The ``fnckpt`` command: look at checkpoints without devices or user code.
+
+    fnckpt ls DIR            steps under a CheckpointManager directory (or one checkpoint)
+    fnckpt inspect PATH      the saved tree: key path, kind, dtype, shape, sharding, bytes
+    fnckpt verify PATH       read every chunk, check every checksum (PATH may be a run DIR)
+    fnckpt diff A B          key paths added / removed / changed; --values compares the data
+
+Exit status: 0 all is well; 1 damage found (verify), differences found (diff) or nothing to
+list (ls); 2 a usage error or a location that cannot be read.
+
+Only the manifest, the commit marker and the zarr3 chunks are read (through TensorStore), so
+any location fnckpt writes works: local paths, ``memory://`` (same process only), ``gs://``,
+``s3://``. No JAX backend is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from ._errors import CheckpointError
+
+__all__ = ["main"]
+
+_READ_IN_FLIGHT_BYTES = 64 << 20
+
+
+# --- small formatting helpers ----------------------------------------------------------------
+
+def _human(n: int | None) -> str:
+  if n is None:
+    return "-"
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def _when(t: float | None) -> str:
+  return "-" if not t else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _shape(shape: Sequence[int]) -> str:
+  return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _sharding(rec: dict[str, Any]) -> str:
+  s = rec.get("sharding")
+  if s is None:
+    return "host" if rec["kind"] in ("array", "key") else "-"
+  if s.get("type") != "named":
+    return "single device" if s.get("type") == "single" else f"{s['type']}"
+  spec = ", ".join("None" if e is None else repr(e) if isinstance(e, str)
+                   else "(" + ", ".join(repr(x) for x in e) + ")" for e in s["spec"])
+  mesh = ",".join(f"{a}={n}" for a, n in zip(s["axes"], s["sizes"]))
+  return f"P({spec}) mesh({mesh})"
+
+
+def _compact(value: Any, limit: int = 60) -> str:
+  text = value if isinstance(value, str) and limit < 0 else repr(value)
+  limit = abs(limit)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def _header(path: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+  """(location, manifest, commit marker) of a committed checkpoint; CheckpointError if not."""
+  location = _paths.display(path)
+  kv = _paths.open_kvstore(path)
+  manifest, _ = _commit.read_header(kv, location)
+  raw = kv.read(_manifest.COMMIT).result()
+  commit = _manifest.decode_commit(bytes(raw.value), location)
+  return location, manifest, commit
+
+
+def _nbytes(rec: dict[str, Any]) -> int:
+  if rec["kind"] not in ("array", "key"):
+    return 0
+  return _layout.nbytes(rec["shape"], _leaves.dtype_of(rec["dtype"]).itemsize)
+
+
+def _regions(rec: dict[str, Any]) -> list[_layout.Index]:
+  """The read units of a stored array: its inner chunks (each checked by its own crc32c)."""
+  shape = rec["shape"]
+  if any(n == 0 for n in shape):
+    return []
+  inner = rec["store"]["inner"]
+  cells: list[_layout.Index] = [()]
+  for n, c in zip(shape, inner):
+    cells = [cell + ((a, min(a + c, n)),) for cell in cells for a in range(0, n, c)]
+  return cells
+
+
+def _open_stored(path: str, rec: dict[str, Any], *, check_metadata: bool) -> ts.TensorStore:
+  """The zarr3 array of ``rec``; with ``check_metadata`` its zarr.json is read and compared
+  with what the manifest says (a missing or altered zarr.json is an error)."""
+  spec = _store.zarr_spec(_paths.kvstore_spec(path), rec["store"], rec["dtype"], rec["shape"])
+  if not check_metadata:
+    return _store.open_array(spec, _paths.context(), mode="read").result()
+  return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
+                 context=_paths.context()).result()
+
+
+def _read_regions(store: ts.TensorStore, regions: list[_layout.Index], itemsize: int
+                  ) -> Iterator[tuple[_layout.Index, Any]]:
+  """Yield ``(region, np.ndarray or Exception)`` in order, a bounded number of bytes in flight."""
+  pending: list[tuple[_layout.Index, ts.Future, int]] = []
+  held = 0
+  for region in regions:
+    n = _layout.nbytes([b - a for a, b in region], itemsize)
+    while pending and held + n > _READ_IN_FLIGHT_BYTES:
+      r, fut, m = pending.pop(0)
+      held -= m
+      yield r, _result(fut)
+    pending.append((region, store[tuple(slice(a, b) for a, b in region)].read(), n))
+    held += n
+  for r, fut, _ in pending:
+    yield r, _result(fut)
+
+
+def _result(fut: ts.Future) -> Any:
+  try:
+    return fut.result()
+  except Exception as e:  # TensorStore raises ValueError and others for damaged data
+    return e
+
+
+def _cause(e: BaseException) -> str:
+  text = str(e)
+  low = text.lower()
+  if any(w in low for w in ("checksum", "crc", "digest mismatch", "data_loss")):
+    return f"checksum mismatch (corrupt data) [{text}]"
+  if "missing" in low or "not_found" in low or "not found" in low:
+    return f"missing data [{text}]"
+  return f"{type(e).__name__}: {text}"
+
+
+def _region_str(region: _layout.Index) -> str:
+  return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
+
+
+# --- ls --------------------------------------------------------------------------------------
+
+def _ls(args: argparse.Namespace) -> int:
+  from ._manager import scan
+  root = args.dir
+  keys = _paths.list_keys(root)
+  if _manifest.COMMIT in keys or _manifest.MANIFEST in keys:
+    print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
+    steps: list[tuple[str, str]] = [(".", root)]
+    uncommitted: list[int] = []
+  else:
+    committed, uncommitted = scan(root)
+    steps = [(str(s), _paths.join(root, str(s))) for s in committed]
+  if not steps and not uncommitted:
+    print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
+    return 1
+  files: dict[str, int] = {}
+  for k in keys:
+    files[k.partition("/")[0]] = files.get(k.partition("/")[0], 0) + 1
+  rows = [["STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED", "METRICS"]]
+  for name, path in steps:
+    try:
+      _, manifest, commit = _header(path)
+    except CheckpointError as e:
+      rows.append([name, "DAMAGED", "-", "-", str(files.get(name, len(keys))), "-", str(e)])
+      continue
+    meta = manifest.get("metadata")
+    metrics = meta.get("metrics") if isinstance(meta, dict) else None
+    metric_text = (" ".join(f"{k}={_compact(v, 20)}" for k, v in metrics.items())
+                   if isinstance(metrics, dict) else "-")
+    leaves = manifest["leaves"]
+    rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), str(len(leaves)),
+                 str(files.get(name, len(keys))), _when(commit.get("committed")), metric_text])
+  for step in uncommitted:
+    rows.append([str(step), "UNCOMMITTED", "-", "-", str(files.get(str(step), 0)), "-",
+                 "interrupted save: ignored; CheckpointManager.cleanup() removes it"])
+  print(_table(rows))
+  if steps and steps[0][0] != ".":
+    print(f"{len(steps)} committed, {len(uncommitted)} uncommitted; latest: {steps[-1][0]}")
+  return 0
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+def _value_text(rec: dict[str, Any]) -> str:
+  kind = rec["kind"]
+  if kind in ("array", "key"):
+    if "inline" in rec:
+      value = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"]))
+      if value.size * value.itemsize != _nbytes(rec):
+        return "inline (DAMAGED: wrong length)"
+      text = np.array2string(value.reshape(rec["shape"]), threshold=8, edgeitems=2,
+                             separator=", ").replace("\n", "")
+      return f"inline {_compact(text, -60)}"
+    store = rec["store"]
+    return f"{store['dir']}/ chunks {_shape(store['chunks'])}" + (
+        f" zstd {store['zstd']}" if store.get("zstd") else "")
+  if kind == "npgen":
+    return f"numpy Generator ({rec['value'].get('bit_generator', '?')})"
+  if kind == "empty":
+    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec["type"]]
+  return _compact(_leaves.decode_value(rec))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+  location, manifest, commit = _header(args.path)
+  v = manifest.get("versions", {})
+  print(f"{location}: fnckpt format {manifest['version']}, written by fnckpt "
+        f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
+        f"{v.get('tensorstore', '?')}) on {manifest.get('process_count', 1)} process(es); "
+        f"created {_when(manifest.get('created'))}, committed {_when(commit.get('committed'))}")
+  if manifest.get("metadata") is not None:
+    print(f"metadata: {json.dumps(manifest['metadata'], default=repr)}")
+  rows = [["KEY PATH", "KIND", "DTYPE", "SHAPE", "SAVED SHARDING", "BYTES", "STORED / VALUE"]]
+  total = 0
+  for rec in manifest["leaves"]:
+    kind = rec["kind"]
+    if kind in ("array", "key"):
+      n = _nbytes(rec)
+      total += n
+      dtype = rec["dtype"] + (f" ({rec['impl']})" if kind == "key" else "")
+      rows.append([_tree.keystr(rec["path"]), kind, dtype, _shape(rec["shape"]),
+                   _sharding(rec), _human(n), _value_text(rec)])
+    else:
+      t = rec.get("subtype") or rec.get("type") or rec.get("dtype") or "-"
+      rows.append([_tree.keystr(rec["path"]), kind, str(t), "-", "-", "-", _value_text(rec)])
+  print(_table(rows))
+  arrays = sum(1 for r in manifest["leaves"] if r["kind"] in ("array", "key"))
+  stored = sum(1 for r in manifest["leaves"] if "store" in r)
+  print(f"{len(manifest['leaves'])} leaves ({arrays} arrays, {stored} stored in their own "
+        f"files), {_human(total)} of array data")
+  return 0
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+class _Progress:
+  """A one-line text progress bar on stderr (redrawn in place on a terminal, else a line
+  every 10%)."""
+
+  def __init__(self, total_bytes: int, total_chunks: int, label: str, quiet: bool):
+    self.total, self.chunks, self.label, self.quiet = total_bytes, total_chunks, label, quiet
+    self.done_bytes = self.done_chunks = 0
+    self.tty = sys.stderr.isatty()
+    self.last_draw = 0.0
+    self.last_decile = -1
+
+  def advance(self, n: int) -> None:
+    self.done_bytes += n
+    self.done_chunks += 1
+    self.draw()
+
+  def draw(self, final: bool = False) -> None:
+    if self.quiet:
+      return
+    frac = self.done_bytes / self.total if self.total else 1.0
+    if self.tty:
+      now = time.monotonic()
+      if not final and now - self.last_draw < 0.1:
+        return
+      self.last_draw = now
+    else:
+      decile = int(frac * 10)
+      if decile == self.last_decile:
+        return
+      self.last_decile = decile
+    bar = "#" * int(frac * 30)
+    line = (f"verify {self.label} [{bar:<30}] {frac * 100:5.1f}% {self.done_chunks}/"
+            f"{self.chunks} chunks {_human(self.done_bytes)}/{_human(self.total)}")
+    sys.stderr.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
+    sys.stderr.flush()
+
+
+def _verify_one(path: str, quiet: bool) -> list[str]:
+  """Every problem found in one checkpoint (each names the leaf), after reading all of it."""
+  try:
+    location, manifest, _ = _header(path)
+  except CheckpointError as e:
+    return [f"{_paths.display(path)}: {e}"]
+  problems = []
+  stored = []
+  for rec in manifest["leaves"]:
+    where = _tree.keystr(rec["path"])
+    try:
+      if "store" in rec:
+        stored.append(rec)
+      elif rec["kind"] in ("array", "key"):
+        if len(rec.get("inline", b"")) != _nbytes(rec):
+          problems.append(f"{where}: inline data has {len(rec.get('inline', b''))} bytes, "
+                          f"expected {_nbytes(rec)}")
+      else:
+        _leaves.decode_value(rec)
+    except Exception as e:
+      problems.append(f"{where}: cannot decode its value ({type(e).__name__}: {e})")
+  plans = [(rec, _regions(rec)) for rec in stored]
+  total = sum(_nbytes(rec) for rec in stored)
+  progress = _Progress(total, sum(len(r) for _, r in plans), location, quiet)
+  for rec, regions in plans:
+    where = _tree.keystr(rec["path"])
+    here = f"{location}/{rec['store']['dir']}"
+    itemsize = _leaves.dtype_of(rec["dtype"]).itemsize
+    try:
+      store = _open_stored(path, rec, check_metadata=True)
+    except Exception as e:
+      problems.append(f"{where} ({here}): cannot open its array: {_cause(e)}")
+      for region in regions:
+        progress.advance(_layout.nbytes([b - a for a, b in region], itemsize))
+      continue
+    bad = []
+    for region, value in _read_regions(store, regions, itemsize):
+      progress.advance(_layout.nbytes([b - a for a, b in region], itemsize))
+      if isinstance(value, Exception):
+        bad.append((region, value))
+    if bad:
+      region, e = bad[0]
+      more = f" (and {len(bad) - 1} more damaged chunk(s))" if len(bad) > 1 else ""
+      problems.append(f"{where} ({here}): chunk {_region_str(region)}: {_cause(e)}{more}")
+  progress.draw(final=True)
+  return problems
+
+
+def _verify(args: argparse.Namespace) -> int:
+  from ._manager import scan
+  keys = _paths.list_keys(args.path)
+  if _manifest.COMMIT in keys or _manifest.MANIFEST in keys or not keys:
+    targets = [args.path]
+  else:  # a run directory: verify every committed step
+    committed, uncommitted = scan(args.path)
+    if not committed and not uncommitted:
+      targets = [args.path]
+    else:
+      targets = [_paths.join(args.path, str(s)) for s in committed]
+      if uncommitted:
+        print(f"note: uncommitted steps {uncommitted} (interrupted saves) are not checkpoints; "
+              "not verified.")
+  failed = 0
+  for path in targets:
+    problems = _verify_one(path, args.quiet)
+    where = _paths.display(path)
+    if problems:
+      failed += 1
+      for p in problems:
+        print(f"DAMAGED {p}")
+      print(f"FAILED {where}: {len(problems)} problem(s).")
+    else:
+      print(f"OK {where}")
+  if len(targets) > 1:
+    print(f"{len(targets) - failed} of {len(targets)} checkpoints OK.")
+  return 1 if failed else 0
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+def _desc(rec: dict[str, Any]) -> str:
+  if rec["kind"] in ("array", "key"):
+    what = "key" if rec["kind"] == "key" else "array"
+    return f"{what} {rec['dtype']}{list(rec['shape'])}"
+  if rec["kind"] == "scalar":
+    return rec["type"]
+  return rec["kind"] if rec["kind"] != "empty" else f"empty {rec['type']}"
+
+
+def _chunks_of_array(path: str, rec: dict[str, Any]) -> Any:
+  """A function region -> np.ndarray for an array leaf (inline or stored)."""
+  if "inline" in rec:
+    full = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(
+        rec["shape"])
+    return lambda region: full[tuple(slice(a, b) for a, b in region)]
+  store = _open_stored(path, rec, check_metadata=False)
+  return lambda region: store[tuple(slice(a, b) for a, b in region)].read().result()
+
+
+def _count_different(a: np.ndarray, b: np.ndarray) -> int:
+  """Elements whose bytes differ (bitwise: NaN equals the same NaN, -0.0 differs from 0.0)."""
+  itemsize = a.dtype.itemsize
+  a8 = np.ascontiguousarray(a).view(np.uint8).reshape(-1, itemsize)
+  b8 = np.ascontiguousarray(b).view(np.uint8).reshape(-1, itemsize)
+  return int(np.any(a8 != b8, axis=1).sum())
+
+
+def _values_differ(path_a: str, rec_a: dict, path_b: str, rec_b: dict) -> str | None:
+  if rec_a["kind"] not in ("array", "key"):
+    va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
+    if rec_a["kind"] == "npgen":
+      va, vb = va.bit_generator.state, vb.bit_generator.state
+      same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(vb, default=repr,
+                                                                        sort_keys=True)
+    elif isinstance(va, float) and isinstance(vb, float):
+      same = np.float64(va).tobytes() == np.float64(vb).tobytes()
+    else:
+      same = type(va) is type(vb) and va == vb
+    return None if same else f"{_compact(va, 30)} -> {_compact(vb, 30)}"
+  read_a, read_b = _chunks_of_array(path_a, rec_a), _chunks_of_array(path_b, rec_b)
+  shape = rec_a["shape"]
+  itemsize = _leaves.dtype_of(rec_a["dtype"]).itemsize
+  if any(n == 0 for n in shape):
+    return None
+  # slabs along the leading dimension of at most ~64 MiB
+  row = _layout.nbytes(shape[1:], itemsize) if shape else itemsize
+  step = max(1, _READ_IN_FLIGHT_BYTES // max(1, row)) if shape else 1
+  differ = 0
+  for start in range(0, shape[0] if shape else 1, step):
+    region = (((start, min(start + step, shape[0])),) + tuple((0, n) for n in shape[1:])
+              if shape else ())
+    differ += _count_different(np.asarray(read_a(region)), np.asarray(read_b(region)))
+  total = math.prod(shape)
+  return f"{differ} of {total} elements differ" if differ else None
+
+
+def _diff(args: argparse.Namespace) -> int:
+  loc_a, man_a, _ = _header(args.a)
+  loc_b, man_b, _ = _header(args.b)
+  recs_a = {_tree.match_key(r["path"]): r for r in man_a["leaves"]}
+  recs_b = {_tree.match_key(r["path"]): r for r in man_b["leaves"]}
+  lines = []
+  for key, rec in recs_a.items():
+    if key not in recs_b:
+      lines.append(f"- {_tree.keystr(rec['path'])}: {_desc(rec)}")
+  for key, rec in recs_b.items():
+    if key not in recs_a:
+      lines.append(f"+ {_tree.keystr(rec['path'])}: {_desc(rec)}")
+  same_structure = []
+  for key, ra in recs_a.items():
+    rb = recs_b.get(key)
+    if rb is None:
+      continue
+    if _desc(ra) != _desc(rb) or ra.get("impl") != rb.get("impl"):
+      lines.append(f"~ {_tree.keystr(ra['path'])}: {_desc(ra)} -> {_desc(rb)}")
+    else:
+      same_structure.append((ra, rb))
+  if args.values:
+    for ra, rb in same_structure:
+      try:
+        text = _values_differ(args.a, ra, args.b, rb)
+      except Exception as e:
+        text = f"cannot compare: {_cause(e)}"
+      if text:
+        lines.append(f"! {_tree.keystr(ra['path'])}: values differ ({text})")
+    if man_a.get("metadata") != man_b.get("metadata"):
+      lines.append(f"! metadata: {_compact(man_a.get('metadata'))} -> "
+                   f"{_compact(man_b.get('metadata'))}")
+  if not lines:
+    what = "trees and values" if args.values else "trees (key paths, kinds, dtypes, shapes)"
+    print(f"{loc_a} and {loc_b}: same {what}.")
+    return 0
+  print(f"--- {loc_a}\n+++ {loc_b}")
+  print("\n".join(lines))
+  return 1
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="fnckpt", description="Inspect and check fnckpt checkpoints (no devices needed).",
+      epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
+             "(ls); 2 usage error or unreadable location.")
+  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  ls = sub.add_parser("ls", help="list the steps of a run directory",
+                      description="Committed steps (and uncommitted leftovers) of a "
+                      "CheckpointManager directory: data size, leaves, files, commit time, "
+                      "metrics.")
+  ls.add_argument("dir")
+  ls.set_defaults(run=_ls)
+  ins = sub.add_parser("inspect", help="show the saved tree of one checkpoint",
+                       description="Key path, kind, dtype, shape, saved sharding, bytes and "
+                       "inline values of every leaf.")
+  ins.add_argument("path")
+  ins.set_defaults(run=_inspect)
+  ver = sub.add_parser("verify", help="read every chunk and check its checksum",
+                       description="Read every chunk of a checkpoint (or of every committed "
+                       "step of a run directory), checking crc32c checksums; exit 1 naming "
+                       "each damaged leaf.")
+  ver.add_argument("path")
+  ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+  ver.set_defaults(run=_verify)
+  dif = sub.add_parser("diff", help="compare two checkpoints",
+                       description="Key paths only in A (-), only in B (+), changed in kind, "
+                       "dtype or shape (~); with --values, leaves whose values differ (!). "
+                       "Exit 1 when they differ.")
+  dif.add_argument("a")
+  dif.add_argument("b")
+  dif.add_argument("--values", action="store_true", help="also compare the data, bitwise")
+  dif.set_defaults(run=_diff)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Run the ``fnckpt`` command line; return its exit status.
+
+  >>> import numpy as np, fnckpt, fnckpt.cli, tempfile
+  >>> d = tempfile.mkdtemp()
+  >>> _ = fnckpt.save({"w": np.arange(4.0)}, f"{d}/c").wait()
+  >>> fnckpt.cli.main(["verify", "--quiet", f"{d}/c"])  # doctest: +ELLIPSIS
+  OK .../c
+  0
+  """
+  args = _parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except (CheckpointError, OSError, ValueError) as e:  # TensorStore I/O errors are ValueErrors
+    print(f"fnckpt {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  except BrokenPipeError:  # `fnckpt ls DIR | head`
+    return 0

@@ -1,0 +1,403 @@
+"""The script that test child processes run: ``python tests/mp_worker.py '<json config>'``.
+
+``config["mode"]`` picks what to do (the functions named ``mode_*`` below). With
+``num_processes`` > 1 the child joins a ``jax.distributed`` job on 127.0.0.1 first. Results go
+to stdout as one line ``RESULT <json>``; progress lines (``PHASE <name>``) let the parent act at
+an exact instant. Importing this module has no side effects: the parent imports it for the
+deterministic test values (:func:`expected`, :func:`make_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+# --- deterministic values, the same in every process and in the parent --------------------
+
+def expected(name: str, shape, dtype: str = "float32", seed: int = 0) -> np.ndarray:
+  """The value of leaf ``name`` (a pure function of its name, shape, dtype and seed)."""
+  offset = (sum(map(ord, name)) * 7919 + seed * 104729) % 100003
+  size = int(np.prod(shape, dtype=np.int64))
+  if np.dtype(dtype).kind == "b":
+    return ((np.arange(size) + offset) % 3 == 0).reshape(shape)
+  if np.dtype(dtype).kind in "iu":
+    return ((np.arange(size, dtype=np.int64) + offset) % 1000).astype(dtype).reshape(shape)
+  return ((np.arange(size, dtype=np.float64) + offset) * 0.5).astype(dtype).reshape(shape)
+
+
+def make_state(leaves: dict[str, dict[str, Any]], mesh=None, seed: int = 0) -> dict[str, Any]:
+  """A tree of global arrays. Each leaf: ``shape``, ``dtype``, ``spec`` (a PartitionSpec as a
+  list; ``None`` entries unsharded; ``"replicated"`` for P()) and ``kind`` ("jax" or
+  "numpy")."""
+  import jax
+  out = {}
+  for name, leaf in leaves.items():
+    value = expected(name, leaf["shape"], leaf.get("dtype", "float32"), seed)
+    if leaf.get("kind", "jax") == "numpy":
+      out[name] = value
+      continue
+    sharding = sharding_of(mesh, leaf.get("spec"))
+    out[name] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+  return out
+
+
+def sharding_of(mesh, spec):
+  import jax
+  P = jax.sharding.PartitionSpec
+  if spec is None or spec == "replicated":
+    return jax.sharding.NamedSharding(mesh, P())
+  return jax.sharding.NamedSharding(mesh, P(*[tuple(s) if isinstance(s, list) else s
+                                              for s in spec]))
+
+
+def check_addressable(name: str, arr, value: np.ndarray) -> int:
+  """Compare every addressable shard of ``arr`` with the expected numpy ``value``; return the
+  number of shards checked (raises AssertionError on a difference)."""
+  n = 0
+  for shard in arr.addressable_shards:
+    got = np.asarray(shard.data)
+    want = value[shard.index]
+    if got.shape != want.shape or got.dtype != want.dtype or got.tobytes() != want.tobytes():
+      raise AssertionError(f"{name}: shard {shard.index} on {shard.device} differs")
+    n += 1
+  return n
+
+
+# --- setup ------------------------------------------------------------------------------
+
+def setup(cfg: dict[str, Any]) -> None:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  jax.config.update("jax_num_cpu_devices", int(cfg.get("devices", 1)))
+  n = int(cfg.get("num_processes", 1))
+  if n > 1:
+    # gloo is jax 0.10's default CPU collectives implementation; set it explicitly so the job
+    # does not depend on that default. fnckpt itself needs no collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=n,
+        process_id=int(cfg["process_id"]),
+        heartbeat_timeout_seconds=int(cfg.get("heartbeat_s", 10)),
+        initialization_timeout=int(cfg.get("init_timeout_s", 60)),
+        shutdown_timeout_seconds=int(cfg.get("shutdown_timeout_s", 20)))
+
+
+def say(line: str) -> None:
+  print(line, flush=True)
+
+
+def result(obj: Any) -> None:
+  say("RESULT " + json.dumps(obj))
+
+
+def make_mesh(shape, axes):
+  import jax
+  return jax.make_mesh(tuple(shape), tuple(axes), devices=jax.devices())
+
+
+def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None:
+  """Stop the save at ``phase``: ``kill`` (SIGKILL itself), ``hang`` (print ``PHASE name``
+  then sleep until killed from outside), ``raise`` (the save fails there), ``sleep`` (delay
+  the save by one second there). ``phase="midwrite"``: SIGKILL while staging chunk number
+  ``after_chunks + 1``, once the earlier chunks are durable on storage."""
+  import signal
+  import fnckpt._save as save_mod
+  import fnckpt._store as store_mod
+
+  def act(name: str) -> None:
+    say(f"PHASE {name}")
+    if action == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "hang":
+      while True:
+        time.sleep(60)
+    elif action == "raise":
+      raise RuntimeError(f"injected failure at {name}")
+    elif action == "sleep":
+      time.sleep(1.0)
+
+  if phase == "midwrite":
+    real = store_mod.write_chunk
+    issued = []
+
+    def write_chunk(store, index, data):
+      if len(issued) == after_chunks:
+        for f in issued:
+          f.result()
+        act("midwrite")
+      fut = real(store, index, data)
+      issued.append(fut)
+      return fut
+
+    store_mod.write_chunk = write_chunk
+    return
+
+  def hook(name: str) -> None:
+    if name == phase:
+      act(name)
+
+  save_mod._phase = hook
+
+
+# --- modes ------------------------------------------------------------------------------
+
+def mode_save(cfg):
+  """Save ``leaves`` (on ``mesh``) to ``path``; report this process's stats. Optionally a
+  fault (``fault``: {phase, action}) and ``prev``: a checkpoint saved (and committed) first."""
+  import jax
+  import fnckpt
+  mesh = make_mesh(*cfg["mesh"])
+  if cfg.get("prev"):
+    prev = make_state(cfg["leaves"], mesh, seed=1)
+    prev["step"] = 6
+    fnckpt.save(prev, cfg["prev"], barrier_timeout_s=cfg.get("barrier_s", 60)).wait()
+  state = make_state(cfg["leaves"], mesh, seed=cfg.get("seed", 0))
+  state["step"] = 7
+  if cfg.get("fault"):
+    f = cfg["fault"]
+    if f.get("process", jax.process_index()) == jax.process_index():
+      install_fault(f["phase"], f["action"])
+  saves = cfg.get("repeat", 1)
+  stats = []
+  t0 = time.monotonic()
+  try:
+    for _ in range(saves):
+      h = fnckpt.save(state, cfg["path"], overwrite=cfg.get("overwrite", False),
+                      barrier_timeout_s=cfg.get("barrier_s", 60))
+      s = h.wait()
+      stats.append({"bytes_written": s.bytes_written, "chunks_written": s.chunks_written,
+                    "blocking_s": s.blocking_s, "total_s": s.total_s})
+  except Exception as e:
+    result({"process": jax.process_index(), "error": type(e).__name__, "message": str(e),
+            "elapsed_s": time.monotonic() - t0})
+    return
+  result({"process": jax.process_index(), "stats": stats, "elapsed_s": time.monotonic() - t0})
+
+
+def mode_restore(cfg):
+  """Restore ``path`` onto ``mesh`` with the PartitionSpecs in ``target`` and check every
+  addressable shard against the expected values."""
+  import jax
+  import fnckpt
+  mesh = make_mesh(*cfg["mesh"])
+  target = {}
+  for name, leaf in cfg["leaves"].items():
+    spec = cfg["target"].get(name, leaf.get("spec"))
+    if leaf.get("kind", "jax") == "numpy":
+      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
+    else:
+      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf.get("dtype",
+                                          "float32")), sharding=sharding_of(mesh, spec))
+  target["step"] = 0
+  got = fnckpt.restore(cfg["path"], target)
+  checked = 0
+  for name, leaf in cfg["leaves"].items():
+    value = expected(name, leaf["shape"], leaf.get("dtype", "float32"), cfg.get("seed", 0))
+    if leaf.get("kind", "jax") == "numpy":
+      assert isinstance(got[name], np.ndarray) and got[name].tobytes() == value.tobytes(), name
+      checked += 1
+    else:
+      assert got[name].sharding == target[name].sharding, name
+      checked += check_addressable(name, got[name], value)
+  assert got["step"] == 7
+  result({"process": jax.process_index(), "checked_shards": checked,
+          "devices": [d.id for d in jax.local_devices()]})
+
+
+def mode_skip_save(cfg):
+  """Process ``absent`` never calls save (but stays alive); the others save with a short
+  barrier deadline and report the error they get."""
+  import jax
+  import fnckpt
+  if jax.process_index() == cfg["absent"]:
+    time.sleep(cfg["absent_sleep_s"])
+    result({"process": jax.process_index(), "absent": True})
+    return
+  mode_save(cfg)
+
+
+def mode_exit_without_wait(cfg):
+  """Save and fall off the end of the script without waiting; the save is made to still be
+  pending then (its commit is delayed by a second at ``written``)."""
+  import fnckpt
+  install_fault("written", cfg.get("action", "sleep"))
+  state = {name: expected(name, leaf["shape"], leaf.get("dtype", "float32"))
+           for name, leaf in cfg["leaves"].items()}
+  h = fnckpt.save(state, cfg["path"])
+  result({"done_when_main_returned": h.done()})
+
+
+def _rss(field: str = "VmRSS") -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError(field)
+
+
+def mode_memory_budget(cfg):
+  """Peak RSS of one save, above the RSS before it (the state already allocated)."""
+  import gc
+  import threading
+  import jax
+  import fnckpt
+  import fnckpt._save as save_mod
+  mesh = make_mesh([cfg["devices"]], ["a"])
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
+  shape = tuple(cfg["shape"])
+  state = {f"w{i}": jax.make_array_from_callback(
+      shape, sharding, lambda idx, i=i: np.full(shape, i + 1, np.float32)[idx])
+      for i in range(cfg["leaves"])}
+  jax.block_until_ready(state)
+  # Warm up: thread pools, the TensorStore drivers, zarr.json writing, a small save.
+  warm = {"w": jax.make_array_from_callback(
+      (8 * 1024, 256), sharding, lambda idx: np.ones((8 * 1024, 256), np.float32)[idx])}
+  fnckpt.save(warm, cfg["path"] + "/warm").wait()
+  gc.collect()
+  time.sleep(0.2)
+  base = _rss()
+  samples = []
+  stop = threading.Event()
+
+  def sample():  # also sample, in case VmHWM cannot be reset on this kernel
+    while not stop.is_set():
+      b = save_mod._budget
+      samples.append((_rss() - base, b.held if b else 0))
+      time.sleep(0.001)
+
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM to the current RSS
+  hwm_reset = _rss("VmHWM") - base
+  t = threading.Thread(target=sample, daemon=True)
+  t.start()
+  budget = cfg["budget_mib"] * MiB
+  h = fnckpt.save(state, cfg["path"] + "/ckpt", budget_bytes=budget)
+  stats = h.wait()
+  peak_hwm = _rss("VmHWM") - base
+  stop.set()
+  t.join()
+  result({"base": base, "hwm_after_reset": hwm_reset, "peak_hwm": peak_hwm,
+          "peak_sampled": max(s[0] for s in samples),
+          "max_held": max(s[1] for s in samples), "budget": budget,
+          "peak_staged_bytes": stats.peak_staged_bytes, "bytes_written": stats.bytes_written,
+          "chunks_written": stats.chunks_written, "state_bytes": sum(
+              x.nbytes for x in state.values()), "blocking_s": stats.blocking_s,
+          "total_s": stats.total_s})
+
+
+def mode_memory_growth(cfg):
+  """RSS and Python-heap growth over many consecutive async saves of the same state."""
+  import gc
+  import shutil
+  import tracemalloc
+  import weakref
+  import jax
+  import fnckpt
+  mesh = make_mesh([cfg["devices"]], ["a"])
+  state = make_state({
+      "w": {"shape": [256, 256], "spec": ["a"]},           # 8 chunks
+      "r": {"shape": [64, 256], "spec": "replicated"},     # 1 chunk, written once
+      "n": {"shape": [128, 64], "kind": "numpy"},          # 1 chunk
+      "b": {"shape": [16], "spec": "replicated"},          # inline
+  }, mesh)
+  state["step"] = 1
+  root = cfg["path"]
+  handles = []
+  refs = []
+
+  def one(i):
+    h = fnckpt.save(state, f"{root}/{i}")
+    handles.append(h)
+    refs.append(weakref.ref(h))
+    if len(handles) > 1:  # async: wait for the previous one only, then delete it
+      handles.pop(0).wait()
+      shutil.rmtree(f"{root}/{i - 1}")
+
+  n_warm, n = cfg["warmup"], cfg["saves"]
+  for i in range(n_warm):
+    one(i)
+  gc.collect()
+  time.sleep(0.2)
+  rss0 = _rss()
+  tracemalloc.start()
+  snap0 = tracemalloc.take_snapshot()
+  for i in range(n_warm, n_warm + n):
+    one(i)
+  handles.pop(0).wait()
+  gc.collect()
+  snap1 = tracemalloc.take_snapshot()
+  py_growth = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
+  top = [str(s) for s in snap1.compare_to(snap0, "lineno")[:5]]
+  tracemalloc.stop()
+  time.sleep(0.2)
+  rss1 = _rss()
+  alive = sum(r() is not None for r in refs)
+  import fnckpt._save as save_mod
+  result({"rss_before": rss0, "rss_after": rss1, "py_growth": py_growth, "top": top,
+          "handles_alive": alive, "pending": len(save_mod._pending),
+          "left": sorted(os.listdir(root))})
+
+
+def mode_fill_disk(cfg):
+  """(Run inside a private mount namespace whose ``path`` is a small tmpfs.) A first
+  checkpoint fits; a second one does not: its error, then what a reader sees."""
+  import fnckpt
+  small = {"a": expected("a", (64, 1024))}
+  fnckpt.save(small, cfg["path"] + "/ok").wait()
+  big = {f"x{i}": expected(f"x{i}", (256, 1024)) for i in range(cfg["big_leaves"])}
+  out: dict[str, Any] = {}
+  try:
+    fnckpt.save(big, cfg["path"] + "/big").wait()
+    out["save"] = "succeeded"
+  except Exception as e:
+    out["save"] = type(e).__name__
+    out["message"] = str(e)
+  try:
+    fnckpt.restore(cfg["path"] + "/big")
+    out["restore_big"] = "succeeded"
+  except Exception as e:
+    out["restore_big"] = type(e).__name__
+    out["restore_big_message"] = str(e)
+  got = fnckpt.restore(cfg["path"] + "/ok")
+  out["ok_intact"] = got["a"].tobytes() == small["a"].tobytes()
+  out["df"] = os.statvfs(cfg["path"]).f_bavail * os.statvfs(cfg["path"]).f_frsize
+  result(out)
+
+
+def mode_read_only(cfg):
+  """(Run where ``path`` is mounted read-only.) Saving there must fail clearly."""
+  import fnckpt
+  out: dict[str, Any] = {}
+  try:
+    h = fnckpt.save({"a": expected("a", (64, 1024)), "s": 3}, cfg["path"] + "/ckpt")
+    out["returned"] = True
+    h.wait()
+    out["save"] = "succeeded"
+  except Exception as e:
+    out["save"] = type(e).__name__
+    out["message"] = str(e)
+  result(out)
+
+
+def main() -> None:
+  cfg = json.loads(sys.argv[1])
+  setup(cfg)
+  try:
+    globals()["mode_" + cfg["mode"]](cfg)
+  except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
+
+
+if __name__ == "__main__":
+  main()

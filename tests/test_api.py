@@ -1,0 +1,100 @@
+"""The public namespace is the contract: ``fnckpt.__all__`` is exactly the public names, each
+documented; every module's docstring examples run; importing fnckpt has no side effects."""
+
+import doctest
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+import tempfile
+import types
+
+import pytest
+
+import fnckpt
+
+MODULES = sorted(m.name for m in pkgutil.iter_modules(fnckpt.__path__)
+                 if m.name != "__main__")  # __main__ runs the CLI when imported
+
+
+@pytest.mark.parametrize("name", ["fnckpt", *(f"fnckpt.{m}" for m in MODULES)])
+def test_doctests(name, tmp_path, monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # examples use tempfile.mkdtemp()
+  module = importlib.import_module(name)
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+                           verbose=False, report=True)
+  assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def test_the_core_modules_have_examples():
+  for name in ("_tree", "_manifest", "_layout", "_leaves", "_paths", "_save", "_restore"):
+    module = importlib.import_module(f"fnckpt.{name}")
+    examples = sum(len(t.examples) for t in doctest.DocTestFinder().find(module))
+    assert examples > 0, name
+
+
+def _public_names(module):
+  return {n for n, v in vars(module).items()
+          if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def test_all_is_exactly_the_public_names():
+  assert len(fnckpt.__all__) == len(set(fnckpt.__all__)), "duplicates in fnckpt.__all__"
+  assert set(fnckpt.__all__) == _public_names(fnckpt)
+  for core in ("save", "restore", "metadata", "wait", "SaveHandle", "SaveStats",
+               "CheckpointMetadata", "ArrayMetadata", "SavedSharding", "CheckpointError",
+               "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError"):
+    assert core in fnckpt.__all__
+  assert len(fnckpt.__all__) <= 16, "keep the public namespace near a dozen names"
+
+
+@pytest.mark.parametrize("name", fnckpt.__all__)
+def test_every_public_name_is_documented(name):
+  obj = getattr(fnckpt, name)
+  doc = inspect.getdoc(obj)
+  assert doc and len(doc.split()) >= 3, f"fnckpt.{name} has no real docstring"
+  if inspect.isclass(obj):
+    for attr, member in vars(obj).items():
+      if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+        assert inspect.getdoc(member), f"fnckpt.{name}.{attr} has no docstring"
+
+
+def test_errors_form_one_hierarchy():
+  for name in ("TreeMismatchError", "NotCommittedError", "BarrierTimeoutError"):
+    assert issubclass(getattr(fnckpt, name), fnckpt.CheckpointError)
+  assert issubclass(fnckpt.TreeMismatchError, ValueError)
+  assert issubclass(fnckpt.BarrierTimeoutError, TimeoutError)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_all_names_exist(name):
+  module = importlib.import_module(f"fnckpt.{name}")
+  for n in getattr(module, "__all__", ()):
+    assert hasattr(module, n), f"fnckpt.{name}.__all__ names {n!r}, which does not exist"
+
+
+def test_import_has_no_side_effects():
+  code = (
+      "import threading, sys\n"
+      "before = threading.active_count()\n"
+      "import fnckpt\n"
+      "from fnckpt import _paths, _save\n"
+      "assert threading.active_count() == before, 'threads started at import'\n"
+      "assert _paths._root_context is None, 'a TensorStore context was created at import'\n"
+      "assert _save._budget is None and not _save._pending\n"
+      "print('ok')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_no_pickle_and_no_private_jax_imports_in_the_package():
+  import pathlib
+  root = pathlib.Path(fnckpt.__file__).parent
+  for path in root.glob("*.py"):
+    text = path.read_text()
+    assert "import pickle" not in text and "cloudpickle" not in text, path.name
+    if "jax._src" in text:
+      # the one allowed: the coordination client has no public accessor
+      assert path.name == "_commit.py", f"{path.name} imports jax._src"

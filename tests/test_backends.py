@@ -1,0 +1,587 @@
+"""One behaviour suite, every storage backend: ``memory://``, local files, S3 (a real local
+SeaweedFS) and GCS (a real local fake-gcs-server).
+
+Every test taking the ``backend`` fixture runs on all four, so each backend is held to the same
+contract: round trips with resharding, metadata, async saves, overwrite rules, the commit rule
+(marker written last, no extra keys, uncommitted data refused and never listed), checksums,
+missing chunks, the manager's listing and retention (prefix deletes, nothing left behind, a step
+being read is not deleted) and the CLI. Failures that exist only on object stores (a missing
+bucket, wrong credentials, an unreachable endpoint) are parametrised over the backends where they
+can happen, with the local-files analogue beside them.
+
+Nothing is mocked: the servers are real processes (tests/servers.py); the only patched names are
+fnckpt's own test hook ``fnckpt._save._phase`` and, to hold a restore open mid-read, a wrapper
+around ``fnckpt._restore._read_all`` that waits before calling the real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fnckpt
+from fnckpt import _paths, _restore, _save
+
+import servers
+from tree_utils import assert_placed, assert_trees_all_equal
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("memory", "file", "s3", "gcs")
+# Retry settings for the bad-input cases: a failure must surface quickly, not after
+# TensorStore's default 32 retries with up to 32 s of backoff each.
+FAST = {"max_retries": 1, "initial_delay": "10ms", "max_delay": "50ms"}
+FAST_ENV = {"FNCKPT_REQUEST_RETRIES": "1", "FNCKPT_REQUEST_INITIAL_DELAY": "10ms",
+            "FNCKPT_REQUEST_MAX_DELAY": "50ms"}
+BOUND_S = 15.0  # a bad-input error must surface within this many seconds
+
+
+@dataclasses.dataclass
+class Backend:
+  """A fresh, empty location on one backend, and how to reach it."""
+  name: str
+  base: str                       # a URL (or local path) nobody else uses
+  options: dict[str, Any] | None  # storage_options for fnckpt calls
+  env: dict[str, str]             # environment (already applied in this process)
+  server: servers.ObjectStoreServer | None = None
+
+  def url(self, *names: str) -> str:
+    return _paths.join(self.base, *names)
+
+  def kv(self, url: str) -> ts.KvStore:
+    return _paths.open_kvstore(url, self.options)
+
+  def keys(self, url: str) -> list[str]:
+    return _paths.list_keys(url, self.options)
+
+  def save(self, tree, url, **kwargs) -> fnckpt.SaveHandle:
+    return fnckpt.save(tree, url, storage_options=self.options, **kwargs)
+
+  def restore(self, url, target=None, **kwargs):
+    return fnckpt.restore(url, target, storage_options=self.options, **kwargs)
+
+  def metadata(self, url) -> fnckpt.CheckpointMetadata:
+    return fnckpt.metadata(url, storage_options=self.options)
+
+  def manager(self, root, **kwargs) -> fnckpt.CheckpointManager:
+    return fnckpt.CheckpointManager(root, storage_options=self.options, **kwargs)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path) -> Backend:
+  name = request.param
+  if name == "memory":
+    return Backend(name, f"memory://test_backends/{uuid.uuid4().hex}", None, {})
+  if name == "file":
+    return Backend(name, str(tmp_path / "store"), None, {})
+  server = request.getfixturevalue(f"{name}_env")  # the session's server, env applied
+  return Backend(name, server.unique_url("backends"), dict(server.storage_options), server.env,
+                 server)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def mesh(shape=(2, 4), names=("data", "model"), n=None):
+  devices = jax.devices()[:n] if n else None
+  return jax.make_mesh(shape, names, devices=devices)
+
+
+def train_state(step: int = 0) -> dict[str, Any]:
+  """A small training state: sharded, replicated and single-device arrays, a typed PRNG key,
+  numpy values and Python scalars; the large leaves get files of their own."""
+  m = mesh()
+  w = (jnp.arange(128 * 256, dtype=jnp.float32).reshape(128, 256) + step) / 7
+  return {
+      "params": {
+          "w": jax.device_put(w, NamedSharding(m, P("data", "model"))),
+          "emb": jax.device_put(jnp.arange(64 * 128, dtype=jnp.int32).reshape(64, 128) * 3 + step,
+                                NamedSharding(m, P("model"))),
+          "norm": jax.device_put(jnp.linspace(0, 1, 8192, dtype=jnp.bfloat16),
+                                 NamedSharding(m, P())),           # replicated
+          "b": jnp.full((16,), 0.5 + step, jnp.float32),           # small: inline
+      },
+      "opt": {"mu": np.arange(6000, dtype=np.float64) * step, "count": np.int64(step)},
+      "rng": jax.random.key(step),
+      "step": step,
+      "name": "run-1",
+      "empty": {},
+  }
+
+
+def resharded_target(state):
+  """Every array of ``state`` onto other meshes: 4x2 with other specs, and 4 devices only."""
+  m42, m4 = mesh((4, 2), ("x", "y")), mesh((2, 2), ("a", "b"), n=4)
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  p = state["params"]
+  return {
+      "params": {"w": sds(p["w"], NamedSharding(m42, P("y", "x"))),
+                 "emb": sds(p["emb"], NamedSharding(m4, P(None, ("a", "b")))),
+                 "norm": sds(p["norm"], NamedSharding(m42, P("x"))),
+                 "b": sds(p["b"], NamedSharding(m4, P())),
+                 },
+      "opt": {"mu": np.zeros_like(state["opt"]["mu"]), "count": np.int64(0)},
+      "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                                  sharding=NamedSharding(m4, P())),
+      "step": 0, "name": "", "empty": {},
+  }
+
+
+def host_tree(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else x) if isinstance(x, jax.Array) else x, tree)
+
+
+def stored_keys(backend: Backend, url: str, leaf: str = "w") -> tuple[str, list[str]]:
+  """(the directory of ``params/<leaf>`` inside the checkpoint, its chunk keys)."""
+  directory = backend.metadata(url).tree["params"][leaf].stored
+  chunks = [k for k in backend.keys(url) if k.startswith(f"{directory}/c/")]
+  assert chunks, backend.keys(url)
+  return directory, chunks
+
+
+@pytest.fixture
+def phase(monkeypatch):
+  """``phase(location, name, fn)``: run ``fn()`` when the save to ``location`` reaches phase
+  ``name`` in its writer thread (through fnckpt's own test hook ``_save._phase``)."""
+  hooks: dict[tuple[str, str], Any] = {}
+
+  def hook(name):
+    thread = threading.current_thread().name
+    for (location, when), fn in list(hooks.items()):
+      if when == name and thread == f"fnckpt-save:{location}":
+        fn()
+
+  monkeypatch.setattr(_save, "_phase", hook)
+
+  def add(location, name, fn):
+    """Install the hook; returns a function that removes it."""
+    key = (_paths.display(location), name)
+    hooks[key] = fn
+    return lambda: hooks.pop(key, None)
+  return add
+
+
+def crash_before_commit(backend: Backend, phase, url: str, tree) -> None:
+  """A real interrupted save: every chunk and the manifest written, no commit marker."""
+  def crash():
+    raise RuntimeError("simulated crash before the commit")
+  remove = phase(url, "committing", crash)
+  try:
+    handle = backend.save(tree, url)
+    with pytest.raises(fnckpt.CheckpointError, match="simulated crash"):
+      handle.wait()
+  finally:
+    remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# the contract, on every backend
+
+
+def test_round_trip_reshard_and_metadata(backend):
+  state = train_state(3)
+  url = backend.url("ckpt")
+  handle = backend.save(state, url, metadata={"epoch": 2, "note": "x"})
+  stats = handle.wait()
+  assert stats.bytes_written >= 128 * 256 * 4 and stats.chunks_written >= 8
+
+  # The same values, placed as the target says, on other meshes and another device count.
+  target = resharded_target(state)
+  out = backend.restore(url, target)
+  for name in ("w", "emb", "norm", "b"):
+    assert_placed(out["params"][name], target["params"][name].sharding,
+                  np.asarray(state["params"][name]), f"params/{name}")
+  assert out["rng"].dtype == state["rng"].dtype
+  np.testing.assert_array_equal(jax.random.key_data(out["rng"]),
+                                jax.random.key_data(state["rng"]))
+  assert_trees_all_equal(host_tree({k: out[k] for k in ("opt", "step", "name", "empty")}),
+                         {k: state[k] for k in ("opt", "step", "name", "empty")})
+
+  # No target: host numpy values in plain containers.
+  plain = backend.restore(url)
+  np.testing.assert_array_equal(plain["params"]["w"], np.asarray(state["params"]["w"]))
+  assert isinstance(plain["params"]["emb"], np.ndarray)
+
+  # Metadata: no data read, shapes, dtypes, saved shardings, user metadata.
+  meta = backend.metadata(url)
+  assert meta.location == _paths.display(url) and meta.user_metadata == {"epoch": 2, "note": "x"}
+  w = meta.tree["params"]["w"]
+  assert (w.shape, w.dtype, w.nbytes) == ((128, 256), np.dtype(np.float32), 128 * 256 * 4)
+  assert w.sharding.axes == ("data", "model") and w.sharding.sizes == (2, 4)
+  assert w.sharding.spec == P("data", "model")
+  assert meta.tree["params"]["norm"].dtype == jnp.bfloat16
+  assert meta.tree["params"]["b"].stored == "inline"
+  assert meta.tree["step"] == 3 and meta.tree["name"] == "run-1"
+  assert meta.process_count == 1 and meta.versions["fnckpt"] == fnckpt.__version__
+
+
+def test_commit_marker_is_written_last_and_nothing_else(backend, phase):
+  """While a save sits between its last data write and its marker, the location holds data and
+  manifest but no COMMIT, and every reader refuses it; afterwards exactly the documented keys
+  exist (no temporary or renamed objects)."""
+  url = backend.url("run", "7")
+  at_marker, release = threading.Event(), threading.Event()
+
+  def hold():
+    at_marker.set()
+    assert release.wait(60)
+  phase(url, "committing", hold)
+  handle = backend.save(train_state(7), url)
+  try:
+    assert at_marker.wait(60)
+    keys = backend.keys(url)
+    assert "manifest.msgpack" in keys and any(k.startswith("d/") for k in keys)
+    assert "COMMIT" not in keys
+    with pytest.raises(fnckpt.NotCommittedError, match="interrupted save"):
+      backend.restore(url)
+    with pytest.raises(fnckpt.NotCommittedError):
+      backend.metadata(url)
+    with pytest.warns(UserWarning, match=r"uncommitted steps \[7\]"):  # (a save in flight)
+      assert backend.manager(backend.url("run")).all_steps() == []
+  finally:
+    release.set()
+  handle.wait()
+  keys = backend.keys(url)
+  assert "COMMIT" in keys
+  dirs = {r["store"]["dir"] for r in backend.metadata(url).leaves if "store" in r}
+  assert dirs  # some leaves have files of their own
+  for key in keys:
+    head, _, rest = key.partition("/")
+    if key in ("COMMIT", "manifest.msgpack"):
+      continue
+    owner = next((d for d in dirs if key.startswith(d + "/")), None)
+    assert owner is not None, f"unexpected key {key!r}"
+    assert key == f"{owner}/zarr.json" or key.startswith(f"{owner}/c/"), key
+  assert backend.manager(backend.url("run")).all_steps() == [7]
+
+
+def test_async_save_is_donation_safe_then_wait(backend):
+  with contextlib.suppress(Exception):  # failures of earlier tests' saves are not ours
+    fnckpt.wait()
+  state = train_state(5)
+  expected = host_tree(state)
+  url = backend.url("async")
+  handle = backend.save(state, url)
+  assert isinstance(handle, fnckpt.SaveHandle)
+  for leaf in jax.tree.leaves(state):  # the caller drops its arrays as soon as save returns
+    if isinstance(leaf, jax.Array):
+      leaf.delete()
+  fnckpt.wait()  # every pending save of this process
+  assert handle.done() and handle.wait().total_s > 0
+  assert_trees_all_equal(host_tree(backend.restore(url, resharded_target(train_state(5)))),
+                         expected)
+
+
+def test_overwrite_refused_unless_asked(backend):
+  url = backend.url("ow")
+  old = {"w": np.arange(9000, dtype=np.float32), "old_only": np.ones(9000, np.int16), "v": 1}
+  backend.save(old, url).wait()
+  with pytest.raises(fnckpt.CheckpointError, match="already exists") as info:
+    backend.save({"w": np.zeros(3)}, url)
+  assert _paths.display(url) in str(info.value)
+  assert backend.restore(url)["v"] == 1  # untouched
+
+  new = {"w": np.arange(9000, dtype=np.float32)[::-1].copy(), "v": 2}
+  backend.save(new, url, overwrite=True, zstd=3).wait()
+  assert_trees_all_equal(backend.restore(url), new)
+  stored = {r["store"]["dir"] for r in backend.metadata(url).leaves if "store" in r}
+  leftovers = [k for k in backend.keys(url) if k.startswith("d/")
+               and k.split("/")[0] + "/" + k.split("/")[1] not in stored]
+  assert leftovers == []  # the old checkpoint's files are gone, not mixed in
+
+
+def test_uncommitted_save_is_refused_and_never_listed(backend, phase):
+  root = backend.url("run")
+  backend.save(train_state(1), _paths.join(root, "1")).wait()
+  crash_before_commit(backend, phase, _paths.join(root, "2"), train_state(2))
+  url2 = _paths.join(root, "2")
+  assert "manifest.msgpack" in backend.keys(url2) and "COMMIT" not in backend.keys(url2)
+  for read in (backend.restore, backend.metadata):
+    with pytest.raises(fnckpt.NotCommittedError, match="interrupted save") as info:
+      read(url2)
+    assert _paths.display(url2) in str(info.value)
+  with pytest.raises(fnckpt.CheckpointError, match="interrupted save"):
+    backend.save(train_state(2), url2)  # not clobbered silently either
+  with pytest.warns(UserWarning, match=r"uncommitted steps \[2\]"):
+    mgr = backend.manager(root)
+  assert mgr.all_steps() == [1] and mgr.latest_step() == 1 and mgr.uncommitted_steps() == [2]
+
+  # A committed checkpoint whose marker is deleted through the kvstore is no checkpoint.
+  backend.kv(_paths.join(root, "1")).delete_range(ts.KvStore.KeyRange("COMMIT", "COMMIT\0")).result()
+  with pytest.raises(fnckpt.NotCommittedError):
+    backend.restore(_paths.join(root, "1"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    assert backend.manager(root).all_steps() == []
+
+
+def test_flipped_byte_is_a_checksum_error_naming_the_leaf(backend):
+  url = backend.url("crc")
+  backend.save(train_state(0), url).wait()
+  directory, chunks = stored_keys(backend, url)
+  kv = backend.kv(url)
+  data = bytearray(kv.read(chunks[0]).result().value)
+  data[len(data) // 3] ^= 0x01
+  kv.write(chunks[0], bytes(data)).result()
+  with pytest.raises(fnckpt.CheckpointError, match=r"crc32c") as info:
+    backend.restore(url)
+  text = str(info.value)
+  assert "['params']['w']" in text and f"{_paths.display(url)}/{directory}" in text
+  # The other leaves are intact: a partial restore without the damaged one works.
+  target = {k: v for k, v in train_state(0).items() if k != "params"}
+  assert backend.restore(url, target, partial=True)["step"] == 0
+
+
+def test_missing_chunk_is_an_error_never_zeros(backend):
+  url = backend.url("missing")
+  backend.save(train_state(0), url).wait()
+  _, chunks = stored_keys(backend, url, "emb")
+  backend.kv(url).delete_range(ts.KvStore.KeyRange(chunks[-1], chunks[-1] + "\0")).result()
+  with pytest.raises(fnckpt.CheckpointError, match="missing") as info:
+    backend.restore(url, resharded_target(train_state(0)))
+  assert "['params']['emb']" in str(info.value)
+
+
+def test_nothing_at_the_location(backend):
+  url = backend.url("nothing-here")
+  for read in (backend.restore, backend.metadata):
+    with pytest.raises(fnckpt.CheckpointError, match="No checkpoint at") as info:
+      read(url)
+    assert not isinstance(info.value, fnckpt.NotCommittedError)
+    assert _paths.display(url) in str(info.value)
+
+
+def test_manager_lists_committed_steps_and_retention_deletes_prefixes(backend, phase):
+  root = backend.url("mgr")
+  with backend.manager(root, max_to_keep=2, keep_every=4) as mgr:
+    for step in range(7):
+      mgr.save(step, train_state(step), metrics={"loss": 1.0 / (step + 1)})
+    mgr.wait()
+    assert mgr.all_steps() == [0, 4, 5, 6] and mgr.latest_step() == 6
+    assert mgr.metrics(5) == {"loss": pytest.approx(1 / 6)}
+    # Prefix deletes: nothing at all is left of the deleted steps.
+    assert sorted({k.split("/")[0] for k in backend.keys(root)}) == ["0", "4", "5", "6"]
+    if backend.name == "file":
+      assert sorted(os.listdir(root)) == ["0", "4", "5", "6"]
+    restored = mgr.restore(target=resharded_target(train_state(6)))
+    assert_trees_all_equal(host_tree(restored), host_tree(train_state(6)))
+
+  crash_before_commit(backend, phase, _paths.join(root, "7"), train_state(7))
+  with pytest.warns(UserWarning, match="uncommitted"):
+    mgr = backend.manager(root, max_to_keep=2, keep_every=4)
+  with mgr:
+    assert mgr.all_steps() == [0, 4, 5, 6] and mgr.uncommitted_steps() == [7]
+    assert mgr.latest_step() == 6
+    mgr.save(7, train_state(7)).wait()  # replaces the leftover
+    mgr.wait()
+    assert mgr.all_steps() == [0, 4, 6, 7]
+
+
+def test_retention_never_deletes_a_step_being_read(backend, monkeypatch):
+  root = backend.url("reading")
+  reading, release = threading.Event(), threading.Event()
+  real_read_all = _restore._read_all
+
+  def held_read_all(location, *args, **kwargs):
+    if location.endswith("/1"):
+      reading.set()
+      assert release.wait(60)
+    return real_read_all(location, *args, **kwargs)
+
+  monkeypatch.setattr(_restore, "_read_all", held_read_all)
+  result: dict[str, Any] = {}
+  with backend.manager(root, max_to_keep=1) as mgr:
+    mgr.save(1, train_state(1)).wait()
+
+    def read():
+      try:
+        result["value"] = mgr.restore(1)
+      except BaseException as e:  # noqa: BLE001 - reported below
+        result["error"] = e
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+      assert reading.wait(60)
+      mgr.save(2, train_state(2)).wait()
+      mgr.wait()  # retention has run: step 1 is beyond max_to_keep but is being read
+      assert 1 in mgr.all_steps()
+    finally:
+      release.set()
+      reader.join(60)
+    assert "error" not in result, result.get("error")
+    np.testing.assert_array_equal(result["value"]["params"]["w"],
+                                  np.asarray(train_state(1)["params"]["w"]))
+    mgr.save(3, train_state(3)).wait()
+    mgr.wait()
+    assert mgr.all_steps() == [3]  # once nobody reads it, step 1 goes
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI (a subprocess with the backend's environment; memory:// lives in one process only, so
+# there the same commands run in this process)
+
+
+def run_cli(backend: Backend, capsys, *argvs: list[str], env: dict[str, str] | None = None
+            ) -> list[tuple[int, str, str]]:
+  if backend.name == "memory":
+    from fnckpt import cli
+    results = []
+    for argv in argvs:
+      code = cli.main(argv)
+      out, err = capsys.readouterr()
+      results.append((code, out, err))
+    return results
+  full_env = {**os.environ, **backend.env, **(env or {}), "JAX_PLATFORMS": "no_such_platform"}
+  procs = [subprocess.Popen([sys.executable, "-m", "fnckpt", *argv], env=full_env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for argv in argvs]  # concurrently: each pays the interpreter start once
+  results = []
+  for p in procs:
+    out, err = p.communicate(timeout=120)
+    results.append((p.returncode, out, err))
+  return results
+
+
+def test_cli_ls_inspect_verify(backend, phase, capsys):
+  root = backend.url("cli")
+  with backend.manager(root) as mgr:
+    mgr.save(10, train_state(10), metrics={"loss": 0.5})
+    mgr.save(20, train_state(20), metrics={"loss": 0.25})
+  crash_before_commit(backend, phase, _paths.join(root, "30"), train_state(30))
+  # damage step 10
+  _, chunks = stored_keys(backend, _paths.join(root, "10"))
+  kv = backend.kv(_paths.join(root, "10"))
+  data = bytearray(kv.read(chunks[0]).result().value)
+  data[len(data) // 2] ^= 0x80
+  kv.write(chunks[0], bytes(data)).result()
+  capsys.readouterr()
+
+  missing = _paths.join(root, "99")
+  (ls_code, ls, _), (in_code, inspect, _), (ver_code, verify, _), (miss_code, _, miss_err) = \
+      run_cli(backend, capsys, ["ls", root], ["inspect", _paths.join(root, "20")],
+              ["verify", "--quiet", root], ["inspect", missing])
+
+  assert ls_code == 0, ls
+  rows = {line.split()[0]: line for line in ls.splitlines()[1:] if line.split()}
+  assert "committed" in rows["10"] and "committed" in rows["20"] and "loss=0.25" in rows["20"]
+  assert "UNCOMMITTED" in rows["30"]
+  assert "2 committed, 1 uncommitted; latest: 20" in ls
+
+  assert in_code == 0, inspect
+  assert _paths.display(_paths.join(root, "20")) in inspect
+  w_row = next(line for line in inspect.splitlines() if line.startswith("['params']['w']"))
+  assert "float32" in w_row and "(128, 256)" in w_row and "P('data', 'model')" in w_row
+
+  assert ver_code == 1, verify
+  assert f"OK {_paths.display(_paths.join(root, '20'))}" in verify
+  assert "DAMAGED" in verify and "['params']['w']" in verify and "checksum" in verify
+  assert f"FAILED {_paths.display(_paths.join(root, '10'))}" in verify
+
+  assert miss_code == 2 and _paths.display(missing) in miss_err
+  assert "Traceback" not in miss_err
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: each failure where it can happen -> a CheckpointError naming the URL, quickly,
+# never echoing a secret
+
+
+BAD_CASES = ["s3-missing-bucket", "gcs-missing-bucket", "s3-wrong-credentials",
+             "s3-unreachable", "gcs-unreachable", "file-not-a-directory"]
+
+
+@pytest.fixture(params=BAD_CASES)
+def bad(request, monkeypatch, tmp_path):
+  """(url, storage_options, env for subprocesses, secrets that must never be shown)."""
+  kind, _, case = request.param.partition("-")
+  secrets = []
+  if kind == "file":
+    (tmp_path / "a-file").write_text("not a directory")
+    return str(tmp_path / "a-file" / "ckpt"), None, {}, secrets
+  server = request.getfixturevalue(f"{kind}_env")
+  if kind == "s3":
+    secrets.append(server.env["AWS_SECRET_ACCESS_KEY"])
+  options = {**server.storage_options, **FAST}
+  env = dict(FAST_ENV)
+  url = server.unique_url("bad")
+  if case == "missing-bucket":
+    url = f"{url.split('://')[0]}://fnckpt-no-such-bucket/run"
+  elif case == "wrong-credentials":
+    wrong = "wrong-" + uuid.uuid4().hex
+    secrets.append(wrong)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    env["AWS_SECRET_ACCESS_KEY"] = wrong
+  elif case == "unreachable":
+    (port,) = servers._free_ports(1)  # nothing listens there
+    endpoint = f"http://127.0.0.1:{port}"
+    if kind == "s3":
+      options["endpoint"] = endpoint
+      env["FNCKPT_S3_ENDPOINT"] = endpoint
+    else:  # TensorStore has no per-call GCS endpoint: the variable is read at each open
+      monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", endpoint)
+      env["TENSORSTORE_GCS_HTTP_URL"] = endpoint
+  return url, options, env, secrets
+
+
+def _fails_clearly(fn, url, secrets, match=None) -> str:
+  start = time.monotonic()
+  with pytest.raises(fnckpt.CheckpointError) as info:
+    fn()
+  elapsed = time.monotonic() - start
+  text = str(info.value)
+  assert elapsed < BOUND_S, f"took {elapsed:.1f}s: {text}"
+  assert _paths.display(url) in text, text
+  for secret in secrets:
+    assert secret not in text
+  if match:
+    assert any(m in text for m in match), text
+  return text
+
+
+def test_bad_location_fails_clearly(bad, request):
+  url, options, env, secrets = bad
+  case = request.node.callspec.params["bad"]
+  expect = {"missing-bucket": ["bucket does not exist", "No checkpoint at"],
+            "wrong-credentials": ["Access was denied", "access was denied"],
+            "unreachable": ["could not be reached"],
+            "not-a-directory": ["Not a directory"]}[case.partition("-")[2]]
+  tree = {"w": np.arange(20000, dtype=np.float32), "step": 1}
+  _fails_clearly(lambda: fnckpt.save(tree, url, storage_options=options).wait(), url, secrets,
+                 [e for e in expect if e != "No checkpoint at"])
+  _fails_clearly(lambda: fnckpt.restore(url, storage_options=options), url, secrets, expect)
+  _fails_clearly(lambda: fnckpt.metadata(url, storage_options=options), url, secrets, expect)
+  if case == "gcs-missing-bucket":
+    # fake-gcs-server lists a missing bucket as empty (real GCS answers 404), so the manager
+    # starts with no steps; its first save must then fail clearly.
+    mgr = fnckpt.CheckpointManager(url, storage_options=options)
+    assert mgr.all_steps() == []
+    _fails_clearly(lambda: mgr.save(0, tree).wait(), _paths.join(url, "0"), secrets, expect)
+    _fails_clearly(mgr.wait, _paths.join(url, "0"), secrets, expect)  # reported once more
+    mgr.close()
+  else:
+    _fails_clearly(lambda: fnckpt.CheckpointManager(url, storage_options=options), url, secrets,
+                   expect)
+  # The CLI, configured through the environment only.
+  full_env = {**os.environ, **env, "JAX_PLATFORMS": "no_such_platform"}
+  p = subprocess.run([sys.executable, "-m", "fnckpt", "inspect", url], env=full_env, cwd=REPO,
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2, (p.stdout, p.stderr)
+  assert _paths.display(url) in p.stderr and "Traceback" not in p.stderr, p.stderr
+  for secret in secrets:
+    assert secret not in p.stderr + p.stdout

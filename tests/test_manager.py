@@ -1,0 +1,395 @@
+"""CheckpointManager on real storage (memory:// and local files): steps, retention, leftovers,
+preemption, resuming; and a Hypothesis state machine against a plain model."""
+
+import os
+import signal
+import threading
+import uuid
+import warnings
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fnckpt
+from fnckpt import _paths, _save
+
+
+def state_of(step, n=5000):
+  """A small tree with one array big enough for its own zarr files (not inline)."""
+  return {"w": np.arange(n, dtype=np.float32) + step, "step": step, "b": np.full(3, step)}
+
+
+@pytest.fixture(params=["memory", "file"])
+def root(request, tmp_path):
+  if request.param == "memory":
+    return f"memory://test_manager/{uuid.uuid4().hex}"
+  return str(tmp_path / "run")
+
+
+@pytest.fixture
+def phase_hook(monkeypatch):
+  """Replace the core's fault-injection hook: ``hooks[step] = fn(phase)`` runs in the save
+  thread of ``.../<step>`` (and in save() itself for the staging phases)."""
+  hooks = {}
+
+  def phase(name):
+    thread = threading.current_thread().name
+    for step, fn in list(hooks.items()):
+      if thread.endswith(f"/{step}") or (thread == "MainThread" and hooks.get("main") == step):
+        fn(name)
+
+  monkeypatch.setattr(_save, "_phase", phase)
+  return hooks
+
+
+def leave_uncommitted(root, step, phase_hook):
+  """A real interrupted save of ``step``: its data and manifest written, no commit marker."""
+  def fail(name):
+    if name == "committing":
+      raise RuntimeError("simulated crash before the commit")
+  phase_hook[step] = fail
+  handle = fnckpt.save(state_of(step), _paths.join(root, str(step)))
+  with pytest.raises(fnckpt.CheckpointError, match="simulated crash"):
+    handle.wait()
+  del phase_hook[step]
+
+
+def test_save_restore_latest(root):
+  with fnckpt.CheckpointManager(root) as mgr:
+    assert mgr.all_steps() == [] and mgr.latest_step() is None
+    handles = [mgr.save(s, state_of(s), metrics={"loss": 1.0 / (s + 1)}) for s in (0, 5, 10)]
+    assert all(isinstance(h, fnckpt.SaveHandle) for h in handles)
+    mgr.wait()
+    assert mgr.all_steps() == [0, 5, 10]
+    assert mgr.latest_step() == 10
+    latest = mgr.restore()
+    np.testing.assert_array_equal(latest["w"], state_of(10)["w"])
+    assert latest["step"] == 10
+    assert mgr.restore(5)["step"] == 5
+    assert mgr.metrics(5) == {"loss": 1 / 6}
+    assert fnckpt.metadata(mgr.path(5)).user_metadata == {"step": 5, "metrics": {"loss": 1 / 6}}
+  # a second manager sees the same steps (and the step directories are plain decimals)
+  assert fnckpt.CheckpointManager(root).all_steps() == [0, 5, 10]
+  assert sorted({k.split("/")[0] for k in _paths.list_keys(root)}) == ["0", "10", "5"]
+
+
+def test_restore_without_checkpoints_names_the_directory(root):
+  with pytest.raises(fnckpt.CheckpointError, match="No committed checkpoint in"):
+    fnckpt.CheckpointManager(root).restore()
+
+
+def test_interval_force_and_step_types(root):
+  mgr = fnckpt.CheckpointManager(root, save_interval_steps=10)
+  assert [s for s in range(31) if mgr.should_save(s)] == [0, 10, 20, 30]
+  assert mgr.save(3, state_of(3)) is None
+  assert mgr.save(np.int64(10), state_of(10)) is not None
+  assert mgr.save(jnp.asarray(13), state_of(13), force=True) is not None
+  mgr.wait()
+  assert mgr.all_steps() == [10, 13]
+  for bad in (-1, 1.5, "7", True):
+    with pytest.raises(fnckpt.CheckpointError, match="non-negative int"):
+      mgr.save(bad, state_of(0), force=True)
+
+
+def test_refuses_committed_and_older_steps_unless_forced(root):
+  mgr = fnckpt.CheckpointManager(root)
+  mgr.save(4, state_of(4)).wait()
+  mgr.save(8, state_of(8)).wait()
+  with pytest.raises(fnckpt.CheckpointError, match="Step 8 is already committed"):
+    mgr.save(8, state_of(80))
+  with pytest.raises(fnckpt.CheckpointError, match="Step 6 is older than step 8"):
+    mgr.save(6, state_of(6))
+  mgr.save(8, state_of(80), force=True).wait()
+  assert mgr.restore(8)["step"] == 80
+  mgr.save(6, state_of(6), force=True).wait()
+  mgr.delete(8)
+  assert mgr.all_steps() == [4, 6]
+  mgr.save(7, state_of(7)).wait()  # after deleting newer steps, the run may go on from 6
+  with pytest.raises(fnckpt.CheckpointError, match="no step 99"):
+    mgr.delete(99)
+
+
+def test_retention_last_every_best_across_restarts(root):
+  kw = dict(max_to_keep=2, keep_every=4, best_n=1, best_metric="loss", best_mode="min")
+  losses = {0: 5.0, 1: 0.5, 2: 3.0, 3: 4.0, 4: 6.0, 5: 7.0, 6: 8.0}
+  mgr = fnckpt.CheckpointManager(root, **kw)
+  for s in range(4):
+    mgr.save(s, state_of(s), metrics={"loss": np.float32(losses[s])})
+  mgr.close()
+  assert mgr.all_steps() == [0, 1, 2, 3]  # 0 every-4th, 1 best, 2-3 newest
+  # a new manager ranks the old steps by the metrics stored in their manifests
+  mgr = fnckpt.CheckpointManager(root, **kw)
+  for s in range(4, 7):
+    mgr.save(s, state_of(s), metrics={"loss": losses[s]})
+  mgr.close()
+  assert mgr.all_steps() == [0, 1, 4, 5, 6]
+  assert fnckpt.CheckpointManager(root).restore(1)["step"] == 1
+
+
+def test_deletes_only_after_the_triggering_save_committed(root, phase_hook):
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=1)
+  mgr.save(1, state_of(1)).wait()
+  release = threading.Event()
+  phase_hook[2] = lambda name: name == "committing" and release.wait(30)
+  handle = mgr.save(2, state_of(2))
+  assert not handle.done()
+  assert mgr.all_steps() == [1]          # still the only checkpoint: kept
+  assert mgr.uncommitted_steps() == []   # a save in flight is not a leftover
+  assert mgr.cleanup() == []             # ... and cleanup leaves it alone
+  release.set()
+  mgr.wait()
+  assert mgr.all_steps() == [2]
+  assert mgr.restore()["step"] == 2
+
+
+def test_uncommitted_leftovers_ignored_reported_replaced_cleaned(root, phase_hook):
+  mgr = fnckpt.CheckpointManager(root)
+  mgr.save(1, state_of(1)).wait()
+  leave_uncommitted(root, 2, phase_hook)
+  leave_uncommitted(root, 3, phase_hook)
+  with pytest.warns(UserWarning, match=r"uncommitted steps \[2, 3\]"):
+    mgr = fnckpt.CheckpointManager(root)
+  assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+  assert mgr.uncommitted_steps() == [2, 3]
+  assert mgr.restore()["step"] == 1
+  with pytest.raises(fnckpt.NotCommittedError):
+    mgr.restore(2)
+  mgr.save(2, state_of(20)).wait()       # replaces the leftover, no force needed
+  assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 20
+  assert mgr.uncommitted_steps() == [3]
+  assert mgr.cleanup() == [3]
+  assert mgr.uncommitted_steps() == []
+  assert not any(k.startswith("3/") for k in _paths.list_keys(root))
+  if "://" not in root:
+    assert sorted(os.listdir(root)) == ["1", "2"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fnckpt.CheckpointManager(root)      # nothing left to warn about
+
+
+def test_background_error_is_raised_once(root, phase_hook):
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=1)
+  mgr.save(1, state_of(1)).wait()
+
+  def fail(name):
+    if name == "written":
+      raise OSError("disk full (simulated)")
+  phase_hook[2] = fail
+  mgr.save(2, state_of(2))
+  with pytest.raises(fnckpt.CheckpointError, match="disk full"):
+    mgr.wait()
+  mgr.wait()  # reported once
+  assert mgr.all_steps() == [1]  # retention did not run for the failed save
+  del phase_hook[2]
+  mgr.save(2, state_of(2)).wait()
+  mgr.wait()
+  assert mgr.all_steps() == [2]
+
+
+def test_preemption_saves_at_next_boundary_and_waits_for_commit(root):
+  previous = signal.getsignal(signal.SIGTERM)
+  mgr = fnckpt.CheckpointManager(root, save_interval_steps=1000, handle_preemption=True)
+  assert signal.getsignal(signal.SIGTERM) != previous
+  saved = []
+  for step in range(1, 100):
+    assert mgr.preemption_requested == (step > 7)
+    if mgr.should_save(step):
+      saved.append(mgr.save(step, state_of(step)))
+    if mgr.reached_preemption(step):
+      break
+    if step == 7:
+      os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, after step 7's boundary
+  assert step == 8 and len(saved) == 1
+  assert saved[0].done()                 # committed before reached_preemption returned
+  assert mgr.all_steps() == [8]
+  mgr.close()
+  assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_preemption_without_save_warns(root):
+  mgr = fnckpt.CheckpointManager(root)
+  mgr.install_preemption_handler()
+  try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert mgr.should_save(3)
+    with pytest.warns(UserWarning, match="step 3 was not saved"):
+      assert mgr.reached_preemption(3)
+  finally:
+    mgr.close()
+
+
+def test_restore_or_init_onto_another_mesh(root):
+  mesh8 = jax.make_mesh((2, 4), ("data", "model"))
+  sharding = NamedSharding(mesh8, P("data", "model"))
+
+  def init():
+    return {"w": jax.device_put(jnp.zeros((8, 16)), sharding), "step": 0,
+            "key": jax.random.key(0), "data": np.random.default_rng(0)}
+
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=2)
+  state, step = mgr.restore_or_init(init)
+  assert step is None and state["step"] == 0
+  state["w"] = state["w"] + jnp.arange(8 * 16.0).reshape(8, 16)
+  state["step"] = 3
+  state["data"].normal(size=10)  # advance the data position
+  mgr.save(3, state)
+  mgr.close()
+
+  mesh4 = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:])
+  target = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32,
+                                      sharding=NamedSharding(mesh4, P(None, "x"))),
+            "step": 0, "key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                                                   sharding=NamedSharding(mesh4, P())),
+            "data": np.random.default_rng()}
+  mgr = fnckpt.CheckpointManager(root)
+  restored, step = mgr.restore_or_init(init, target=target)
+  assert step == 3 and restored["step"] == 3
+  assert restored["w"].sharding == target["w"].sharding
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert restored["data"].normal() == state["data"].normal()
+  assert jax.random.key_data(restored["key"]).tolist() == jax.random.key_data(
+      state["key"]).tolist()
+  # an initialized state works as init and as its own target
+  again, step = mgr.restore_or_init(init())
+  assert step == 3 and again["w"].sharding == sharding
+
+
+def test_manager_arguments_are_checked():
+  with pytest.raises(ValueError, match="best_n needs best_metric"):
+    fnckpt.CheckpointManager("memory://x", best_n=2)
+  with pytest.raises(ValueError, match="save_interval_steps"):
+    fnckpt.CheckpointManager("memory://x", save_interval_steps=0)
+  with pytest.raises(ValueError, match="may not set 'overwrite'"):
+    fnckpt.CheckpointManager("memory://x", save_options={"overwrite": True})
+  mgr = fnckpt.CheckpointManager("memory://x")
+  mgr.close()
+  with pytest.raises(fnckpt.CheckpointError, match="is closed"):
+    mgr.save(0, {})
+
+
+# --- the state machine -------------------------------------------------------------------------
+
+class ManagerMachine(RuleBasedStateMachine):
+  """save / delete / wait / restart / leftovers / cleanup against a dict of committed steps.
+
+  The model applies its own (independent, simple) reading of the retention rules after every
+  successful save: keep the newest ``k`` steps, every step divisible by ``m``, the newest."""
+
+  root_kind = "memory"
+
+  def __init__(self):
+    super().__init__()
+    self.model = {}          # committed step -> value
+    self.leftovers = set()
+    self.counter = 0
+
+  @initialize(k=st.none() | st.integers(1, 3), m=st.none() | st.integers(2, 4))
+  def start(self, k, m):
+    if self.root_kind == "memory":
+      self.root = f"memory://machine/{uuid.uuid4().hex}"
+    else:
+      import tempfile
+      self.root = tempfile.mkdtemp(prefix="fnckpt-machine-")
+    self.k, self.m = k, m
+    self.mgr = fnckpt.CheckpointManager(self.root, max_to_keep=k, keep_every=m)
+
+  def retain(self):
+    if self.k is None and self.m is None:
+      return
+    steps = sorted(self.model)
+    keep = set(steps[-(self.k or 0):]) if self.k else set()
+    keep |= {s for s in steps if self.m and s % self.m == 0}
+    keep |= set(steps[-1:])
+    self.model = {s: v for s, v in self.model.items() if s in keep}
+
+  @rule(step=st.integers(0, 12), force=st.booleans())
+  def save(self, step, force):
+    self.counter += 1
+    value = self.counter
+    newest = max(self.model, default=-1)
+    if not force and (step in self.model or step < newest):
+      with pytest.raises(fnckpt.CheckpointError, match="already committed|older than"):
+        self.mgr.save(step, state_of(value, n=300 + step))
+      return
+    self.mgr.save(step, state_of(value, n=300 + step), force=force)
+    self.model[step] = value
+    self.leftovers.discard(step)
+    self.retain()
+
+  @precondition(lambda self: self.model)
+  @rule(data=st.data())
+  def delete(self, data):
+    step = data.draw(st.sampled_from(sorted(self.model)))
+    self.mgr.delete(step)
+    del self.model[step]
+
+  @rule(step=st.integers(0, 12))
+  def crash_leaves_uncommitted(self, step):
+    """What a killed save leaves: data and manifest but no marker (only where no step is)."""
+    if step in self.model:
+      return
+    self.mgr.wait()
+    location = _paths.join(self.root, str(step))
+    kv = _paths.open_kvstore(location)
+    kv.write("manifest.msgpack", b"half written").result()
+    kv.write("d/0/c/0", b"junk").result()
+    self.leftovers.add(step)
+
+  @rule()
+  def cleanup(self):
+    self.mgr.wait()
+    assert sorted(self.mgr.cleanup()) == sorted(self.leftovers)
+    self.leftovers.clear()
+
+  @rule()
+  def restart(self):
+    self.mgr.close()
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      self.mgr = fnckpt.CheckpointManager(self.root, max_to_keep=self.k, keep_every=self.m)
+    warned = [w for w in caught if "uncommitted steps" in str(w.message)]
+    assert bool(warned) == bool(self.leftovers)
+
+  @rule()
+  def check_latest_and_contents(self):
+    self.mgr.wait()
+    assert self.mgr.latest_step() == max(self.model, default=None)
+    if self.model:
+      step = max(self.model)
+      restored = self.mgr.restore()
+      assert restored["step"] == self.model[step]
+      np.testing.assert_array_equal(restored["w"], state_of(self.model[step], 300 + step)["w"])
+
+  @invariant()
+  def steps_match_model(self):
+    if not hasattr(self, "mgr"):
+      return
+    self.mgr.wait()
+    assert self.mgr.all_steps() == sorted(self.model)
+    assert self.mgr.uncommitted_steps() == sorted(self.leftovers)
+
+  def teardown(self):
+    if hasattr(self, "mgr"):
+      self.mgr.close()
+    if self.root_kind == "file" and hasattr(self, "root"):
+      import shutil
+      shutil.rmtree(self.root, ignore_errors=True)
+
+
+class FileManagerMachine(ManagerMachine):
+  root_kind = "file"
+
+
+_machine_settings = settings(max_examples=40, stateful_step_count=20, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = _machine_settings
+TestFileManagerMachine = FileManagerMachine.TestCase
+TestFileManagerMachine.settings = settings(_machine_settings, max_examples=10)
