@@ -116,6 +116,10 @@ def io_hint(e: BaseException) -> str:
   ' The bucket does not exist: check its name (and the endpoint or account it lives in).'
   """
   text = str(e)
+  if "os_error_code" in text:  # a local file system error: no bucket, credentials or endpoint
+    if "Permission denied" in text:
+      return " This process may not access it: check the owner and permissions."
+    return ""
   # (GCS answers a write into a missing bucket with a bare 404)
   if "NoSuchBucket" in text or ("NOT_FOUND" in text and "Error writing gs://" in text):
     return " The bucket does not exist: check its name (and the endpoint or account it lives in)."

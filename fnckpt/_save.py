@@ -350,7 +350,15 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s:
   """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
   it before any new byte lands."""
   committed = _commit.is_committed(kv)
-  leftovers = committed or bool(kv.list().result())
+  keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
+  ours = (_manifest.COMMIT, _manifest.MANIFEST)
+  foreign = [k for k in keys if k not in ours and not k.startswith(_manifest.DATA_DIR + "/")]
+  if foreign:
+    raise CheckpointError(
+        f"{location!r} holds files that are not part of an fnckpt checkpoint (e.g. "
+        f"{sorted(foreign)[0]!r}); fnckpt will not write there, even with overwrite=True, so "
+        "that nothing of yours is deleted. Save to a new or empty path.")
+  leftovers = committed or bool(keys)
   if leftovers and not overwrite:
     what = "A checkpoint" if committed else "An interrupted save (uncommitted data)"
     raise CheckpointError(

@@ -422,3 +422,13 @@ def test_saved_scalars_fill_zero_d_array_targets(ckpt):
   with pytest.raises(TreeMismatchError, match=(
       r"\['step'\]: the target is an array, the checkpoint holds an int value")):
     fnckpt.restore(path, target)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_save_refuses_a_directory_holding_other_files(tmp_path, overwrite):
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(fnckpt.CheckpointError,
+                     match=r"holds files that are not part of an fnckpt checkpoint \(e\.g\. "
+                           r"'notes\.txt'\).*even with overwrite=True"):
+    fnckpt.save({"w": np.ones(4)}, str(tmp_path), overwrite=overwrite)
+  assert (tmp_path / "notes.txt").read_text() == "mine"
