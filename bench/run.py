@@ -133,8 +133,8 @@ def fmt(v: float | None, kind: str) -> str:
 
 ROWS = [
     # key, label, kind, limit key, limit label
-    ("save_block_s", "save: caller blocked (steady)", "s", "d2h_s", "device→host copy"),
-    ("save_block_first_s", "save: caller blocked (1st in process)", "s", "d2h_s", "device→host copy"),
+    ("save_block_s", "save: caller blocked (steady)", "s", "d2h_s", "device→host, best way"),
+    ("save_block_first_s", "save: caller blocked (1st in process)", "s", "d2h_s", "device→host, best way"),
     ("save_commit_s", "save: to committed (steady)", "s", "write_s", "max(D2H, write+fsync)"),
     ("save_commit_first_s", "save: to committed (1st)", "s", "write_s", "max(D2H, write+fsync)"),
     ("save_gbps", "save throughput (state / to committed)", "gbps", "disk_write_gbps", "disk write (+fsync)"),
@@ -203,7 +203,8 @@ def markdown(report: dict) -> str:
             f"save on mesh (2,4), restore on (2,4) and on (4,2) with other PartitionSpecs", "",
             f"Device limits: device→host `jax.device_get` {fmt(d.get('device_get_gbps'), 'gbps')}, "
             f"`np.array` per leaf {fmt(d.get('np_array_gbps'), 'gbps')}, "
-            f"copy of each unique shard {fmt(d.get('shards_copy_gbps'), 'gbps')} "
+            f"copy of each unique shard into new buffers {fmt(d.get('shards_copy_gbps'), 'gbps')}, "
+            f"into preallocated ones {fmt(d.get('shards_copyto_gbps'), 'gbps')} "
             f"(the state at memcpy speed: {fmt(d.get('memcpy_s'), 's')}); host→device "
             f"`jax.device_put` onto the saved mesh {fmt(d.get('h2d_a_gbps'), 'gbps')}, "
             f"onto the other mesh {fmt(d.get('h2d_b_gbps'), 'gbps')}.  ",
@@ -321,9 +322,10 @@ def run_state(name: str, a, dirs: dict, log: list) -> dict:
   lim.update({k: dev.get(k) for k in ("leaves", "device_bytes", "device_get_s")})
   lim["state_bytes"] = sb
   if sb:
-    d2h = [dev[k] for k in ("device_get_s", "np_array_s", "shards_copy_s") if dev.get(k)]
+    d2h = [dev[k] for k in ("device_get_s", "np_array_s", "shards_copy_s", "shards_copyto_s")
+           if dev.get(k)]
     lim["d2h_s"] = min(d2h) if d2h else None
-    for k in ("device_get", "np_array", "shards_copy", "h2d_a", "h2d_b"):
+    for k in ("device_get", "np_array", "shards_copy", "shards_copyto", "h2d_a", "h2d_b"):
       if dev.get(f"{k}_s"):
         lim[f"{k}_gbps"] = sb / dev[f"{k}_s"] / GB
     lim["memcpy_s"] = sb / (lim["memcpy_gbps"] * GB)

@@ -6,7 +6,8 @@ directory, so it works on local files, ``memory://``, ``gs://`` and ``s3://`` al
 
 Retention is the pure function :func:`fnckpt._retention.to_delete` of the committed steps (and
 their metrics). It runs in a background thread after each save has committed, never touches a
-step whose save is in flight, and always keeps the newest committed step.
+step whose save or restore (by this manager) is in flight, and always keeps the newest
+committed step; a step it spared for a reader goes at the next retention pass.
 
 Resuming after preemption (single process; the pattern every training loop can copy)::
 
@@ -155,6 +156,7 @@ class CheckpointManager:
     self._lock = threading.Condition()
     self._pending: dict[int, Any] = {}      # step -> SaveHandle (None while staging)
     self._deleting: set[int] = set()
+    self._reading: dict[int, int] = {}      # step -> restores of this manager reading it
     self._threads: list[threading.Thread] = []
     self._errors: list[BaseException] = []
     self._metric_cache: dict[int, Any] = {}
@@ -362,7 +364,8 @@ class CheckpointManager:
     metrics = self._metrics_for(committed) if self._policy.best_n else {}
     with self._lock:
       doomed = _retention.to_delete(committed, self._policy, metrics,
-                                    protect=set(self._pending) | self._deleting)
+                                    protect=set(self._pending) | self._deleting |
+                                    set(self._reading))
       self._deleting.update(doomed)
     try:
       for step in doomed:
@@ -459,6 +462,7 @@ class CheckpointManager:
     with self._lock:
       if step in self._pending:
         raise CheckpointError(f"Step {step} of {self.directory!r} is being saved; wait first.")
+      self._lock.wait_for(lambda: step not in self._reading)  # restores of it finish first
       self._deleting.add(step)
     try:
       if not _paths.list_keys(self.path(step), self._storage_options):
@@ -511,16 +515,40 @@ class CheckpointManager:
     """
     if step is None:
       self._join()
-      step = self.latest_step()
-      if step is None:
-        leftovers = self.uncommitted_steps()
-        extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
-        raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
+      for _ in range(3):  # a newer commit may retire the latest step before we claim it
+        step = self.latest_step()
+        if step is None:
+          leftovers = self.uncommitted_steps()
+          extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
+          raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
+        self._claim_read(step)
+        if _commit.is_committed(_paths.open_kvstore(self.path(step), self._storage_options)):
+          break
+        self._release_read(step)
+      else:
+        raise CheckpointError(f"The latest step of {self.directory!r} keeps changing; retry.")
     else:
       step = _as_step(step)
       self._wait_step(step)
-    return _restore_mod.restore(self.path(step), target, storage_options=self._storage_options,
-                                **kwargs)
+      self._claim_read(step)
+    try:
+      return _restore_mod.restore(self.path(step), target,
+                                  storage_options=self._storage_options, **kwargs)
+    finally:
+      self._release_read(step)
+
+  def _claim_read(self, step: int) -> None:
+    """Mark ``step`` as being read: retention and delete() leave it alone until released."""
+    with self._lock:
+      self._lock.wait_for(lambda: step not in self._deleting)
+      self._reading[step] = self._reading.get(step, 0) + 1
+
+  def _release_read(self, step: int) -> None:
+    with self._lock:
+      self._reading[step] -= 1
+      if not self._reading[step]:
+        del self._reading[step]
+      self._lock.notify_all()
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:

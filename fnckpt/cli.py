@@ -182,7 +182,8 @@ def _ls(args: argparse.Namespace) -> int:
       continue
     meta = manifest.get("metadata")
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
-    metric_text = (" ".join(f"{k}={_compact(v, 20)}" for k, v in metrics.items())
+    metric_text = (" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_compact(v, 20)}"
+                            for k, v in metrics.items())
                    if isinstance(metrics, dict) else "-")
     leaves = manifest["leaves"]
     rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), str(len(leaves)),

@@ -342,14 +342,27 @@ def test_host_memory_stays_under_budget(tmp_path):
 
 @pytest.mark.slow
 def test_no_growth_across_200_async_saves(tmp_path):
-  """200 consecutive async saves (each waited only when the next is issued, then deleted):
-  neither RSS nor the Python heap grows after a warm-up, and no handle stays alive."""
+  """200 consecutive async saves (each waited only when the next is issued, then deleted),
+  sampled every 20 after a warm-up of 40: RSS, and Python's count of allocated small-object
+  blocks (``sys.getallocatedblocks``; tracemalloc would slow each save several times).
+
+  A leak grows every interval alike, so the median growth per interval is what is bounded:
+  >= 15 blocks (a leaked SaveHandle with its thread is ~55 blocks, ~6 KiB) or >= 16 KiB of
+  RSS per save fails. (Checked: a process-wide TensorStore context with a chunk cache grows
+  RSS by 8.4 MiB per 20 saves here.) The totals are bounded loosely: once per run
+  TensorStore's Python binding makes one ~1.9 MiB allocation that then stays flat (measured
+  over 1500 saves: +11 KiB after it)."""
   r = hp.run_worker({"mode": "memory_growth", "devices": 8, "path": str(tmp_path),
-                     "warmup": 20, "saves": 200}, env=MALLOC_ENV, timeout=180)
+                     "warmup": 40, "saves": 200, "every": 20}, env=MALLOC_ENV, timeout=180)
   assert r.returncode == 0 and r.result, r.describe()
   out = r.result
-  print({k: (v / MiB if isinstance(v, int) and v > MiB else v) for k, v in out.items()})
-  assert out["rss_after"] - out["rss_before"] < 4 * MiB, out
-  assert out["py_growth"] < 256 << 10, out
+  blocks, rss = out["blocks"], out["rss"]
+  block_steps = [b - a for a, b in zip(blocks, blocks[1:])]
+  rss_steps = [b - a for a, b in zip(rss, rss[1:])]
+  print("allocated blocks:", blocks, "rss MiB:", [x / MiB for x in rss])
+  assert len(block_steps) == 10
+  assert np.median(block_steps) < 20 * 15, block_steps
+  assert np.median(rss_steps) < 20 * 16 * 1024, rss_steps
+  assert blocks[-1] - blocks[0] < 20_000 and rss[-1] - rss[0] < 6 * MiB, (blocks, rss)
   assert out["handles_alive"] == 0 and out["pending"] == 0
-  assert out["left"] == ["219"]
+  assert out["left"] == ["239"]

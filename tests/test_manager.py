@@ -149,6 +149,35 @@ def test_deletes_only_after_the_triggering_save_committed(root, phase_hook):
   assert mgr.restore()["step"] == 2
 
 
+def test_retention_spares_a_step_being_restored(root, monkeypatch):
+  from fnckpt import _restore
+  reading, release = threading.Event(), threading.Event()
+  real = _restore._read_all
+
+  def slow_read(location, *args, **kwargs):
+    reading.set()
+    assert release.wait(30)
+    return real(location, *args, **kwargs)
+
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=1)
+  mgr.save(1, state_of(1)).wait()
+  monkeypatch.setattr(_restore, "_read_all", slow_read)
+  result = {}
+  reader = threading.Thread(target=lambda: result.update(value=mgr.restore(1)))
+  reader.start()
+  assert reading.wait(30)
+  mgr.save(2, state_of(2)).wait()
+  mgr.wait()
+  assert mgr.all_steps() == [1, 2]  # step 1 is beyond max_to_keep, but being read
+  release.set()
+  reader.join(30)
+  assert result["value"]["step"] == 1
+  monkeypatch.setattr(_restore, "_read_all", real)
+  mgr.save(3, state_of(3)).wait()
+  mgr.wait()
+  assert mgr.all_steps() == [3]
+
+
 def test_uncommitted_leftovers_ignored_reported_replaced_cleaned(root, phase_hook):
   mgr = fnckpt.CheckpointManager(root)
   mgr.save(1, state_of(1)).wait()
@@ -387,9 +416,9 @@ class FileManagerMachine(ManagerMachine):
   root_kind = "file"
 
 
-_machine_settings = settings(max_examples=40, stateful_step_count=20, deadline=None,
+_machine_settings = settings(max_examples=75, stateful_step_count=20, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = _machine_settings
 TestFileManagerMachine = FileManagerMachine.TestCase
-TestFileManagerMachine.settings = settings(_machine_settings, max_examples=10)
+TestFileManagerMachine.settings = settings(_machine_settings, max_examples=25)
