@@ -1,7 +1,7 @@
 """fnckpt vs Orbax vs the machine's limits, all measured in one run.
 
     python bench/run.py --quick          # ~3 minutes on 2 cores: 250 MiB state, 2 runs each
-    python bench/run.py                  # full: 1.44 GiB state, 5 runs each
+    python bench/run.py                  # full: 1.45 GiB state, 5 runs each (~12 minutes)
     python bench/run.py --dir /mnt/nvme/bench --libs fnckpt,orbax --states transformer,small
 
 Every measurement runs in a fresh worker process (``bench/runners.py``); runs of the two
@@ -248,7 +248,9 @@ def s3_location(enabled: bool):
   """Where checkpoints go. ``--s3``: a local S3 server (tests/servers.py).
 
   # ---- S3 HOOK (to be filled in) ----------------------------------------------------------
-  # When tests/servers.py provides ``s3_server()``, start it here and yield an ``s3://bucket/...``
+  # (bench/s3.py already compares fnckpt on S3 with fnckpt on local files; this hook is for the
+  # fnckpt-vs-Orbax tables on S3.)
+  # tests/servers.py provides ``s3_server()``: start it here and yield an ``s3://bucket/...``
   # base path plus the environment both libraries need (endpoint, credentials). Then:
   #   * limits: replace the disk limits with PUT/GET throughput of one large object via
   #     tensorstore's s3 kvstore (and per-object latency instead of fsync);
@@ -271,7 +273,8 @@ def run_state(name: str, a, dirs: dict, log: list) -> dict:
   os.makedirs(base)
   fp_file = os.path.join(base, "fingerprint.json")
   print(f"state {name}:", file=sys.stderr)
-  dev = worker({"op": "device_limits", "state": name, "mode": mode}, timeout, log)
+  dev = worker({"op": "device_limits", "state": name, "mode": mode,
+                "repeats": 2 if mode == "quick" else 3}, timeout, log)
 
   save_res: dict[str, list] = {lib: [] for lib in libs}
   kept: dict[str, tuple[str, int]] = {}         # lib -> (root, step) used by the restores
@@ -361,7 +364,7 @@ def run_state(name: str, a, dirs: dict, log: list) -> dict:
 
 def parse(argv: list[str]):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--quick", action="store_true", help="~250 MiB state, 2 runs (about 3 minutes)")
+  p.add_argument("--quick", action="store_true", help="250 MiB state, 2 runs (about 3 minutes)")
   p.add_argument("--dir", default=os.path.join(REPO, "tmp", "bench"),
                  help="data directory on the disk to measure (default: <repo>/tmp/bench)")
   p.add_argument("--runs", type=int, help="runs per figure (default: quick 2, full 5)")

@@ -31,7 +31,7 @@ AXES = ("data", "model")
 # (d_model, n_layers): bytes = (12 * n_layers + 4) * d_model**2 * 10  (fp32 p + bf16 mu + fp32 nu)
 TRANSFORMER_SIZES = {
     "quick": (512, 8),      # ~250 MiB
-    "full": (1024, 12),     # ~1.44 GiB
+    "full": (1024, 12),     # ~1.45 GiB
 }
 SMALL_SIZES = {
     "quick": (100, 20),     # 2000 leaves x 4 KiB

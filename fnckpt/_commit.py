@@ -95,8 +95,10 @@ def barrier(location: str, phase: str, timeout_s: float) -> None:
     text = str(e)
     # The service lists the processes that did not arrive ("Some timed out task names:").
     # (Never ask it which nodes are alive here: that call is itself a barrier.)
-    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
-    missing = [int(p) for p in found.group(1).replace(",", " ").split()] if found else []
+    found = re.search(r"timed out task names:\s*(.*?)(?:\n\s*\n|$)", text, re.S)
+    names = found.group(1) if found else ""
+    missing = sorted({int(p) for p in re.findall(r"task:(\d+)" if "task:" in names
+                                                else r"\d+", names)})
     who = (f"process(es) {', '.join(map(str, missing))} did not arrive"
            f"{_progress(client, key, missing)}" if missing else
            "not every process arrived")

@@ -152,7 +152,8 @@ def _hook(monkeypatch, at, action):
 def test_not_visible_until_committed_and_wait_blocks(tmp_path, monkeypatch):
   reached, gate = threading.Event(), threading.Event()
   _hook(monkeypatch, "committing", lambda *_: (reached.set(), gate.wait(60)))
-  path = str(tmp_path / "c")
+  path = str(tmp_path / "5")
+  mgr = fnckpt.CheckpointManager(str(tmp_path))
   h = fnckpt.save(make_state(), path)
   assert reached.wait(60)
   # every chunk and the manifest are on storage; only the marker is missing
@@ -164,9 +165,11 @@ def test_not_visible_until_committed_and_wait_blocks(tmp_path, monkeypatch):
     fnckpt.restore(path)
   with pytest.raises(fnckpt.NotCommittedError):
     fnckpt.metadata(path)
+  assert mgr.all_steps() == [] and mgr.latest_step() is None  # not listed either
   gate.set()
   h.wait()
   assert h.done()
+  assert mgr.all_steps() == [5]
   assert_restores(path)
   assert fnckpt.metadata(path).tree["w"].shape == (256, 512)
 

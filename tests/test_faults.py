@@ -67,8 +67,17 @@ def assert_not_committed(path):
   assert not os.path.exists(os.path.join(path, "COMMIT"))
 
 
+def listing(root):
+  """What the manager lists under ``root``: (committed steps, uncommitted steps)."""
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # it warns about uncommitted leftovers: we know
+    mgr = fnckpt.CheckpointManager(str(root))
+  return mgr.all_steps(), mgr.uncommitted_steps()
+
+
 def save_config(tmp_path, phase, action="kill", overwrite=False, same_path=False):
-  prev, new = str(tmp_path / "prev"), str(tmp_path / "new")
+  prev, new = str(tmp_path / "1"), str(tmp_path / "2")  # steps 1 and 2 for the manager
   return prev, (prev if same_path else new), {
       "mode": "save", "devices": 8, "mesh": MESH, "leaves": LEAVES, "prev": prev,
       "path": prev if same_path else new, "overwrite": overwrite,
@@ -105,9 +114,11 @@ def test_sigkill_at_each_phase_leaves_previous_intact(tmp_path, phase):
   # (``*.__lock``: TensorStore's temporary file for a write in progress, never data)
   if any(not f.endswith(".__lock") for _, _, fs in os.walk(new) for f in fs):
     assert_not_committed(new)
+    assert listing(tmp_path) == ([1], [2])
   else:  # killed before any file reached storage: simply no checkpoint there
     with pytest.raises(fnckpt.CheckpointError, match="No checkpoint"):
       fnckpt.restore(new)
+    assert listing(tmp_path)[0] == [1]
 
 
 @pytest.mark.slow
@@ -119,6 +130,7 @@ def test_sigkill_after_commit_is_a_checkpoint(tmp_path):
   assert r.returncode == -signal.SIGKILL, r.describe()
   assert_bit_exact(fnckpt.restore(new), expected_tree(seed=0))
   assert_bit_exact(fnckpt.restore(prev), expected_tree(seed=1))
+  assert listing(tmp_path) == ([1, 2], [])
 
 
 @pytest.mark.slow
