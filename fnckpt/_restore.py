@@ -392,7 +392,11 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
     if devices is None:
       r.parts[None] = host
     else:
-      r.parts.update({d: jax.device_put(host, d) for d in devices})
+      # ``host`` is ours: one device may alias it (zero-copy on CPU); the others get copies,
+      # so donating one restored shard can never change another.
+      puts = jax.device_put([host] * len(devices), list(devices),
+                            may_alias=[True] + [False] * (len(devices) - 1))
+      r.parts.update(zip(devices, puts))
     held -= n
 
   for i, r in reads.items():

@@ -26,10 +26,10 @@ __all__ = ["save", "wait", "SaveHandle", "SaveStats"]
 INLINE_BYTES = 16 << 10
 
 # Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
-# staged copy, then TensorStore's copy in its transaction and the encoded chunk being written
-# (measured: about 2n at the peak of a chunk's write; the staged copy is dropped once
-# TensorStore has its own). The budget charges this, so that RSS, not just staging, stays
-# under it.
+# staged buffer (handed to TensorStore without a copy; on CPU a view that keeps the device
+# buffer alive even if the caller donates it) plus the encoded chunk being written (measured:
+# about 2n at the peak of a chunk's write). The budget charges this, so that RSS, not just
+# staging, stays under it.
 CHUNK_COST = 2
 
 
@@ -213,18 +213,22 @@ def _plan(leaves, kv_spec: dict, inline_bytes: int, zstd: int | None):
   return records, arrays
 
 
-def _host_copy(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
-  """The unit's bytes in a host buffer that fnckpt owns (the caller may then reuse ``data``).
+def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
+  """The unit's bytes on the host, safe from whatever the caller does next.
 
-  On an accelerator ``np.asarray`` *is* the device-to-host copy; on CPU it is a view of the
-  device buffer, so the bytes are copied once more."""
+  - numpy leaves are copied (the caller may mutate them in place);
+  - on an accelerator ``np.asarray`` *is* the device-to-host copy, into a new buffer;
+  - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
+    array then leaves that buffer alone (JAX allocates anew), so no copy is needed and the
+    caller is blocked for nothing but bookkeeping.
+  """
   local = tuple(slice(a, b) for a, b in unit.local)
   if isinstance(data, np.ndarray):
     return np.array(data[local], copy=True)
   whole = shard_data.shape == tuple(b - a for a, b in unit.local)
   if next(iter(shard_data.devices())).platform == "cpu":
     view = np.asarray(shard_data)
-    return np.array(view if whole else view[local], copy=True)
+    return view if whole else view[local]
   return np.asarray(shard_data if whole else shard_data[local])
 
 
@@ -311,7 +315,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
         # The budget is full: start the writer (it frees budget as chunks become durable).
         budget.acquire(cost, on_wait=handle._drain.set)
         try:
-          host = _host_copy(a.data, unit, shard_data.get(unit.device))
+          host = _stage(a.data, unit, shard_data.get(unit.device))
         except BaseException:
           budget.release(cost)
           raise
@@ -390,7 +394,7 @@ def _write_chunks(handle: SaveHandle, chunks: queue.SimpleQueue, budget) -> list
       budget.release(n)
       handle._writer_error = e
       continue
-    item = host = None  # TensorStore has its own copy: do not hold ours while waiting
+    item = host = None  # TensorStore holds the buffer until the chunk is written
     commit.add_done_callback(lambda _f, n=n: budget.release(n))
     commits.append(commit)
   return commits

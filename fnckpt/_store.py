@@ -116,12 +116,14 @@ def _slices(index: Index) -> tuple[slice, ...]:
 
 def write_chunk(array: ts.TensorStore, index: Index, data: np.ndarray) -> ts.Future:
   """Write one whole chunk in its own transaction (one writeback, no read-modify-write).
-  Returns the commit future; ``data`` must stay alive and unchanged until it completes."""
+  Returns the commit future. TensorStore references ``data`` (no copy) until the chunk is
+  written, so nobody may change it before the future completes: fnckpt owns it."""
   stored = array.dtype.numpy_dtype
   if data.dtype.name != stored.name:  # a dtype stored as its bits (storage_dtype)
     data = data.view(stored)
   txn = ts.Transaction()
-  array.with_transaction(txn)[_slices(index)].write(data).result()  # staged in the txn, no I/O
+  array.with_transaction(txn)[_slices(index)].write(
+      data, can_reference_source_data_indefinitely=True).result()  # in the txn, no I/O
   return txn.commit_async()
 
 

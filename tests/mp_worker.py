@@ -259,9 +259,12 @@ def mode_memory_budget(cfg):
   mesh = make_mesh([cfg["devices"]], ["a"])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
   shape = tuple(cfg["shape"])
-  state = {f"w{i}": jax.make_array_from_callback(
-      shape, sharding, lambda idx, i=i: np.full(shape, i + 1, np.float32)[idx])
-      for i in range(cfg["leaves"])}
+  if cfg.get("numpy"):  # numpy leaves are copied when staged: the budget is what bounds them
+    state = {f"w{i}": np.full(shape, i + 1, np.float32) for i in range(cfg["leaves"])}
+  else:  # on CPU, jax shards are staged as views of the device buffers (no host copy)
+    state = {f"w{i}": jax.make_array_from_callback(
+        shape, sharding, lambda idx, i=i: np.full(shape, i + 1, np.float32)[idx])
+        for i in range(cfg["leaves"])}
   jax.block_until_ready(state)
   # Warm up: thread pools, the TensorStore drivers, zarr.json writing, a small save.
   warm = {"w": jax.make_array_from_callback(

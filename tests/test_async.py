@@ -310,15 +310,18 @@ MiB = 1 << 20
 # below, varying run to run). Pinning the threshold makes large blocks go back to the OS when
 # freed, so RSS measures the bytes actually held.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-# Python objects, TensorStore's chunk index and crc buffers and thread stacks, page-granular
-# accounting: measured 0-1 MiB above the bytes charged to the budget.
-TOLERANCE = 8 * MiB
+# Python objects, TensorStore's chunk index and crc buffers, thread stacks, page-granular
+# accounting, and TensorStore's encode/write buffers, which it frees shortly *after* the
+# commit callback has returned a chunk's bytes to the budget: measured 1-26 MiB above the
+# bytes charged (numpy leaves, 8 MiB chunks, 32 MiB budget; 10 runs on 2 cores).
+TOLERANCE = 24 * MiB
 
 
-def _memory_run(tmp_path, budget_mib):
+def _memory_run(tmp_path, budget_mib, *, numpy=False):
+  shape, leaves = ([1024, 2048], 32) if numpy else ([8 * 1024, 2048], 4)
   r = hp.run_worker({"mode": "memory_budget", "devices": 8, "path": str(tmp_path),
-                     "shape": [8 * 1024, 2048], "leaves": 4, "budget_mib": budget_mib},
-                    env=MALLOC_ENV, timeout=180)
+                     "shape": shape, "leaves": leaves, "budget_mib": budget_mib,
+                     "numpy": numpy}, env=MALLOC_ENV, timeout=180)
   assert r.returncode == 0 and r.result, r.describe()
   out = r.result
   # VmHWM reset by /proc/self/clear_refs; else fall back on the sampled RSS
@@ -329,18 +332,21 @@ def _memory_run(tmp_path, budget_mib):
 
 
 @pytest.mark.slow
-def test_host_memory_stays_under_budget(tmp_path):
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy-leaves", "jax-leaves"])
+def test_host_memory_stays_under_budget(tmp_path, numpy):
   """256 MiB of arrays in chunks of 8 MiB, a budget of 32 MiB: the save's peak RSS above the
-  RSS before it stays under budget + one chunk (+ TOLERANCE). The same save with a budget
-  larger than the state is the control: there the peak is far above (so the measurement
-  sees staging memory)."""
+  RSS before it stays under budget + one chunk (+ TOLERANCE). numpy leaves are copied when
+  staged, so the same save with a budget larger than the state is the control: there the
+  peak is far above (the measurement sees staging memory). jax leaves on CPU are staged as
+  views of their device buffers, so their save adds even less."""
   chunk = 8 * MiB
-  out, peak = _memory_run(tmp_path / "small", 32)
+  out, peak = _memory_run(tmp_path / "small", 32, numpy=numpy)
   assert out["bytes_written"] == out["state_bytes"] == 256 * MiB
   assert out["peak_staged_bytes"] <= out["budget"]
   assert peak <= out["budget"] + chunk + TOLERANCE, (peak / MiB, out)
-  control, control_peak = _memory_run(tmp_path / "large", 1024)
-  assert control_peak > 2 * (out["budget"] + chunk + TOLERANCE), (control_peak / MiB, control)
+  if numpy:
+    control, control_peak = _memory_run(tmp_path / "large", 1024, numpy=True)
+    assert control_peak > 2 * (out["budget"] + chunk + TOLERANCE), (control_peak / MiB, control)
 
 
 @pytest.mark.slow
