@@ -391,13 +391,34 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
       raise _read_error(location, r.want.rec, e) from None
     if devices is None:
       r.parts[None] = host
+      held -= n
     else:
       # ``host`` is ours: one device may alias it (zero-copy on CPU); the others get copies,
-      # so donating one restored shard can never change another.
-      puts = jax.device_put([host] * len(devices), list(devices),
-                            may_alias=[True] + [False] * (len(devices) - 1))
-      r.parts.update(zip(devices, puts))
-    held -= n
+      # so donating one restored shard can never change another. Puts go out in batches.
+      for k, d in enumerate(devices):
+        to_put.append((i, d, host, k == 0))
+      put_bytes.append(n)
+      if len(to_put) >= 256 or pending_empty():
+        flush()
+
+  to_put: list = []
+  put_bytes: list[int] = []
+
+  def pending_empty() -> bool:
+    return not pending
+
+  def flush() -> None:
+    nonlocal held
+    if not to_put:
+      return
+    hosts = [h for _, _, h, _ in to_put]
+    puts = jax.device_put(hosts, [d for _, d, _, _ in to_put],
+                          may_alias=[alias for *_, alias in to_put])
+    for (i, d, _, _), arr in zip(to_put, puts):
+      reads[i].parts[d] = arr
+    held -= sum(put_bytes)
+    to_put.clear()
+    put_bytes.clear()
 
   for i, r in reads.items():
     rec = r.want.rec
@@ -418,12 +439,15 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
       n = _layout.nbytes([b - a for a, b in index], itemsize)
       while pending and held + n > budget:
         land()
+      if held + n > budget:
+        flush()
       if batch[0] is None:
         batch[0] = ts.Batch()
       pending.append((i, _store.read_slice(store, index, batch[0]), devices, n))
       held += n
   while pending:
     land()
+  flush()
 
   for i, r in reads.items():
     if None in r.parts:  # one host array (inline, or read whole for a host target)
