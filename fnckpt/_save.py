@@ -26,10 +26,10 @@ __all__ = ["save", "wait", "SaveHandle", "SaveStats"]
 INLINE_BYTES = 16 << 10
 
 # Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
-# staged buffer (handed to TensorStore without a copy; on CPU a view that keeps the device
-# buffer alive even if the caller donates it) plus the encoded chunk being written (measured:
-# about 2n at the peak of a chunk's write). The budget charges this, so that RSS, not just
-# staging, stays under it.
+# staged buffer (on CPU a view that keeps the device buffer alive even if the caller donates
+# it), which the writer thread drops once TensorStore has copied it into its transaction,
+# then that copy plus the encoded chunk being written (measured: about 2n at the peak of a
+# chunk's write). The budget charges this, so that RSS, not just staging, stays under it.
 CHUNK_COST = 2
 
 
@@ -394,7 +394,7 @@ def _write_chunks(handle: SaveHandle, chunks: queue.SimpleQueue, budget) -> list
       budget.release(n)
       handle._writer_error = e
       continue
-    item = host = None  # TensorStore holds the buffer until the chunk is written
+    item = host = None  # TensorStore has its own copy: do not hold ours while waiting
     commit.add_done_callback(lambda _f, n=n: budget.release(n))
     commits.append(commit)
   return commits

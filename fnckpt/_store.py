@@ -116,14 +116,18 @@ def _slices(index: Index) -> tuple[slice, ...]:
 
 def write_chunk(array: ts.TensorStore, index: Index, data: np.ndarray) -> ts.Future:
   """Write one whole chunk in its own transaction (one writeback, no read-modify-write).
-  Returns the commit future. TensorStore references ``data`` (no copy) until the chunk is
-  written, so nobody may change it before the future completes: fnckpt owns it."""
+  Returns the commit future. TensorStore copies ``data`` into the transaction before this
+  returns, so the caller may drop it then.
+
+  It must copy: letting TensorStore reference ``data`` (``can_reference_source_data_
+  indefinitely``) hands it Python objects (views of JAX buffers, on ``memory://`` even kept in
+  the store) that it then releases on its own threads while holding its own locks; that
+  deadlocked against JAX's device transfers (seen with memory:// retention deletes)."""
   stored = array.dtype.numpy_dtype
   if data.dtype.name != stored.name:  # a dtype stored as its bits (storage_dtype)
     data = data.view(stored)
   txn = ts.Transaction()
-  array.with_transaction(txn)[_slices(index)].write(
-      data, can_reference_source_data_indefinitely=True).result()  # in the txn, no I/O
+  array.with_transaction(txn)[_slices(index)].write(data).result()  # copied into the txn
   return txn.commit_async()
 
 
