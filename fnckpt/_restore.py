@@ -21,6 +21,11 @@ from ._errors import CheckpointError
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
 
+# Reads in flight by default. More only adds memory (TensorStore's raw bytes beside each decoded
+# slice): on the bench's 250 MiB state, 32 MiB to 256 MiB windows restore equally fast.
+READ_WINDOW_BYTES = 128 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedSharding:
   """How an array was sharded when saved: mesh axis names and sizes, and the PartitionSpec
@@ -311,7 +316,8 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
       saved value; a 0-d array target takes a saved Python number.
     partial: allow the target to hold only a subset of the checkpoint's key paths.
     cast: convert arrays whose saved dtype differs from the target's (else an error).
-    budget_bytes: host bytes held by reads in flight (default: a quarter of free memory).
+    budget_bytes: bytes of reads in flight (default: 128 MiB, enough to keep a disk or an
+      object store busy; a slice larger than this is read alone).
     storage_options: settings for ``gs://``/``s3://``.
 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
@@ -331,8 +337,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   else:
     wants, treedef = _match(location, records, target, partial, cast)
 
-  from ._save import default_budget_bytes
-  budget = budget_bytes or default_budget_bytes()
+  budget = budget_bytes or READ_WINDOW_BYTES
   values = _read_all(location, kv_spec, ctx, wants, budget)
   if treedef is None:
     return _tree.unflatten_from_paths([w.rec["path"] for w in wants], values)
