@@ -19,7 +19,7 @@ import tensorstore as ts
 from ._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
-           "delete_prefix", "io_error", "io_hint", "location_of",
+           "delete_prefix", "clear", "io_error", "io_hint", "location_of",
            "redact"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
@@ -109,6 +109,17 @@ def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, 
   return spec
 
 
+# Local file system errors, by the OS's words (TensorStore reports them as PERMISSION_DENIED /
+# RESOURCE_EXHAUSTED, which must not get the object stores' credential hints).
+_LOCAL_HINTS = (
+    ("No space left on device", " The disk is full: free some space or save elsewhere."),
+    ("Disk quota exceeded", " The disk quota is used up: free some space or save elsewhere."),
+    ("File too large", " A file went over the process's file size limit (ulimit -f)."),
+    ("Read-only file system", " The destination is on a read-only file system: save elsewhere."),
+    ("Permission denied", " This process may not access it: check the owner and permissions."),
+)
+
+
 def io_hint(e: BaseException) -> str:
   """What a TensorStore I/O error most likely means, as a sentence to append ('' if unsure).
 
@@ -116,9 +127,10 @@ def io_hint(e: BaseException) -> str:
   ' The bucket does not exist: check its name (and the endpoint or account it lives in).'
   """
   text = str(e)
+  local = next((hint for cause, hint in _LOCAL_HINTS if cause in text), None)
+  if local is not None:
+    return local
   if "os_error_code" in text:  # a local file system error: no bucket, credentials or endpoint
-    if "Permission denied" in text:
-      return " This process may not access it: check the owner and permissions."
     return ""
   # (GCS answers a write into a missing bucket with a bare 404)
   if "NoSuchBucket" in text or ("NOT_FOUND" in text and "Error writing gs://" in text):
@@ -201,14 +213,9 @@ def resolve(path: str, options: dict[str, Any] | None = None
     raise io_error(e, path, "opening the location") from e
 
 
-def open_kvstore(path: str, options: dict[str, Any] | None = None,
-                 ctx: ts.Context | None = None) -> ts.KvStore:
+def open_kvstore(path: str, options: dict[str, Any] | None = None) -> ts.KvStore:
   """Open the directory ``path`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
-  spec = kvstore_spec(path, options)
-  try:
-    return ts.KvStore.open(spec, context=ctx or context()).result()
-  except Exception as e:
-    raise io_error(e, path, "opening the location") from e
+  return resolve(path, options)[2]
 
 
 def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
@@ -228,6 +235,14 @@ def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
   return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
 
+def clear(kv: ts.KvStore, first: tuple[str, ...] = ()) -> None:
+  """Delete every key of the opened directory ``kv``: the keys in ``first`` (a commit marker)
+  before the rest, so a reader never sees them beside a partly deleted directory."""
+  for key in first:
+    kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+  kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
 def delete_prefix(path: str, options: dict[str, Any] | None = None,
                   first: tuple[str, ...] = ()) -> None:
   """Delete the directory ``path`` and everything under it, on any backend. The keys in
@@ -243,9 +258,7 @@ def delete_prefix(path: str, options: dict[str, Any] | None = None,
   """
   _, _, kv = resolve(path, options)
   try:
-    for key in first:
-      kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
+    clear(kv, first)
   except Exception as e:
     raise io_error(e, path, "deleting") from e
   scheme, rest = _split_scheme(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -43,6 +44,13 @@ class SavedSharding:
     return jax.sharding.NamedSharding(mesh, self.spec)
 
 
+@functools.lru_cache(maxsize=None)  # one entry per PRNG implementation name
+def _key_data_ndim(impl: str) -> int:
+  """How many trailing dimensions a key of ``impl`` adds to its key data (abstract: no device
+  work, no backend started)."""
+  return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayMetadata:
   """A saved array leaf: what :func:`fnckpt.metadata` returns in place of its data.
@@ -62,8 +70,7 @@ class ArrayMetadata:
     trailing dimensions of its key data (``shape`` (8, 2) -> ``key_shape`` (8,))."""
     if self.impl is None:
       return self.shape
-    trailing = len(jax.random.key_data(jax.random.key(0, impl=self.impl)).shape)
-    return self.shape[:len(self.shape) - trailing]
+    return self.shape[:len(self.shape) - _key_data_ndim(self.impl)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -372,8 +372,7 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s:
   # process 0 creating files makes a slow one see "an interrupted save" and give up.
   _commit.barrier(location, "checked", timeout_s)
   if leftovers and jax.process_index() == 0:
-    kv.delete_range(ts.KvStore.KeyRange(_manifest.COMMIT, _manifest.COMMIT + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
+    _paths.clear(kv, first=(_manifest.COMMIT,))
   if overwrite:
     _commit.barrier(location, "cleared", timeout_s)
 
@@ -449,19 +448,8 @@ def _wrap(e: BaseException, location: str, phase: str) -> BaseException:
   if not isinstance(e, Exception):
     return e
   text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", _paths.redact(str(e)))  # noise
-  hint = next((h for cause, h in _LOCAL_HINTS if cause in text), None) or _paths.io_hint(e)
+  hint = _paths.io_hint(e)
   return CheckpointError(
       f"Saving to {location!r} failed while {phase}: {type(e).__name__}: "
       f"{text}.{hint} Nothing was committed; earlier checkpoints are intact.")
 
-
-# Local file system errors (TensorStore reports them as PERMISSION_DENIED / RESOURCE_EXHAUSTED,
-# which would otherwise get the object stores' credential hints).
-_LOCAL_HINTS = (
-    ("No space left on device", " The disk is full: free some space or save elsewhere."),
-    ("Disk quota exceeded", " The disk quota is used up: free some space or save elsewhere."),
-    ("File too large", " A file went over the process's file size limit (ulimit -f)."),
-    ("Read-only file system", " The destination is on a read-only file system: save elsewhere."),
-    ("Permission denied", " This process may not write there: check the directory's owner "
-                          "and permissions."),
-)
