@@ -16,10 +16,11 @@ from typing import Any
 import jax
 import tensorstore as ts
 
-from . import _manifest, _paths
+from . import _manifest, _paths, _records
 from ._errors import BarrierTimeoutError, CheckpointError, NotCommittedError
 
-__all__ = ["barrier", "report", "forget", "read_header", "write_commit", "is_committed"]
+__all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit", "is_committed",
+           "unchanged", "changed_error"]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -82,15 +83,21 @@ def barrier(location: str, phase: str, timeout_s: float) -> None:
   """Wait until every process reaches ``phase`` for ``location``; no-op with one process.
 
   The barrier id is the location's hash and the phase; the coordination service counts
-  repeated uses of one id (a second save to the same location)."""
-  n = jax.process_count()
-  if n == 1:
+  repeated uses of one id. (Saves use :class:`fnckpt._collective.Session`, whose barrier ids
+  are unique per attempt.)"""
+  if jax.process_count() == 1:
     return
+  barrier_id(f"fnckpt/{_key(location)}/{phase}", location, phase, timeout_s)
+
+
+def barrier_id(barrier: str, location: str, phase: str, timeout_s: float) -> None:
+  """Wait at the coordination service barrier ``barrier``; a timeout raises
+  :class:`BarrierTimeoutError` naming the phase, the location and the missing processes."""
   client = _client()
   key = _key(location)
   start = time.monotonic()
   try:
-    client.wait_at_barrier(f"fnckpt/{key}/{phase}", max(1, int(timeout_s * 1000)))
+    client.wait_at_barrier(barrier, max(1, int(timeout_s * 1000)))
   except Exception as e:  # jaxlib raises its own runtime error type
     text = str(e)
     # The service lists the processes that did not arrive ("Some timed out task names:").
@@ -110,9 +117,10 @@ def barrier(location: str, phase: str, timeout_s: float) -> None:
         f"({text.splitlines()[0] if text else type(e).__name__})") from None
 
 
-def read_header(kv: ts.KvStore, location: str) -> tuple[dict[str, Any], bytes]:
-  """The validated manifest of a *committed* checkpoint, and its bytes. Clear errors for: no
-  such location, an interrupted save, a marker that does not match its manifest."""
+def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes, bytes]:
+  """The validated manifest of a *committed* checkpoint, its bytes and the commit marker's
+  bytes. Clear errors for: no such location, an interrupted save, a marker that does not
+  match its manifest (also when an overwrite replaced it between the two reads)."""
   try:  # TensorStore I/O errors (no such bucket, access denied, unreachable) name the URL
     commit_r = kv.read(_manifest.COMMIT)
     manifest_r = kv.read(_manifest.MANIFEST)
@@ -134,10 +142,29 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[dict[str, Any], bytes]:
   commit = _manifest.decode_commit(bytes(commit_raw.value), location)
   manifest_bytes = bytes(manifest_raw.value) if manifest_raw.state == "value" else b""
   if _manifest.digest(manifest_bytes) != commit["manifest_sha256"]:
+    if not unchanged(kv, bytes(commit_raw.value)):
+      raise changed_error(location)
     raise CheckpointError(
         f"The manifest of {location!r} does not match its commit marker (missing or "
         "modified after the commit). The checkpoint cannot be trusted; restore an earlier one.")
-  return _manifest.decode(manifest_bytes, location), manifest_bytes
+  return (_manifest.decode(manifest_bytes, location), manifest_bytes,
+          bytes(commit_raw.value))
+
+
+def unchanged(kv: ts.KvStore, commit_bytes: bytes) -> bool:
+  """Whether the commit marker still holds ``commit_bytes`` (no overwrite or delete since)."""
+  try:
+    now = kv.read(_manifest.COMMIT).result()
+  except Exception:
+    return False
+  return now.state == "value" and bytes(now.value) == commit_bytes
+
+
+def changed_error(location: str) -> CheckpointError:
+  return CheckpointError(
+      f"The checkpoint at {location!r} changed while being read (it was overwritten or "
+      "deleted by another save, a retention pass or a cleanup). Nothing was returned; read it "
+      "again, or read a checkpoint that is not being replaced.")
 
 
 def is_committed(kv: ts.KvStore) -> bool:

@@ -7,7 +7,6 @@ manifest (small ones) or to a zarr3 array (``_store``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -17,6 +16,9 @@ import numpy as np
 from ._errors import CheckpointError
 from ._manifest import check_msgpackable
 from ._tree import keystr
+
+if False:  # typing only
+  from . import _records  # noqa: F401
 
 __all__ = ["encode_leaf", "decode_value", "sharding_record", "dtype_of", "is_key_array",
            "host_value", "to_little_endian"]
@@ -33,16 +35,10 @@ def dtype_of(name: str) -> np.dtype:
 
 
 def _storable(dtype: np.dtype) -> bool:
-  """Numeric and bool dtypes, ml_dtypes' ones (bfloat16, int4, float8_*: numpy kind 'V')
-  included; not strings, objects, dates, raw void or structured dtypes."""
-  if dtype.fields is not None or dtype.kind in "OUSMm":
-    return False
-  if dtype.kind != "V":
-    return True
-  try:
-    return np.dtype(jnp.dtype(dtype.name)) == dtype
-  except TypeError:
-    return False
+  """Numeric and bool dtypes fnckpt stores (ml_dtypes' bfloat16, int4, float8_* included);
+  not strings, objects, dates, void, structured dtypes or ``longdouble``."""
+  from ._records import DTYPES
+  return dtype.fields is None and dtype.name in DTYPES
 
 
 def is_key_array(x: Any) -> bool:
@@ -149,8 +145,10 @@ def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:
   if isinstance(leaf, np.ndarray):
     if not _storable(leaf.dtype):
       raise CheckpointError(
-          f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only numeric and bool "
-          "arrays are stored. Convert it (e.g. strings to a list of str) before saving.")
+          f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only bool, integer, "
+          "float16/32/64, complex64/128 and ml_dtypes' types (bfloat16, int4, float8_*) are "
+          "stored. Convert it before saving (e.g. longdouble with .astype(np.float64), strings "
+          "to a list of str).")
     rec.update(kind="array", source="numpy", dtype=leaf.dtype.name, shape=list(leaf.shape),
                sharding=None)
     return rec, leaf
@@ -179,27 +177,22 @@ def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:
   raise _unsupported(path, leaf)
 
 
-def decode_value(rec: dict[str, Any]) -> Any:
-  """A non-array leaf's value from its record."""
-  kind = rec["kind"]
+def decode_value(leaf: "_records.Leaf") -> Any:
+  """A non-array leaf's value from its validated record."""
+  kind = leaf.kind
   if kind == "empty":
-    return {"none": None, "dict": {}, "list": [], "tuple": ()}[rec["type"]]
-  if kind == "scalar":
-    t, v = rec["type"], rec["value"]
-    if t == "complex":
-      return complex(v[0], v[1])
-    return {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}[t](v)
-  if kind == "bigint":
-    return int(rec["value"])
+    return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.type]
+  if kind in ("scalar", "bigint"):
+    return leaf.value
   if kind == "npscalar":
-    return np.frombuffer(rec["value"], dtype=dtype_of(rec["dtype"]))[0]
+    return np.frombuffer(leaf.value, dtype=dtype_of(leaf.dtype))[0]
   if kind == "npgen":
-    state = _unplain(rec["value"])
-    bitgen = getattr(np.random, state["bit_generator"])()
-    bitgen.state = state
+    state = _unplain(leaf.value)
+    try:
+      bitgen = getattr(np.random, state["bit_generator"])()  # an allow-listed name
+      bitgen.state = state
+    except Exception as e:  # numpy checks the state itself
+      raise CheckpointError(f"The numpy Generator at {leaf.where} has an invalid saved state "
+                            f"({type(e).__name__}: {e}); the checkpoint is damaged.") from None
     return np.random.Generator(bitgen)
-  raise CheckpointError(f"Leaf kind {kind!r} is not a plain value.")
-
-
-def inline_nbytes(shape, dtype: np.dtype) -> int:
-  return int(math.prod(shape)) * np.dtype(dtype).itemsize
+  raise CheckpointError(f"Leaf kind {kind!r} at {leaf.where} is not a plain value.")

@@ -11,18 +11,18 @@ from typing import Any
 
 import msgpack
 
+from . import _records
 from ._errors import CheckpointError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
            "encode_commit", "decode_commit", "digest", "check_msgpackable"]
 
 FORMAT_NAME = "fnckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.msgpack"
 COMMIT = "COMMIT"
-DATA_DIR = "d"
-
-LEAF_KINDS = ("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty")
+DATA_DIR = "d"              # format 1: arrays at d/<n>/
+DATA_PREFIX = "data-"       # format 2: a save's data under data-<32 hex digits>/
 
 
 def _pack(obj: Any) -> bytes:
@@ -64,15 +64,17 @@ def check_msgpackable(value: Any, where: str) -> None:
 def encode(manifest: dict[str, Any]) -> bytes:
   """Manifest dict -> bytes.
 
-  >>> decode(encode({"format": "fnckpt", "version": 1, "leaves": []}), "x")["version"]
-  1
+  >>> m = {"format": "fnckpt", "version": 2, "created": 0.0, "process_count": 1,
+  ...      "versions": {}, "metadata": None, "data": "data-0", "packs": [], "leaves": []}
+  >>> decode(encode(m), "x").version
+  2
   """
   return _pack(manifest)
 
 
-def decode(data: bytes, location: str) -> dict[str, Any]:
-  """Bytes -> manifest dict, validated: a clear error for corrupt bytes, a foreign file, or a
-  checkpoint from a newer format version."""
+def decode(data: bytes, location: str) -> _records.Manifest:
+  """Bytes -> validated :class:`_records.Manifest`: a clear error for corrupt bytes, a foreign
+  file, a checkpoint from a newer format version, or any invalid field."""
   try:
     manifest = _unpack(data)
   except Exception as e:  # msgpack raises several unrelated types
@@ -80,14 +82,7 @@ def decode(data: bytes, location: str) -> dict[str, Any]:
         f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
         "cannot be read; restore an earlier one.") from None
   _check_header(manifest, location, "manifest")
-  leaves = manifest.get("leaves")
-  if not isinstance(leaves, list) or not all(
-      isinstance(l, dict) and l.get("kind") in LEAF_KINDS and isinstance(l.get("path"), list)
-      for l in leaves):
-    raise CheckpointError(
-        f"The manifest of {location!r} is corrupt: its leaf records are malformed. Restore an "
-        "earlier checkpoint.")
-  return manifest
+  return _records.parse(manifest, location, FORMAT_VERSION)
 
 
 def _check_header(obj: Any, location: str, what: str) -> None:
@@ -96,7 +91,7 @@ def _check_header(obj: Any, location: str, what: str) -> None:
         f"The {what} of {location!r} is corrupt or not an fnckpt {what} (no "
         f"'format': '{FORMAT_NAME}' header).")
   version = obj.get("version")
-  if not isinstance(version, int):
+  if not isinstance(version, int) or isinstance(version, bool) or version < 1:
     raise CheckpointError(f"The {what} of {location!r} is corrupt: no format version.")
   if version > FORMAT_VERSION:
     raise CheckpointError(
@@ -116,6 +111,7 @@ def decode_commit(data: bytes, location: str) -> dict[str, Any]:
   except Exception as e:
     raise CheckpointError(f"The commit marker of {location!r} is corrupt ({e}).") from None
   _check_header(commit, location, "commit marker")
-  if not isinstance(commit.get("manifest_sha256"), str):
+  if not isinstance(commit.get("manifest_sha256"), str) or not isinstance(
+      commit.get("committed", 0.0), (int, float)):
     raise CheckpointError(f"The commit marker of {location!r} is corrupt: no manifest hash.")
   return commit

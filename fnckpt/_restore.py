@@ -10,13 +10,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from . import _commit, _layout, _leaves, _manifest, _paths, _records, _store, _tree
 from ._errors import CheckpointError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -87,35 +88,55 @@ class CheckpointMetadata:
   leaves: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
 
 
-def _saved_sharding(rec: dict[str, Any] | None) -> SavedSharding | None:
+def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
   if rec is None:
     return None
-  if rec["type"] != "named":
-    return SavedSharding(rec["type"])
-  spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in rec["spec"]])
-  return SavedSharding("named", tuple(rec["axes"]), tuple(rec["sizes"]), spec)
+  if rec.type != "named":
+    return SavedSharding(rec.type)
+  return SavedSharding("named", rec.axes, rec.sizes, jax.sharding.PartitionSpec(*rec.spec))
 
 
-def _array_metadata(rec: dict[str, Any]) -> ArrayMetadata:
-  dtype = _leaves.dtype_of(rec["dtype"])
-  shape = tuple(rec["shape"])
-  return ArrayMetadata(shape, dtype, _saved_sharding(rec.get("sharding")), rec.get("impl"),
-                       "inline" if "inline" in rec else rec["store"]["dir"],
+def _array_metadata(rec: _records.Leaf) -> ArrayMetadata:
+  dtype = _leaves.dtype_of(rec.dtype)
+  shape = tuple(rec.shape)
+  return ArrayMetadata(shape, dtype, _saved_sharding(rec.sharding), rec.impl,
+                       _storage_of(rec),
                        _layout.nbytes(shape, dtype.itemsize))
 
 
-def _open(path: str, storage_options) -> tuple[str, dict, ts.Context, dict[str, Any]]:
+def _storage_of(rec: _records.Leaf) -> str:
+  """Where a leaf's bytes are: "inline", a zarr array's directory, or "pack <dir>"."""
+  if rec.stored is not None:
+    return rec.stored.dir
+  if rec.packed is not None:
+    return f"pack {rec.packed.pack}"
+  return "inline"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """An opened, committed checkpoint: where it is, its validated manifest, and the commit
+  marker's bytes as read (to tell whether it changed while being read)."""
+  location: str
+  kv_spec: dict[str, Any]
+  ctx: ts.Context
+  kv: ts.KvStore
+  manifest: _records.Manifest
+  commit: bytes
+
+
+def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:
   location = _paths.display(path)
   try:
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
-    manifest, _ = _commit.read_header(kv, location)
+    manifest, _, commit = _commit.read_header(kv, location)
   except CheckpointError:
     raise
   except Exception as e:  # TensorStore's I/O errors: a file in the way, no permission, ...
     raise CheckpointError(
         f"Cannot read a checkpoint at {location!r} ({type(e).__name__}: {e}). Check that the "
         "path is a checkpoint directory and that it is readable.") from e
-  return location, kv_spec, ctx, manifest
+  return Source(location, kv_spec, ctx, kv, manifest, commit)
 
 
 def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
@@ -127,18 +148,17 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
   >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
   (2, 3)
   """
-  location, _, _, manifest = _open(path, storage_options)
-  return _describe(location, manifest)
+  src = open_source(path, storage_options)
+  return _describe(src.location, src.manifest)
 
 
 def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
-  leaves = manifest["leaves"]
-  values = [_array_metadata(r) if r["kind"] in ("array", "key") else _leaves.decode_value(r)
-            for r in leaves]
-  tree = _tree.unflatten_from_paths([r["path"] for r in leaves], values)
-  return CheckpointMetadata(location, tree, manifest.get("metadata"), manifest["version"],
-                            dict(manifest.get("versions", {})), manifest.get("created", 0.0),
-                            manifest.get("process_count", 1), tuple(leaves))
+  leaves = manifest.leaves
+  values = [_array_metadata(r) if r.is_array else _leaves.decode_value(r) for r in leaves]
+  tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
+  return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
+                            dict(manifest.versions), manifest.created, manifest.process_count,
+                            leaves)
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------
@@ -159,19 +179,49 @@ def _is_sharding_tree(target: Any) -> bool:
   return bool(leaves) and all(isinstance(l, jax.sharding.Sharding) for l in leaves)
 
 
-def _prefix_shardings(target: Any, records: list[dict]) -> list[_Want]:
+def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
+                      partial: bool) -> list[_Want]:
+  """A prefix tree of shardings: each array gets the sharding of its nearest prefix. Every
+  prefix must lead to saved leaves (else a TreeMismatchError); with ``partial=True`` only the
+  leaves under some prefix are restored."""
   if isinstance(target, jax.sharding.Sharding):
-    by_prefix = {(): target}
+    by_prefix, names = {(): target}, {(): "<root>"}
   else:
     pairs, _ = _tree.flatten(target)
     by_prefix = {_tree.match_key(p): s for p, s in pairs}
-  wants = []
+    names = {_tree.match_key(p): _tree.keystr(p) for p, _ in pairs}
+  wants, used, problems = [], set(), []
   for rec in records:
-    key = _tree.match_key(rec["path"])
-    sharding = next((by_prefix[key[:i]] for i in range(len(key), -1, -1) if key[:i] in by_prefix),
-                    None)
+    key = _tree.match_key(rec.path)
+    found = next((key[:i] for i in range(len(key), -1, -1) if key[:i] in by_prefix), None)
+    if found is None and partial:
+      continue
+    sharding = None if found is None else by_prefix[found]
+    used.add(found)
+    if sharding is not None and rec.is_array:
+      problem = _sharding_problem(sharding, rec)
+      if problem:
+        problems.append(f"{rec.where}: {problem}")
     wants.append(_Want(rec, host=sharding is None, sharding=sharding))
+  missing = [names[k] for k in by_prefix if k not in used]
+  if missing or problems:
+    raise _tree.mismatch_error(location, missing=missing, mismatched=problems,
+                               hint="fnckpt.metadata(path).tree shows what the checkpoint holds.")
   return wants
+
+
+def _sharding_problem(sharding: jax.sharding.Sharding, rec: _records.Leaf) -> str:
+  """Why ``sharding`` cannot hold the saved array ('' if it can)."""
+  shape = tuple(rec.shape) if rec.kind == "array" else _array_metadata(rec).key_shape
+  try:
+    sharding.shard_shape(shape)
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > len(shape):
+      raise ValueError(f"its PartitionSpec {sharding.spec} has more entries than the array "
+                       f"has dimensions ({len(shape)})")
+  except Exception as e:
+    return (f"the sharding {sharding} cannot hold an array of shape {shape} ({e}); give "
+            "this key path a sharding that fits")
+  return ""
 
 
 def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
@@ -190,7 +240,7 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
 
 def _match(location: str, records: list[dict], target: Any, partial: bool, cast: bool):
   pairs, treedef = _tree.flatten(target)
-  by_key = {_tree.match_key(r["path"]): r for r in records}
+  by_key = {_tree.match_key(r.path): r for r in records}
   missing, mismatched, wants = [], [], []
   for path, leaf in pairs:
     rec = by_key.get(_tree.match_key(path))
@@ -199,7 +249,7 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
       missing.append(where)
       continue
     kind, shape, dtype, sharding = _target_spec(leaf)
-    saved_kind = rec["kind"]
+    saved_kind = rec.kind
     if kind in ("array", "host"):
       if saved_kind in ("scalar", "npscalar") and shape in (None, ()):
         # e.g. flax's TrainState.step: a Python int when saved, a 0-d array in
@@ -215,7 +265,7 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
         mismatched.append(f"{where}: the target is an array, the checkpoint holds "
                           f"{_saved_desc(rec)}")
         continue
-      saved_shape, saved_dtype = tuple(rec["shape"]), _leaves.dtype_of(rec["dtype"])
+      saved_shape, saved_dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
       if shape is not None and shape != saved_shape:
         mismatched.append(f"{where}: shape {saved_shape} saved, {shape} in the target")
         continue
@@ -244,8 +294,8 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
   unexpected = []
   if not partial:
     wanted = {_tree.match_key(p) for p, _ in pairs}
-    unexpected = [_tree.keystr(r["path"]) for r in records
-                  if _tree.match_key(r["path"]) not in wanted]
+    unexpected = [_tree.keystr(r.path) for r in records
+                  if _tree.match_key(r.path) not in wanted]
   if missing or unexpected or mismatched:
     hint = ("To restore a subset of the checkpoint, pass partial=True."
             if unexpected and not missing and not mismatched else
@@ -268,7 +318,7 @@ def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> 
     return ""
   kind = {"b": "b", "i": "i", "u": "i", "f": "f", "c": "c"}
   target_kind = "f" if "float" in dtype.name else kind.get(dtype.kind)
-  if rec["kind"] == "scalar" and kind.get(saved.dtype.kind) == target_kind:
+  if rec.kind == "scalar" and kind.get(saved.dtype.kind) == target_kind:
     if target_kind != "i" or np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
       return ""
   return (f"{_saved_desc(rec)} {value!r} saved, a {dtype} array in the target (pass "
@@ -277,15 +327,15 @@ def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> 
 
 def _saved_desc(rec: dict[str, Any]) -> str:
   """What a saved leaf is, with its article: 'an array float32[4, 2]', 'None', 'a str value'."""
-  if rec["kind"] in ("array", "key"):
-    what = "a PRNG key array" if rec["kind"] == "key" else "an array"
-    return f"{what} {rec['dtype']}{list(rec['shape'])}"
-  if rec["kind"] == "scalar":
-    return f"a{'n' if rec['type'] == 'int' else ''} {rec['type']} value"
-  if rec["kind"] == "empty":
-    return "None" if rec.get("type") == "none" else f"an empty {rec.get('type')}"
+  if rec.kind in ("array", "key"):
+    what = "a PRNG key array" if rec.kind == "key" else "an array"
+    return f"{what} {rec.dtype}{list(rec.shape)}"
+  if rec.kind == "scalar":
+    return f"a{'n' if rec.type == 'int' else ''} {rec.type} value"
+  if rec.kind == "empty":
+    return "None" if rec.type == "none" else f"an empty {rec.get('type')}"
   return {"npgen": "a numpy Generator", "bigint": "an int value",
-          "npscalar": f"a numpy {rec.get('dtype')} scalar"}[rec["kind"]]
+          "npscalar": f"a numpy {rec.get('dtype')} scalar"}[rec.kind]
 
 
 # --- reading -----------------------------------------------------------------------------
@@ -293,15 +343,15 @@ def _saved_desc(rec: dict[str, Any]) -> str:
 def _data_sharding(want: _Want, rec: dict[str, Any]) -> jax.sharding.Sharding | None:
   """For a PRNG key: the sharding of its key data (trailing dimensions unsharded)."""
   s = want.sharding
-  if rec["kind"] != "key" or s is None:
+  if rec.kind != "key" or s is None:
     return s
-  trailing = len(rec["shape"]) - len(_array_metadata(rec).key_shape)
+  trailing = len(rec.shape) - len(_array_metadata(rec).key_shape)
   if isinstance(s, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(
-        *s.spec, *([None] * (len(rec["shape"]) - len(s.spec) - trailing)), *([None] * trailing)))
+        *s.spec, *([None] * (len(rec.shape) - len(s.spec) - trailing)), *([None] * trailing)))
   if isinstance(s, jax.sharding.SingleDeviceSharding):
     return s
-  raise CheckpointError(f"PRNG key at {_tree.keystr(rec['path'])}: only NamedSharding or "
+  raise CheckpointError(f"PRNG key at {rec.where}: only NamedSharding or "
                         "SingleDeviceSharding targets are supported for key arrays.")
 
 
@@ -335,19 +385,19 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
-  location, kv_spec, ctx, manifest = _open(path, storage_options)
-  records = manifest["leaves"]
+  src = open_source(path, storage_options)
+  location, records = src.location, list(src.manifest.leaves)
   if target is None:
     wants, treedef = [_Want(r) for r in records], None
   elif _is_sharding_tree(target):
-    wants, treedef = _prefix_shardings(target, records), None
+    wants, treedef = _prefix_shardings(location, target, records, partial), None
   else:
     wants, treedef = _match(location, records, target, partial, cast)
 
   budget = budget_bytes or READ_WINDOW_BYTES
-  values = _read_all(location, kv_spec, ctx, wants, budget)
+  values = _read_all(src, wants, budget)
   if treedef is None:
-    return _tree.unflatten_from_paths([w.rec["path"] for w in wants], values)
+    return _tree.unflatten_from_paths([w.rec.path for w in wants], values)
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
@@ -360,14 +410,15 @@ class _Read:
   parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
-def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[Any]:
+def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
+  location, kv_spec, ctx = src.location, src.kv_spec, src.ctx
   values: list[Any] = [None] * len(wants)
   reads: dict[int, _Read] = {}
   opened: dict[int, ts.Future] = {}
   for i, w in enumerate(wants):
     rec = w.rec
-    if rec["kind"] not in ("array", "key"):
-      keep_target = not w.array_target and rec["kind"] == "empty"
+    if rec.kind not in ("array", "key"):
+      keep_target = not w.array_target and rec.kind == "empty"
       values[i] = w.value if keep_target else _leaves.decode_value(rec)
       if w.from_scalar:
         host = np.asarray(values[i])
@@ -378,10 +429,12 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
     sharding = None if w.host else _data_sharding(w, rec)
     if sharding is None and not w.host:
       sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    reads[i] = _Read(w, tuple(rec["shape"]), sharding)
-    if "store" in rec:  # open every array at once (no I/O: the manifest has the metadata)
+    reads[i] = _Read(w, tuple(rec.shape), sharding)
+    if rec.stored is not None:  # open every array at once (no I/O: the manifest has the metadata)
       opened[i] = _store.open_array(
-          _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], rec["shape"]), ctx, mode="read")
+          _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape), ctx,
+          mode="read")
+  _read_packed(src, {i: r for i, r in reads.items() if r.want.rec.packed is not None}, budget)
 
   # Stream the reads: keep at most `budget` bytes in flight, place each slice as it lands.
   # Reads go out in batches (one per budget's worth): TensorStore then fetches each inner
@@ -398,9 +451,9 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
     i, fut, devices, n = pending.popleft()
     r = reads[i]
     try:
-      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec["dtype"]))
+      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec.dtype))
     except Exception as e:
-      raise _read_error(location, r.want.rec, e) from None
+      raise _read_error(src, r.want.rec, e) from None
     if devices is None:
       r.parts[None] = host
       held -= n
@@ -434,14 +487,16 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
 
   for i, r in reads.items():
     rec = r.want.rec
-    if "inline" in rec:
+    if rec.inline is not None:
       # a copy: frombuffer over bytes is read-only, and results must be writable like read ones
-      host = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(
+      host = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype)).reshape(
           r.shape).copy()
       r.parts[None] = _convert(r.want, host)
       continue
+    if rec.packed is not None:  # read by _read_packed
+      continue
     store = opened[i].result()
-    itemsize = _leaves.dtype_of(rec["dtype"]).itemsize
+    itemsize = _leaves.dtype_of(rec.dtype).itemsize
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
@@ -449,6 +504,7 @@ def _read_all(location, kv_spec, ctx, wants: list[_Want], budget: int) -> list[A
                                 r.sharding.addressable_devices_indices_map(r.shape).items()})
     for index, devices in plan.items():
       n = _layout.nbytes([b - a for a, b in index], itemsize)
+      _check_memory(n, rec, location)
       while pending and held + n > budget:
         land()
       if held + n > budget:
@@ -480,10 +536,10 @@ def _convert(w: _Want, host: np.ndarray) -> np.ndarray:
 
 def _finish_leaf(w: _Want, value: Any) -> Any:
   rec = w.rec
-  if rec["kind"] == "key":
+  if rec.kind == "key":
     if isinstance(value, np.ndarray):
       value = jax.numpy.asarray(value)
-    return jax.random.wrap_key_data(value, impl=rec["impl"])
+    return jax.random.wrap_key_data(value, impl=rec.impl)
   if not w.array_target:  # e.g. a Python scalar target for a saved 0-d array
     t = type(w.value)
     if isinstance(w.value, (bool, int, float, complex)) and np.ndim(value) == 0:
@@ -494,9 +550,65 @@ def _finish_leaf(w: _Want, value: Any) -> Any:
   return value
 
 
-def _read_error(location: str, rec: dict[str, Any], e: Exception) -> CheckpointError:
-  where = _tree.keystr(rec["path"])
-  store = f"{location}/{rec['store']['dir']}" if "store" in rec else location
+def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
+  """Packed leaves (format 2): read their byte ranges of the packs, a window at a time; each
+  lands whole on the host (``parts[None]``), to be placed with its sharding."""
+  packs: dict[int, ts.Future] = {}
+  window: list[tuple[int, ts.Future]] = []
+  held = 0
+
+  def land() -> None:
+    nonlocal held
+    for i, fut in window:
+      r = reads[i]
+      try:
+        raw = fut.result()
+      except Exception as e:
+        raise _read_error(src, r.want.rec, e) from None
+      host = np.frombuffer(raw.tobytes(), dtype=_leaves.dtype_of(r.want.rec.dtype))
+      r.parts[None] = _convert(r.want, host.reshape(r.shape).copy())
+    window.clear()
+    held = 0
+
+  for i, r in reads.items():
+    p = r.want.rec.packed
+    if p.pack not in packs:
+      pack = src.manifest.packs[p.pack]
+      packs[p.pack] = _store.open_array(_store.pack_spec(
+          src.kv_spec, pack.dir, pack.nbytes, pack.inner), src.ctx, mode="read")
+    if window and held + p.nbytes > budget:
+      land()
+    store = packs[p.pack].result()
+    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),))))
+    held += p.nbytes
+  land()
+
+
+def _check_memory(n: int, rec: _records.Leaf, location: str) -> None:
+  """A slice larger than this machine's memory would abort the interpreter inside
+  TensorStore: refuse it (a manifest that lies about a shape, or a restore that needs more
+  processes)."""
+  limit = _memory_bytes()
+  if n > limit:
+    raise CheckpointError(
+        f"Cannot restore {rec.where} from {location!r}: one slice of it needs {n} bytes, more "
+        f"than this machine's memory ({limit} bytes). Restore it sharded over more devices or "
+        "processes, or check the checkpoint (its manifest may be damaged).")
+
+
+def _memory_bytes() -> int:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (OSError, ValueError):
+    return 1 << 40
+
+
+def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointError:
+  location = src.location
+  if not _commit.unchanged(src.kv, src.commit):
+    return _commit.changed_error(location)
+  where = rec.where
+  store = f"{location}/{_storage_of(rec)}" if rec.inline is None else location
   text = str(e)
   low = text.lower()
   if any(w in low for w in ("checksum", "crc", "digest mismatch")):  # TS: "Digest mismatch"

@@ -1,12 +1,14 @@
-"""save(): plan -> stage off the devices (under a host-memory budget) -> background write ->
-barrier -> manifest -> barrier -> commit marker. The handle; waiting for pending saves."""
+"""save(): plan -> agree across processes -> stage off the devices (under a host-memory budget)
+-> background write (``_writer``) -> barrier -> manifest -> barrier -> commit marker. The
+handle; waiting for pending saves; no error is lost."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import itertools
 import os
-import queue
 import re
 import sys
 import threading
@@ -14,11 +16,13 @@ import time
 from typing import Any
 
 import jax
+import msgpack
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from . import _collective, _commit, _layout, _leaves, _manifest, _packing, _paths, _store, _tree
 from ._errors import CheckpointError
+from ._writer import Chunk, Commit, Writer
 
 __all__ = ["save", "wait", "SaveHandle", "SaveStats"]
 
@@ -26,10 +30,8 @@ __all__ = ["save", "wait", "SaveHandle", "SaveStats"]
 INLINE_BYTES = 16 << 10
 
 # Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
-# staged buffer (on CPU a view that keeps the device buffer alive even if the caller donates
-# it), which the writer thread drops once TensorStore has copied it into its transaction,
-# then that copy plus the encoded chunk being written (measured: about 2n at the peak of a
-# chunk's write). The budget charges this, so that RSS, not just staging, stays under it.
+# staged buffer, which the writer drops once TensorStore has copied it into its transaction,
+# then that copy plus the encoded chunk being written (measured: about 2n at the peak).
 CHUNK_COST = 2
 
 
@@ -46,22 +48,23 @@ def default_budget_bytes() -> int:
 
 def _phase(name: str) -> None:
   """Called as a save passes each phase ("staging", "staged", "written", "manifest",
-  "committing", "committed"). A no-op; fault-injection tests replace it in a child process
-  to stop or kill the save at an exact instant."""
+  "committing", "committed"). A no-op; fault-injection tests replace it."""
   del name
 
 
 def _reached(location: str, name: str) -> None:
-  """A save on this process reached phase ``name``: tell the other processes (for barrier
-  timeout messages), then call the test hook."""
   _commit.report(location, name)
   _phase(name)
 
 
 _budget_lock = threading.Lock()
 _budget: _store.ByteBudget | None = None
+# Saves not yet reported: running, or failed with an error nobody has seen yet.
 _pending: set["SaveHandle"] = set()
 _pending_lock = threading.Lock()
+# The newest save per location of this process: a new save to it waits for this one.
+_latest: dict[str, "SaveHandle"] = {}
+_order = itertools.count()
 
 
 def _process_budget(limit: int) -> _store.ByteBudget:
@@ -81,7 +84,7 @@ class SaveStats:
   write_s: float = 0.0         # from the first chunk write until all chunks are durable
   commit_s: float = 0.0        # barriers, manifest and commit marker
   total_s: float = 0.0         # from the call until committed
-  bytes_written: int = 0       # array bytes this process wrote (chunks and inline values)
+  bytes_written: int = 0       # array bytes this process wrote (chunks and packs)
   chunks_written: int = 0
   peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
                                # (as charged to the budget: CHUNK_COST x each chunk in flight)
@@ -96,12 +99,7 @@ class SaveHandle:
     self.stats = SaveStats()
     self._event = threading.Event()
     self._error: BaseException | None = None
-    self._writer_error: BaseException | None = None   # set by the writer thread
-    self._aborted = False                             # staging failed: commit nothing
-    # The writer starts once staging is done, or earlier when the budget is full: writing
-    # while the caller is still blocked would only compete with its copies.
-    self._drain = threading.Event()
-    self._thread: threading.Thread | None = None
+    self._seq = next(_order)   # fnckpt.wait() reports failures in the order of the saves
 
   def done(self) -> bool:
     """Whether the save has finished (committed or failed); never blocks."""
@@ -111,48 +109,71 @@ class SaveHandle:
     """Block until committed (or ``timeout`` seconds); raise the save's error if it failed."""
     if not self._event.wait(timeout):
       raise TimeoutError(f"The save to {self.location!r} is still running after {timeout}s.")
-    with _pending_lock:  # a failed save stays pending until its error has been raised once
-      _pending.discard(self)
+    _forget(self)
     if self._error is not None:
       raise self._error
     return self.stats
+
+  def _finish(self, error: BaseException | None, reported: bool = False) -> None:
+    self._error = error
+    with _pending_lock:
+      if error is None or reported:
+        _pending.discard(self)
+      if _latest.get(self.location) is self:
+        del _latest[self.location]
+    self._event.set()
 
   def __repr__(self) -> str:
     state = "failed" if self._error else "committed" if self.done() else "pending"
     return f"SaveHandle({self.location!r}, {state})"
 
 
+def _forget(handle: SaveHandle) -> None:
+  with _pending_lock:
+    _pending.discard(handle)
+
+
 def wait() -> None:
-  """Wait for every pending save of this process; raise the first error (also of saves
-  that failed earlier in the background and whose error nobody has seen yet).
+  """Wait for every pending save of this process; raise every failure nobody has seen yet
+  (one error, or one listing them all).
 
   >>> import fnckpt
   >>> fnckpt.wait()  # nothing pending: returns at once
   """
   with _pending_lock:
-    handles = list(_pending)
+    handles = sorted(_pending, key=lambda h: h._seq)
   errors = []
   for h in handles:
     try:
       h.wait()
-    except BaseException as e:  # collect all, raise the first
+    except BaseException as e:
       errors.append(e)
-  if errors:
+  if len(errors) == 1:
     raise errors[0]
+  if errors:
+    raise CheckpointError(f"{len(errors)} saves failed:\n" + "\n".join(
+        f"  - {str(e).splitlines()[0]}" for e in errors)) from errors[0]
 
 
 @atexit.register
 def _finish_at_exit() -> None:
   """Saves still running finish before the interpreter exits (their thread is not a daemon,
-  so Python joins it before running this); failures nobody waited for are reported here."""
+  so Python joins it before this runs). Failures nobody waited for are printed here and make
+  the exit status 1, so a scheduler does not record success."""
   with _pending_lock:
     handles = list(_pending)
+  failed = False
   for h in handles:
     try:
       h.wait()
     except BaseException as e:
-      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and was not "
-            f"committed: {e}", file=sys.stderr)
+      failed = True
+      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and nobody "
+            f"waited for it: {e}", file=sys.stderr)
+  if failed:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 @dataclasses.dataclass
@@ -163,12 +184,26 @@ class _Array:
   units: list[_layout.WriteUnit]
 
 
-def _plan(leaves, kv_spec: dict, inline_bytes: int, zstd: int | None):
-  """Leaf records for the manifest and the arrays this process writes (pure but for jax
-  sharding queries)."""
-  records, arrays, problems = [], [], []
-  is_main = jax.process_index() == 0
-  for i, (path, leaf) in enumerate(leaves):
+@dataclasses.dataclass
+class _Plan:
+  records: list[dict[str, Any]]
+  arrays: list[_Array]           # zarr arrays (this process writes ``units`` of each)
+  packed: list[tuple[int, Any]]  # (record index, data) this process packs
+  packs: list[dict[str, Any]]    # every process's pack, for the manifest
+  my_pack: dict[str, Any] | None
+  data_dir: str
+
+
+def _visible(data: Any) -> bool:
+  return isinstance(data, np.ndarray) or data.is_fully_addressable or data.is_fully_replicated
+
+
+def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, zstd: int | None) -> _Plan:
+  """Leaf records for the manifest and what this process writes (pure but for jax sharding
+  queries)."""
+  records, arrays, problems, candidates = [], [], [], []
+  me, nproc = jax.process_index(), jax.process_count()
+  for path, leaf in leaves:
     try:
       rec, data = _leaves.encode_leaf(path, leaf)
     except CheckpointError as e:
@@ -181,46 +216,65 @@ def _plan(leaves, kv_spec: dict, inline_bytes: int, zstd: int | None):
       problems.append(f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
                       "save the state before the step that donates it.")
       continue
-    dtype = np.dtype(data.dtype)
-    shape = tuple(data.shape)
+    dtype, shape = np.dtype(data.dtype), tuple(data.shape)
     size = _layout.nbytes(shape, dtype.itemsize)
-    visible = isinstance(data, np.ndarray) or data.is_fully_addressable or data.is_fully_replicated
-    if size <= inline_bytes and visible:
-      value = b""
-      if is_main:
-        host = data if isinstance(data, np.ndarray) else _leaves.host_value(data)
-        value = _leaves.to_little_endian(np.ascontiguousarray(host)).tobytes()
-      rec["inline"] = value
-      continue
-    if isinstance(data, np.ndarray):
-      shards = {"host": tuple((0, n) for n in shape)}
-      local = ["host"] if is_main else []
-      shard_shape, replicas = shape, 1
+    if size <= inline_bytes and _visible(data):
+      rec["inline"] = _host_bytes(data) if me == 0 else b""
+    elif size <= _packing.PACK_LEAF_BYTES and _visible(data):
+      replicated = isinstance(data, jax.Array) and data.is_fully_replicated and nproc > 1
+      candidates.append((len(records) - 1, data, _packing.PackItem(
+          len(records) - 1, size, None if replicated else 0)))
     else:
-      shards = {d: _layout.normalize_index(idx, shape)
-                for d, idx in data.sharding.devices_indices_map(shape).items()}
-      local = data.sharding.addressable_devices
-      shard_shape = data.sharding.shard_shape(shape)
-      replicas = _layout.replica_count(shards)
-    chunks = _layout.chunk_shape(shard_shape, replicas, dtype.itemsize)
-    inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
-    rec["store"] = _store.store_record(f"{_manifest.DATA_DIR}/{i}", chunks, inner, zstd)
-    units = _layout.write_plan(shards, local, chunks) if size else []
-    arrays.append(_Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape),
-                         units))
+      arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, zstd))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  return records, arrays
+  plan = _packing.assign([c[2] for c in candidates], nproc)
+  packs, index_of = [], {}
+  for p, (nbytes, inner) in sorted(plan.sizes.items()):
+    index_of[p] = len(packs)
+    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "inner": inner})
+  packed = []
+  for i, data, _ in candidates:
+    p, offset = plan.where[i]
+    records[i]["pack"] = {"index": index_of[p], "offset": offset}
+    if p == me:
+      packed.append((i, data))
+  return _Plan(records, arrays, packed, packs, packs[index_of[me]] if me in index_of else None,
+               data_dir)
+
+
+def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
+  dtype, shape = np.dtype(data.dtype), tuple(data.shape)
+  if isinstance(data, np.ndarray):
+    shards = {"host": tuple((0, n) for n in shape)}
+    local = ["host"] if jax.process_index() == 0 else []
+    shard_shape, replicas = shape, 1
+  else:
+    shards = {d: _layout.normalize_index(idx, shape)
+              for d, idx in data.sharding.devices_indices_map(shape).items()}
+    local = data.sharding.addressable_devices
+    shard_shape = data.sharding.shard_shape(shape)
+    replicas = _layout.replica_count(shards)
+  chunks = _layout.chunk_shape(shard_shape, replicas, dtype.itemsize)
+  inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
+  rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, zstd)
+  units = _layout.write_plan(shards, local, chunks) if _layout.nbytes(shape, 1) else []
+  return _Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
+
+
+def _host_bytes(data: Any) -> bytes:
+  host = data if isinstance(data, np.ndarray) else _leaves.host_value(data)
+  return _leaves.to_little_endian(np.ascontiguousarray(host)).tobytes()
 
 
 def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
   """The unit's bytes on the host, safe from whatever the caller does next.
 
   - numpy leaves are copied (the caller may mutate them in place);
-  - on an accelerator ``np.asarray`` *is* the device-to-host copy, into a new buffer;
+  - on an accelerator ``np.asarray`` is the device-to-host copy into a new buffer (started
+    for every shard at once beforehand: :func:`_start_copies`);
   - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
-    array then leaves that buffer alone (JAX allocates anew), so no copy is needed and the
-    caller is blocked for nothing but bookkeeping.
+    array then leaves that buffer alone (JAX allocates anew), so no copy is needed.
   """
   local = tuple(slice(a, b) for a, b in unit.local)
   if isinstance(data, np.ndarray):
@@ -232,7 +286,20 @@ def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
   return np.asarray(shard_data if whole else shard_data[local])
 
 
-_END = object()
+def _start_copies(arrays: list[_Array], budget: _store.ByteBudget) -> None:
+  """On accelerators: start every device-to-host copy of this save at once (when they fit in
+  the budget), so the caller waits for about the total transfer time, not a sum of serial
+  round trips. On CPU nothing is copied (staging takes views)."""
+  shards = []
+  for a in arrays:
+    if isinstance(a.data, jax.Array) and a.units:
+      writers = {u.device for u in a.units}
+      shards += [s.data for s in a.data.addressable_shards
+                 if s.device in writers and s.device.platform != "cpu"]
+  total = sum(s.nbytes for s in shards)
+  if total and CHUNK_COST * total <= budget.limit:
+    for s in shards:
+      s.copy_to_host_async()
 
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
@@ -244,8 +311,9 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   Writing and committing continue in the background: ``handle.wait()`` (or
   :func:`fnckpt.wait`) blocks until the checkpoint is committed and raises any error. Once
   ``save`` returns, the caller may delete, donate or overwrite the arrays it passed. With
-  several processes (``jax.distributed``), every process calls ``save`` with its part of the
-  same global tree; each writes only the chunks it owns.
+  several processes (``jax.distributed``), every process calls ``save`` with the same global
+  tree; each writes only the chunks it owns. Saves to one location from one process run one
+  after another, never mixed.
 
   Args:
     tree: any pytree of jax/numpy arrays, scalars, strings, PRNG keys, ... (see README).
@@ -268,75 +336,180 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   """
   t0 = time.perf_counter()
   location = _paths.display(path)
-  if metadata is not None:
-    _manifest.check_msgpackable(metadata, "save(metadata=...)")
-  kv_spec, ctx, kv = _paths.resolve(path, storage_options)
-  leaves, _ = _tree.flatten(tree)
-  records, arrays = _plan(leaves, kv_spec, inline_bytes, zstd)
-  with _pending_lock:  # an earlier save to this location still writing: let it finish first
-    earlier = [h for h in _pending if h.location == location and not h.done()]
-  for h in earlier:
-    h._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
-  try:
-    _prepare_location(kv, location, overwrite, barrier_timeout_s)
-  except Exception as e:  # TensorStore I/O errors, e.g. a file where the directory should be
-    raise _wrap(e, location, "checking the location") from e
-
   handle = SaveHandle(location)
-  budget = _process_budget(budget_bytes or default_budget_bytes())
-  is_main = jax.process_index() == 0
-  # process 0 writes the zarr.json of every array, concurrently with the data.
-  creating = [_store.open_array(a.spec, ctx, mode="create") for a in arrays] if is_main else []
-  opened = [_store.open_array(a.spec, ctx, mode="write") for a in arrays]
-  manifest = _manifest_dict(records, metadata)
-  # Staging (here) copies chunks off the devices; the writer thread hands them to TensorStore
-  # as they arrive and then commits. The budget is released as each chunk becomes durable.
-  chunks: queue.SimpleQueue = queue.SimpleQueue()
-  handle._thread = threading.Thread(
-      target=_finish, name=f"fnckpt-save:{location}",
-      args=(handle, kv, creating, chunks, manifest, barrier_timeout_s, t0, budget))
-  with _pending_lock:
+  with _pending_lock:  # register first: a concurrent save to this location waits for us
+    earlier = _latest.get(location)
+    _latest[location] = handle
     _pending.add(handle)
-  handle._thread.start()
-  _reached(location, "staging")
-  where = "staging the arrays"
+  if earlier is not None:
+    earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
+  session, writer, where = None, None, "planning"
   try:
-    for a, fut in zip(arrays, opened):
-      where = f"staging {_tree.keystr(a.rec['path'])}"
-      store = fut.result()
-      shard_data = ({s.device: s.data for s in a.data.addressable_shards}
-                    if isinstance(a.data, jax.Array) and a.units else {})
-      itemsize = np.dtype(a.data.dtype).itemsize
-      for unit in a.units:
-        if handle._writer_error is not None:
-          raise handle._writer_error
-        n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
-        cost = CHUNK_COST * n
-        # The budget is full: start the writer (it frees budget as chunks become durable).
-        budget.acquire(cost, on_wait=handle._drain.set)
-        try:
-          host = _stage(a.data, unit, shard_data.get(unit.device))
-        except BaseException:
-          budget.release(cost)
-          raise
-        chunks.put((store, unit.index, host, cost))
-        handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
-        handle.stats.bytes_written += n
-        handle.stats.chunks_written += 1
+    if metadata is not None:
+      _manifest.check_msgpackable(metadata, "save(metadata=...)")
+    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
+    session = _collective.Session(location, barrier_timeout_s)
+    data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
+    try:
+      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, zstd)
+    except BaseException as e:
+      session.fail(e)
+      raise
+    _agree(session, plan.records)
+    where = "checking the location"
+    _prepare_location(kv, location, overwrite, session)
+    budget = _process_budget(budget_bytes or default_budget_bytes())
+    writer = Writer(location, session, budget, lambda p: _reached(location, p),
+                    lambda err: _done(handle, writer, err, t0))
+    writer.start()
+    _reached(location, "staging")
+    where = "staging the arrays"
+    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata)
   except BaseException as e:
-    handle._aborted = True
-    chunks.put(_END)
-    handle._drain.set()
-    handle._event.wait()  # the writer drains what was staged, commits nothing
-    raise _wrap(e, location, where) from e
-  chunks.put(_END)
-  handle._drain.set()
+    err = _wrap(e, location, where)
+    if writer is not None:
+      writer.abort(err)   # drains what was staged, publishes the error, walks the barriers
+      writer.join()
+    else:
+      if session is not None:
+        session.fail(err)
+        _walk_in_background(session)
+    handle._finish(err, reported=True)
+    raise err from (e if err is not e else None)
+  writer.close(commit)
   _reached(location, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
 
 
-def _manifest_dict(records, metadata) -> dict[str, Any]:
+def _walk_in_background(session: _collective.Session) -> None:
+  """A save that failed before its writer started still arrives at its remaining barriers."""
+  if session.multi:
+    threading.Thread(target=session.abort, name="fnckpt-abort").start()
+
+
+def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: float) -> None:
+  if writer.aborted:
+    return  # save() raises the staging error itself
+  handle.stats.write_s, handle.stats.commit_s = writer.write_s, writer.commit_s
+  handle.stats.total_s = time.perf_counter() - t0
+  handle._finish(error)
+
+
+def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
+               metadata: Any) -> Commit:
+  """Stage this process's chunks and pack into the writer; return what committing needs."""
+  is_main = jax.process_index() == 0
+  creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays] if is_main \
+      else []
+  opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
+  _start_copies(plan.arrays, budget)
+  for a, fut in zip(plan.arrays, opened):
+    shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                  if isinstance(a.data, jax.Array) and a.units else {})
+    itemsize = np.dtype(a.data.dtype).itemsize
+    for unit in a.units:
+      n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+      try:
+        host = _charge(budget, CHUNK_COST * n, writer,
+                       lambda: _stage(a.data, unit, shard_data.get(unit.device)))
+      except BaseException as e:
+        raise _at(e, a.rec["path"])
+      writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n))
+      _count(handle, budget, n)
+  if plan.my_pack is not None:
+    pack = plan.my_pack
+    spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["inner"])
+    fut = _store.open_array(spec, ctx, mode="create")
+    buf = _charge(budget, CHUNK_COST * pack["nbytes"], writer,
+                  lambda: _fill_pack(plan, pack["nbytes"]))
+    writer.put(Chunk(fut, ((0, pack["nbytes"]),), buf, CHUNK_COST * pack["nbytes"]))
+    _count(handle, budget, pack["nbytes"])
+  manifest = _manifest.encode(_manifest_dict(plan, metadata)) if is_main else None
+  return Commit(kv, manifest, creating, is_main)
+
+
+def _charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
+  """Take ``cost`` from the budget (starting the writer when it is full), then stage."""
+  if writer.error is not None:
+    raise writer.error
+  budget.acquire(cost, on_wait=writer.drain)
+  try:
+    return stage()
+  except BaseException:
+    budget.release(cost)
+    raise
+
+
+def _count(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
+  handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
+  handle.stats.bytes_written += n
+  handle.stats.chunks_written += 1
+
+
+def _at(e: BaseException, path) -> BaseException:
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+    return e
+  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
+
+
+def _fill_pack(plan: _Plan, nbytes: int) -> np.ndarray:
+  """This process's pack: its packed leaves' bytes at their offsets (a copy, so the caller
+  may change or donate the arrays at once)."""
+  buf = np.zeros(nbytes, np.uint8)
+  for i, data in plan.packed:
+    offset = plan.records[i]["pack"]["offset"]
+    if isinstance(data, jax.Array):
+      host = np.asarray(data.addressable_data(0) if data.is_fully_replicated else data)
+    else:
+      host = data
+    raw = _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+    buf[offset:offset + raw.size] = raw
+  return buf
+
+
+def _skeleton(rec: dict[str, Any]) -> bytes:
+  """What every process must agree on for one leaf: the record without its values."""
+  keep = {k: v for k, v in rec.items() if k not in ("inline", "value", "pack", "subtype")}
+  if "inline" in rec:
+    keep["inline"] = True
+  return msgpack.packb(keep, use_bin_type=True)
+
+
+def _agree(session: _collective.Session, records: list[dict[str, Any]]) -> None:
+  """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
+  inline): compare each leaf's digest with process 0's; a difference fails every process,
+  naming the first differing key path."""
+  if not session.multi:
+    return
+  mine = [(_tree.keystr(r["path"]), hashlib.sha256(_skeleton(r)).hexdigest()[:32])
+          for r in records]
+  theirs = msgpack.unpackb(session.share("tree", msgpack.packb(mine)), use_list=False)
+  theirs = [tuple(x) for x in theirs]
+  if theirs != mine:
+    error = CheckpointError(_disagreement(mine, theirs))
+    session.fail(error)
+    raise error
+  session.barrier("agreed")
+
+
+def _disagreement(mine, theirs) -> str:
+  me = jax.process_index()
+  first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+               min(len(mine), len(theirs)))
+  if first < len(mine) and first < len(theirs) and mine[first][0] == theirs[first][0]:
+    what = f"the leaf at {mine[first][0]} differs (shape, dtype, kind or sharding)"
+  else:
+    a = mine[first][0] if first < len(mine) else "<end of tree>"
+    b = theirs[first][0] if first < len(theirs) else "<end of tree>"
+    what = f"leaf #{first} is {a} on process {me} but {b} on process 0"
+  return (f"Processes {me} and 0 save different trees: {what}. Every process must pass the "
+          "same tree structure, shapes, dtypes and shardings to save (values of non-global "
+          "leaves may differ; process 0's are kept; wrap per-process values in "
+          "fnckpt.PerProcess).")
+
+
+def _manifest_dict(plan: _Plan, metadata) -> dict[str, Any]:
   from importlib import metadata as importlib_metadata
   from . import __version__
   try:
@@ -347,16 +520,27 @@ def _manifest_dict(records, metadata) -> dict[str, Any]:
           "created": time.time(), "process_count": jax.process_count(),
           "versions": {"fnckpt": __version__, "jax": jax.__version__,
                        "tensorstore": ts_version},
-          "metadata": metadata, "leaves": records}
+          "metadata": metadata, "data": plan.data_dir, "packs": plan.packs,
+          "leaves": plan.records}
 
 
-def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s: float) -> None:
+def _is_ours(key: str) -> bool:
+  """Keys a checkpoint (of format 1 or 2) consists of."""
+  if key in (_manifest.COMMIT, _manifest.MANIFEST) or key.startswith(_manifest.DATA_DIR + "/"):
+    return True
+  return re.match(_manifest.DATA_PREFIX + r"[0-9a-f]{32}/", key) is not None
+
+
+def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
+                      session: _collective.Session) -> None:
   """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
-  it before any new byte lands."""
-  committed = _commit.is_committed(kv)
-  keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
-  ours = (_manifest.COMMIT, _manifest.MANIFEST)
-  foreign = [k for k in keys if k not in ours and not k.startswith(_manifest.DATA_DIR + "/")]
+  it before any new byte lands (new data goes to this save's own directory anyway)."""
+  try:
+    committed = _commit.is_committed(kv)
+    keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
+  except Exception as e:
+    raise _paths.io_error(e, location, "checking the location") from e
+  foreign = [k for k in keys if not _is_ours(k)]
   if foreign:
     raise CheckpointError(
         f"{location!r} holds files that are not part of an fnckpt checkpoint (e.g. "
@@ -370,86 +554,25 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool, timeout_s:
         "to a new path.")
   # Every process must have looked before any of them writes (or deletes): else a fast
   # process 0 creating files makes a slow one see "an interrupted save" and give up.
-  _commit.barrier(location, "checked", timeout_s)
+  session.barrier("checked")
   if leftovers and jax.process_index() == 0:
     _paths.clear(kv, first=(_manifest.COMMIT,))
-  if overwrite:
-    _commit.barrier(location, "cleared", timeout_s)
+  session.barrier("cleared")
 
 
-def _write_chunks(handle: SaveHandle, chunks: queue.SimpleQueue, budget) -> list[ts.Future]:
-  """Hand staged chunks to TensorStore until the end marker. After a failure, keep draining
-  (releasing their budget) so that staging never waits on bytes nobody will free."""
-  commits = []
-  handle._drain.wait()
-  while (item := chunks.get()) is not _END:
-    store, index, host, n = item
-    if handle._writer_error is not None or handle._aborted:
-      budget.release(n)
-      continue
-    try:
-      commit = _store.write_chunk(store, index, host)
-    except BaseException as e:
-      budget.release(n)
-      handle._writer_error = e
-      continue
-    item = host = None  # TensorStore has its own copy: do not hold ours while waiting
-    commit.add_done_callback(lambda _f, n=n: budget.release(n))
-    commits.append(commit)
-  return commits
-
-
-def _finish(handle: SaveHandle, kv, creating, chunks, manifest, timeout_s, t0, budget) -> None:
-  phase = "writing the arrays"
-  try:
-    t_write = time.perf_counter()
-    commits = _write_chunks(handle, chunks, budget)
-    for c in [*creating, *commits]:  # wait for every write, even after a failure
-      try:
-        c.result()
-      except BaseException as e:
-        handle._writer_error = handle._writer_error or e
-    if handle._aborted:
-      return
-    if handle._writer_error is not None:
-      raise handle._writer_error
-    handle.stats.write_s = time.perf_counter() - t_write
-    _reached(handle.location, "written")
-    t_commit = time.perf_counter()
-    manifest_bytes = _manifest.encode(manifest)
-    if jax.process_index() == 0:
-      phase = "writing the manifest"
-      kv.write(_manifest.MANIFEST, manifest_bytes).result()
-      _reached(handle.location, "manifest")
-    phase = "waiting for every process to finish writing"
-    _commit.barrier(handle.location, "written", timeout_s)
-    _reached(handle.location, "committing")
-    if jax.process_index() == 0:
-      phase = "writing the commit marker"
-      _commit.write_commit(kv, manifest_bytes)
-    phase = "waiting for the commit"
-    _commit.barrier(handle.location, "committed", timeout_s)
-    handle.stats.commit_s = time.perf_counter() - t_commit
-    handle.stats.total_s = time.perf_counter() - t0
-    _reached(handle.location, "committed")
-  except BaseException as e:
-    handle._error = _wrap(e, handle.location, phase)
-  finally:
-    _commit.forget(handle.location)
-    with _pending_lock:
-      if handle._error is None:  # a failure stays until reported: wait() or at exit
-        _pending.discard(handle)
-    handle._event.set()
-
-
-def _wrap(e: BaseException, location: str, phase: str) -> BaseException:
-  if isinstance(e, CheckpointError):
-    return e
-  if not isinstance(e, Exception):
+def _wrap(e: BaseException, location: str, phase: str,
+          committed: bool | None = False) -> BaseException:
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
     return e
   text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", _paths.redact(str(e)))  # noise
   hint = _paths.io_hint(e)
+  if committed:
+    after = (" The checkpoint itself is committed (its marker was written); only this "
+             "last step failed.")
+  elif committed is None:
+    after = (" Process 0 may have committed the checkpoint; check with fnckpt.metadata or "
+             "`fnckpt ls`.")
+  else:
+    after = " Nothing was committed; earlier checkpoints are intact."
   return CheckpointError(
-      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: "
-      f"{text}.{hint} Nothing was committed; earlier checkpoints are intact.")
-
+      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {text}.{hint}{after}")

@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from ._layout import Index
 
-__all__ = ["zarr_spec", "store_record", "open_array", "write_chunk", "read_slice",
+__all__ = ["zarr_spec", "pack_spec", "store_record", "open_array", "write_chunk", "read_slice",
            "storage_dtype", "from_storage", "ByteBudget"]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -84,16 +84,28 @@ def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
       "metadata": {
           "shape": list(shape),
           "data_type": storage_dtype(dtype),
-          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": store["chunks"]}},
+          "chunk_grid": {"name": "regular",
+                         "configuration": {"chunk_shape": list(store["chunks"])}},
           "chunk_key_encoding": {"name": "default"},
           "fill_value": _fill_value(storage_dtype(dtype)),
           "codecs": [{"name": "sharding_indexed", "configuration": {
-              "chunk_shape": store["inner"],
+              "chunk_shape": list(store["inner"]),
               "codecs": inner_codecs,
               "index_codecs": [_BYTES, _CRC],
               "index_location": "end"}}],
       },
   }
+
+
+def pack_spec(kv: dict[str, Any], dir_name: str, nbytes: int, inner: int) -> dict[str, Any]:
+  """A pack (format 2): a 1-D ``uint8`` zarr3 array of one chunk, ``inner``-byte inner chunks
+  each checked by crc32c.
+
+  >>> pack_spec({"driver": "memory", "path": "c/"}, "data-0/p/0", 8, 4)["kvstore"]["path"]
+  'c/data-0/p/0/'
+  """
+  return zarr_spec(kv, {"dir": dir_name, "chunks": [nbytes], "inner": [inner], "zstd": None},
+                   "uint8", [nbytes])
 
 
 def open_array(spec: dict[str, Any], ctx: ts.Context, *, mode: str) -> ts.Future:
@@ -143,7 +155,6 @@ class ByteBudget:
   def __init__(self, limit: int):
     self.limit = int(limit)
     self.held = 0
-    self.peak = 0
     self._cv = threading.Condition()
 
   def acquire(self, n: int, on_wait: Callable[[], Any] | None = None) -> None:
@@ -155,7 +166,6 @@ class ByteBudget:
         on_wait()
       self._cv.wait_for(fits)
       self.held += n
-      self.peak = max(self.peak, self.held)
 
   def release(self, n: int) -> None:
     with self._cv:

@@ -19,13 +19,14 @@ import argparse
 import json
 import math
 import sys
+import dataclasses
 import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from . import _records, _commit, _layout, _leaves, _manifest, _paths, _store, _tree
 from ._errors import CheckpointError
 
 __all__ = ["main"]
@@ -58,15 +59,15 @@ def _shape(shape: Sequence[int]) -> str:
   return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _sharding(rec: dict[str, Any]) -> str:
-  s = rec.get("sharding")
+def _sharding(rec: _records.Leaf) -> str:
+  s = rec.sharding
   if s is None:
-    return "host" if rec["kind"] in ("array", "key") else "-"
-  if s.get("type") != "named":
-    return "single device" if s.get("type") == "single" else f"{s['type']}"
+    return "host" if rec.is_array else "-"
+  if s.type != "named":
+    return "single device" if s.type == "single" else s.type
   spec = ", ".join("None" if e is None else repr(e) if isinstance(e, str)
-                   else "(" + ", ".join(repr(x) for x in e) + ")" for e in s["spec"])
-  mesh = ",".join(f"{a}={n}" for a, n in zip(s["axes"], s["sizes"]))
+                   else "(" + ", ".join(repr(x) for x in e) + ")" for e in s.spec)
+  mesh = ",".join(f"{a}={n}" for a, n in zip(s.axes, s.sizes))
   return f"P({spec}) mesh({mesh})"
 
 
@@ -78,38 +79,40 @@ def _compact(value: Any, limit: int = 60) -> str:
 
 # --- reading ---------------------------------------------------------------------------------
 
-def _header(path: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _header(path: str) -> tuple[str, _records.Manifest, dict[str, Any]]:
   """(location, manifest, commit marker) of a committed checkpoint; CheckpointError if not."""
   location = _paths.display(path)
   kv = _paths.open_kvstore(path)
-  manifest, _ = _commit.read_header(kv, location)
-  raw = kv.read(_manifest.COMMIT).result()
-  commit = _manifest.decode_commit(bytes(raw.value), location)
-  return location, manifest, commit
+  manifest, _, commit = _commit.read_header(kv, location)
+  return location, manifest, _manifest.decode_commit(commit, location)
 
 
-def _nbytes(rec: dict[str, Any]) -> int:
-  if rec["kind"] not in ("array", "key"):
-    return 0
-  return _layout.nbytes(rec["shape"], _leaves.dtype_of(rec["dtype"]).itemsize)
+def _nbytes(rec: _records.Leaf) -> int:
+  return rec.nbytes
 
 
-def _regions(rec: dict[str, Any]) -> list[_layout.Index]:
+def _regions(shape: Sequence[int], inner: Sequence[int]) -> list[_layout.Index]:
   """The read units of a stored array: its inner chunks (each checked by its own crc32c)."""
-  shape = rec["shape"]
   if any(n == 0 for n in shape):
     return []
-  inner = rec["store"]["inner"]
   cells: list[_layout.Index] = [()]
   for n, c in zip(shape, inner):
     cells = [cell + ((a, min(a + c, n)),) for cell in cells for a in range(0, n, c)]
   return cells
 
 
-def _open_stored(path: str, rec: dict[str, Any], *, check_metadata: bool) -> ts.TensorStore:
-  """The zarr3 array of ``rec``; with ``check_metadata`` its zarr.json is read and compared
-  with what the manifest says (a missing or altered zarr.json is an error)."""
-  spec = _store.zarr_spec(_paths.kvstore_spec(path), rec["store"], rec["dtype"], rec["shape"])
+def _spec(path: str, manifest: _records.Manifest, rec: _records.Leaf | int) -> dict[str, Any]:
+  """The zarr3 spec of a stored leaf, or of pack number ``rec``."""
+  kv = _paths.kvstore_spec(path)
+  if isinstance(rec, int):
+    pack = manifest.packs[rec]
+    return _store.pack_spec(kv, pack.dir, pack.nbytes, pack.inner)
+  return _store.zarr_spec(kv, dataclasses.asdict(rec.stored), rec.dtype, rec.shape)
+
+
+def _open_stored(spec: dict[str, Any], *, check_metadata: bool) -> ts.TensorStore:
+  """A zarr3 array; with ``check_metadata`` its zarr.json is read and compared with what the
+  manifest says (a missing or altered zarr.json is an error)."""
   if not check_metadata:
     return _store.open_array(spec, _paths.context(), mode="read").result()
   return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
@@ -180,12 +183,12 @@ def _ls(args: argparse.Namespace) -> int:
     except CheckpointError as e:
       rows.append([name, "DAMAGED", "-", "-", str(files.get(name, len(keys))), "-", str(e)])
       continue
-    meta = manifest.get("metadata")
+    meta = manifest.metadata
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
     metric_text = (" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_compact(v, 20)}"
                             for k, v in metrics.items())
                    if isinstance(metrics, dict) else "-")
-    leaves = manifest["leaves"]
+    leaves = manifest.leaves
     rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), str(len(leaves)),
                  str(files.get(name, len(keys))), _when(commit.get("committed")), metric_text])
   for step in uncommitted:
@@ -200,52 +203,53 @@ def _ls(args: argparse.Namespace) -> int:
 # --- inspect ---------------------------------------------------------------------------------
 
 def _value_text(rec: dict[str, Any]) -> str:
-  kind = rec["kind"]
+  kind = rec.kind
   if kind in ("array", "key"):
-    if "inline" in rec:
-      value = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"]))
-      if value.size * value.itemsize != _nbytes(rec):
-        return "inline (DAMAGED: wrong length)"
-      text = np.array2string(value.reshape(rec["shape"]), threshold=8, edgeitems=2,
+    if rec.inline is not None:
+      value = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype))
+      text = np.array2string(value.reshape(rec.shape), threshold=8, edgeitems=2,
                              separator=", ").replace("\n", "")
       return f"inline {_compact(text, -60)}"
-    store = rec["store"]
-    return f"{store['dir']}/ chunks {_shape(store['chunks'])}" + (
-        f" zstd {store['zstd']}" if store.get("zstd") else "")
+    if rec.packed is not None:
+      return f"pack {rec.packed.pack} bytes {rec.packed.offset}+{rec.packed.nbytes}"
+    store = rec.stored
+    return f"{store.dir}/ chunks {_shape(store.chunks)}" + (
+        f" zstd {store.zstd}" if store.zstd else "")
   if kind == "npgen":
-    return f"numpy Generator ({rec['value'].get('bit_generator', '?')})"
+    return f"numpy Generator ({rec.value['bit_generator']})"
   if kind == "empty":
-    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec["type"]]
+    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec.type]
   return _compact(_leaves.decode_value(rec))
 
 
 def _inspect(args: argparse.Namespace) -> int:
   location, manifest, commit = _header(args.path)
-  v = manifest.get("versions", {})
-  print(f"{location}: fnckpt format {manifest['version']}, written by fnckpt "
+  v = manifest.versions
+  print(f"{location}: fnckpt format {manifest.version}, written by fnckpt "
         f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
-        f"{v.get('tensorstore', '?')}) on {manifest.get('process_count', 1)} process(es); "
-        f"created {_when(manifest.get('created'))}, committed {_when(commit.get('committed'))}")
-  if manifest.get("metadata") is not None:
-    print(f"metadata: {json.dumps(manifest['metadata'], default=repr)}")
+        f"{v.get('tensorstore', '?')}) on {manifest.process_count} process(es); "
+        f"created {_when(manifest.created)}, committed {_when(commit.get('committed'))}")
+  if manifest.metadata is not None:
+    print(f"metadata: {json.dumps(manifest.metadata, default=repr)}")
   rows = [["KEY PATH", "KIND", "DTYPE", "SHAPE", "SAVED SHARDING", "BYTES", "STORED / VALUE"]]
   total = 0
-  for rec in manifest["leaves"]:
-    kind = rec["kind"]
+  for rec in manifest.leaves:
+    kind = rec.kind
     if kind in ("array", "key"):
       n = _nbytes(rec)
       total += n
-      dtype = rec["dtype"] + (f" ({rec['impl']})" if kind == "key" else "")
-      rows.append([_tree.keystr(rec["path"]), kind, dtype, _shape(rec["shape"]),
+      dtype = rec.dtype + (f" ({rec.impl})" if kind == "key" else "")
+      rows.append([_tree.keystr(rec.path), kind, dtype, _shape(rec.shape),
                    _sharding(rec), _human(n), _value_text(rec)])
     else:
-      t = rec.get("subtype") or rec.get("type") or rec.get("dtype") or "-"
-      rows.append([_tree.keystr(rec["path"]), kind, str(t), "-", "-", "-", _value_text(rec)])
+      t = rec.type or rec.dtype or "-"
+      rows.append([_tree.keystr(rec.path), kind, str(t), "-", "-", "-", _value_text(rec)])
   print(_table(rows))
-  arrays = sum(1 for r in manifest["leaves"] if r["kind"] in ("array", "key"))
-  stored = sum(1 for r in manifest["leaves"] if "store" in r)
-  print(f"{len(manifest['leaves'])} leaves ({arrays} arrays, {stored} stored in their own "
-        f"files), {_human(total)} of array data")
+  arrays = sum(1 for r in manifest.leaves if r.is_array)
+  stored = sum(1 for r in manifest.leaves if r.stored is not None)
+  packed = sum(1 for r in manifest.leaves if r.packed is not None)
+  print(f"{len(manifest.leaves)} leaves ({arrays} arrays: {stored} stored in their own "
+        f"arrays, {packed} in {len(manifest.packs)} pack(s)), {_human(total)} of array data")
   return 0
 
 
@@ -288,36 +292,39 @@ class _Progress:
     sys.stderr.flush()
 
 
+def _units(path: str, manifest: _records.Manifest) -> list[tuple[str, str, Any, Any, int]]:
+  """What verify reads: (label, storage path, spec, regions, itemsize) per stored array and
+  per pack (a pack's label names the leaves in it)."""
+  location = _paths.display(path)
+  units = []
+  for rec in manifest.leaves:
+    if rec.stored is not None:
+      units.append((rec.where, f"{location}/{rec.stored.dir}", _spec(path, manifest, rec),
+                    _regions(rec.shape, rec.stored.inner), _leaves.dtype_of(rec.dtype).itemsize))
+  for k, pack in enumerate(manifest.packs):
+    names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
+    label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+    units.append((label, f"{location}/{pack.dir}", _spec(path, manifest, k),
+                  _regions((pack.nbytes,), (pack.inner,)), 1))
+  return units
+
+
 def _verify_one(path: str, quiet: bool) -> list[str]:
-  """Every problem found in one checkpoint (each names the leaf), after reading all of it."""
+  """Every problem found in one checkpoint (each names the leaf), after reading all of it.
+  Values were validated with the manifest (an invalid one makes the whole checkpoint
+  unreadable, reported as such)."""
   try:
     location, manifest, _ = _header(path)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"]
   problems = []
-  stored = []
-  for rec in manifest["leaves"]:
-    where = _tree.keystr(rec["path"])
+  units = _units(path, manifest)
+  total = sum(_layout.nbytes([b - a for a, b in r], size) for *_, regions, size in units
+              for r in regions)
+  progress = _Progress(total, sum(len(u[3]) for u in units), location, quiet)
+  for where, here, spec, regions, itemsize in units:
     try:
-      if "store" in rec:
-        stored.append(rec)
-      elif rec["kind"] in ("array", "key"):
-        if len(rec.get("inline", b"")) != _nbytes(rec):
-          problems.append(f"{where}: inline data has {len(rec.get('inline', b''))} bytes, "
-                          f"expected {_nbytes(rec)}")
-      else:
-        _leaves.decode_value(rec)
-    except Exception as e:
-      problems.append(f"{where}: cannot decode its value ({type(e).__name__}: {e})")
-  plans = [(rec, _regions(rec)) for rec in stored]
-  total = sum(_nbytes(rec) for rec in stored)
-  progress = _Progress(total, sum(len(r) for _, r in plans), location, quiet)
-  for rec, regions in plans:
-    where = _tree.keystr(rec["path"])
-    here = f"{location}/{rec['store']['dir']}"
-    itemsize = _leaves.dtype_of(rec["dtype"]).itemsize
-    try:
-      store = _open_stored(path, rec, check_metadata=True)
+      store = _open_stored(spec, check_metadata=True)
     except Exception as e:
       problems.append(f"{where} ({here}): cannot open its array: {_cause(e)}")
       for region in regions:
@@ -369,21 +376,27 @@ def _verify(args: argparse.Namespace) -> int:
 # --- diff ------------------------------------------------------------------------------------
 
 def _desc(rec: dict[str, Any]) -> str:
-  if rec["kind"] in ("array", "key"):
-    what = "key" if rec["kind"] == "key" else "array"
-    return f"{what} {rec['dtype']}{list(rec['shape'])}"
-  if rec["kind"] == "scalar":
-    return rec["type"]
-  return rec["kind"] if rec["kind"] != "empty" else f"empty {rec['type']}"
+  if rec.kind in ("array", "key"):
+    what = "key" if rec.kind == "key" else "array"
+    return f"{what} {rec.dtype}{list(rec.shape)}"
+  if rec.kind == "scalar":
+    return rec.type
+  return rec.kind if rec.kind != "empty" else f"empty {rec.type}"
 
 
-def _chunks_of_array(path: str, rec: dict[str, Any]) -> Any:
-  """A function region -> np.ndarray for an array leaf (inline or stored)."""
-  if "inline" in rec:
-    full = np.frombuffer(rec["inline"], dtype=_leaves.dtype_of(rec["dtype"])).reshape(
-        rec["shape"])
+def _chunks_of_array(path: str, man: _records.Manifest, rec: _records.Leaf) -> Any:
+  """A function region -> np.ndarray for an array leaf (inline, packed or stored)."""
+  dtype = _leaves.dtype_of(rec.dtype)
+  if rec.stored is None:
+    if rec.inline is not None:
+      raw = rec.inline
+    else:
+      p = rec.packed
+      pack = _open_stored(_spec(path, man, p.pack), check_metadata=False)
+      raw = pack[p.offset:p.offset + p.nbytes].read().result().tobytes()
+    full = np.frombuffer(raw, dtype=dtype).reshape(rec.shape)
     return lambda region: full[tuple(slice(a, b) for a, b in region)]
-  store = _open_stored(path, rec, check_metadata=False)
+  store = _open_stored(_spec(path, man, rec), check_metadata=False)
   return lambda region: store[tuple(slice(a, b) for a, b in region)].read().result()
 
 
@@ -395,10 +408,11 @@ def _count_different(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.any(a8 != b8, axis=1).sum())
 
 
-def _values_differ(path_a: str, rec_a: dict, path_b: str, rec_b: dict) -> str | None:
-  if rec_a["kind"] not in ("array", "key"):
+def _values_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
+                   rec_b: _records.Leaf) -> str | None:
+  if rec_a.kind not in ("array", "key"):
     va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
-    if rec_a["kind"] == "npgen":
+    if rec_a.kind == "npgen":
       va, vb = va.bit_generator.state, vb.bit_generator.state
       same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(vb, default=repr,
                                                                         sort_keys=True)
@@ -407,9 +421,10 @@ def _values_differ(path_a: str, rec_a: dict, path_b: str, rec_b: dict) -> str | 
     else:
       same = type(va) is type(vb) and va == vb
     return None if same else f"{_compact(va, 30)} -> {_compact(vb, 30)}"
-  read_a, read_b = _chunks_of_array(path_a, rec_a), _chunks_of_array(path_b, rec_b)
-  shape = rec_a["shape"]
-  itemsize = _leaves.dtype_of(rec_a["dtype"]).itemsize
+  read_a, read_b = _chunks_of_array(path_a, man_a, rec_a), _chunks_of_array(
+      path_b, man_b, rec_b)
+  shape = rec_a.shape
+  itemsize = _leaves.dtype_of(rec_a.dtype).itemsize
   if any(n == 0 for n in shape):
     return None
   # slabs along the leading dimension of at most ~64 MiB
@@ -427,35 +442,34 @@ def _values_differ(path_a: str, rec_a: dict, path_b: str, rec_b: dict) -> str | 
 def _diff(args: argparse.Namespace) -> int:
   loc_a, man_a, _ = _header(args.a)
   loc_b, man_b, _ = _header(args.b)
-  recs_a = {_tree.match_key(r["path"]): r for r in man_a["leaves"]}
-  recs_b = {_tree.match_key(r["path"]): r for r in man_b["leaves"]}
+  recs_a = {_tree.match_key(r.path): r for r in man_a.leaves}
+  recs_b = {_tree.match_key(r.path): r for r in man_b.leaves}
   lines = []
   for key, rec in recs_a.items():
     if key not in recs_b:
-      lines.append(f"- {_tree.keystr(rec['path'])}: {_desc(rec)}")
+      lines.append(f"- {_tree.keystr(rec.path)}: {_desc(rec)}")
   for key, rec in recs_b.items():
     if key not in recs_a:
-      lines.append(f"+ {_tree.keystr(rec['path'])}: {_desc(rec)}")
+      lines.append(f"+ {_tree.keystr(rec.path)}: {_desc(rec)}")
   same_structure = []
   for key, ra in recs_a.items():
     rb = recs_b.get(key)
     if rb is None:
       continue
-    if _desc(ra) != _desc(rb) or ra.get("impl") != rb.get("impl"):
-      lines.append(f"~ {_tree.keystr(ra['path'])}: {_desc(ra)} -> {_desc(rb)}")
+    if _desc(ra) != _desc(rb) or ra.impl != rb.impl:
+      lines.append(f"~ {_tree.keystr(ra.path)}: {_desc(ra)} -> {_desc(rb)}")
     else:
       same_structure.append((ra, rb))
   if args.values:
     for ra, rb in same_structure:
       try:
-        text = _values_differ(args.a, ra, args.b, rb)
+        text = _values_differ(args.a, man_a, ra, args.b, man_b, rb)
       except Exception as e:
         text = f"cannot compare: {_cause(e)}"
       if text:
-        lines.append(f"! {_tree.keystr(ra['path'])}: values differ ({text})")
-    if man_a.get("metadata") != man_b.get("metadata"):
-      lines.append(f"! metadata: {_compact(man_a.get('metadata'))} -> "
-                   f"{_compact(man_b.get('metadata'))}")
+        lines.append(f"! {_tree.keystr(ra.path)}: values differ ({text})")
+    if man_a.metadata != man_b.metadata:
+      lines.append(f"! metadata: {_compact(man_a.metadata)} -> {_compact(man_b.metadata)}")
   if not lines:
     what = "trees and values" if args.values else "trees (key paths, kinds, dtypes, shapes)"
     print(f"{loc_a} and {loc_b}: same {what}.")
@@ -514,9 +528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   args = _parser().parse_args(argv)
   try:
-    return args.run(args)
-  except (CheckpointError, OSError, ValueError) as e:  # TensorStore I/O errors are ValueErrors
-    print(f"fnckpt {args.command}: error: {e}", file=sys.stderr)
-    return 2
-  except BrokenPipeError:  # `fnckpt ls DIR | head`
+    code = args.run(args)
+    sys.stdout.flush()
+    return code
+  except BrokenPipeError:  # `fnckpt inspect X | head -1`: the reader has gone; so do we
+    import os
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
+  except (CheckpointError, OSError, ValueError) as e:  # TensorStore I/O errors are ValueErrors
+    text = " | ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    print(f"fnckpt {args.command}: error: {text}", file=sys.stderr)
+    return 2

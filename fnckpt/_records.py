@@ -1,0 +1,478 @@
+"""PURE: a manifest's msgpack data -> frozen, validated records (formats 1 and 2).
+
+Everything read from storage is untrusted. :func:`parse` turns a decoded manifest into
+:class:`Manifest` (with :class:`Leaf` records) or raises one :class:`CheckpointError` naming the
+leaf (key path, or index when the path itself is bad) and the field. What validation bounds:
+every field's type; dtypes, leaf kinds, PRNG implementations and bit generators from
+allow-lists; shapes, chunk grids and byte sizes consistent with each other; key paths well
+formed (no duplicates, no leaf that is also a parent, sequence indices dense, so rebuilding the
+tree allocates no more than the leaves); storage directories relative, normalized and inside
+the checkpoint. Unknown keys and kinds are refused (a newer writer's manifest is refused by its
+version number first). Other modules read these records, never the raw dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ._errors import CheckpointError
+from ._tree import keystr
+
+__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "parse", "DTYPES",
+           "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir", "MAX_DIMS"]
+
+# Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
+DTYPES = frozenset((
+    "bool int2 int4 int8 int16 int32 int64 uint2 uint4 uint8 uint16 uint32 uint64 "
+    "float8_e3m4 float8_e4m3 float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 "
+    "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn float16 bfloat16 float32 float64 "
+    "complex64 complex128").split())
+PRNG_IMPLS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}   # impl -> key data words
+BIT_GENERATORS = frozenset(("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"))
+LEAF_KINDS = frozenset(("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty"))
+SCALAR_TYPES = frozenset(("bool", "int", "float", "complex", "str", "bytes"))
+PATH_KINDS = frozenset(("dict", "seq", "attr", "flat"))
+MAX_DIMS = 64
+MAX_ELEMENTS = 1 << 62
+MAX_CHUNKS = 1 << 32              # chunks of one stored array
+MAX_DEPTH = 32                    # nesting of a Generator's state
+MAX_BIGINT_DIGITS = 4000          # below Python's int() digit limit
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def np_dtype(name: str) -> np.dtype:
+  """An allow-listed dtype name -> numpy dtype (ml_dtypes' types included)."""
+  import jax.numpy as jnp
+  return np.dtype(jnp.dtype(name))
+
+
+def itemsize(name: str) -> int:
+  return np_dtype(name).itemsize
+
+
+class _Bad(Exception):
+  """A field is invalid: raised inside parsing, turned into a CheckpointError naming the leaf."""
+
+
+def _req(cond: bool, what: str) -> None:
+  if not cond:
+    raise _Bad(what)
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
+  _req(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+       f"{what} must be an integer in [{lo}, {hi}], found {_short(v)}")
+  return v
+
+
+def _str(v: Any, what: str, limit: int = 4096) -> str:
+  _req(isinstance(v, str) and len(v) <= limit, f"{what} must be a string, found {_short(v)}")
+  return v
+
+
+def _short(v: Any) -> str:
+  text = repr(v)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _keys(d: Any, what: str, required: Sequence[str], optional: Sequence[str] = ()) -> dict:
+  _req(isinstance(d, dict), f"{what} must be a map, found {_short(d)}")
+  missing = [k for k in required if k not in d]
+  _req(not missing, f"{what} lacks {missing[0]!r}" if missing else "")
+  unknown = [k for k in d if k not in required and k not in optional]
+  _req(not unknown, f"{what} has an unknown field {_short(unknown[0]) if unknown else ''} "
+       "(written by a newer fnckpt?)")
+  return d
+
+
+def check_dir(path: Any, what: str) -> str:
+  """A storage directory inside the checkpoint: relative, normalized, plain names only.
+
+  >>> check_dir("a/3", "dir")
+  'a/3'
+  """
+  _str(path, what, 512)
+  parts = path.split("/")
+  _req(bool(path) and all(_NAME.fullmatch(p) and p not in (".", "..") for p in parts),
+       f"{what} must be a relative path of plain names inside the checkpoint, found "
+       f"{_short(path)}")
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """A saved sharding: ``type`` "named" (mesh ``axes``/``sizes`` and ``spec``), "single", or
+  another JAX sharding's class name with its device count."""
+  type: str
+  axes: tuple[str, ...] = ()
+  sizes: tuple[int, ...] = ()
+  spec: tuple[Any, ...] = ()       # None, an axis name, or a tuple of axis names per dim
+  devices: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+  """A zarr3 array holding a leaf: ``dir`` relative to the checkpoint root."""
+  dir: str
+  chunks: tuple[int, ...]
+  inner: tuple[int, ...]
+  zstd: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+  """A process's pack (format 2): a 1-D uint8 zarr3 array at ``dir`` of ``nbytes`` bytes."""
+  dir: str
+  nbytes: int
+  inner: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A leaf stored in a pack: bytes ``[offset, offset + nbytes)`` of pack ``pack``."""
+  pack: int
+  offset: int
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One validated leaf record. Array kinds ("array", "key") have ``dtype``/``shape`` and
+  exactly one of ``inline``/``stored``/``packed``; other kinds hold ``value`` (checked)."""
+  index: int
+  path: tuple[tuple[str, Any], ...]
+  kind: str
+  dtype: str | None = None
+  shape: tuple[int, ...] | None = None
+  source: str | None = None
+  sharding: Sharding | None = None
+  impl: str | None = None
+  inline: bytes | None = None
+  stored: Stored | None = None
+  packed: Packed | None = None
+  type: str | None = None          # scalar type, or the empty container's type
+  name: str | None = None          # an empty container's class
+  value: Any = None
+  process: int | None = None       # format 2: PerProcess leaves: the saving process
+
+  @property
+  def where(self) -> str:
+    return keystr(self.path)
+
+  @property
+  def is_array(self) -> bool:
+    return self.kind in ("array", "key")
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape or ()) * itemsize(self.dtype) if self.is_array else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  version: int
+  created: float
+  process_count: int
+  versions: Mapping[str, str]
+  metadata: Any
+  leaves: tuple[Leaf, ...]
+  data: str | None = None           # format 2: the directory of this save's data
+  packs: tuple[Pack, ...] = ()
+
+
+_TOP_V1 = ("format", "version", "created", "process_count", "versions", "metadata", "leaves")
+_TOP_V2 = _TOP_V1 + ("data", "packs")
+
+
+def parse(m: Any, location: str, reader_version: int) -> Manifest:
+  """Validate a decoded manifest; one :class:`CheckpointError` names what is wrong."""
+  try:
+    version = _int(m.get("version") if isinstance(m, dict) else None, "'version'", 1,
+                   reader_version)
+    top = _keys(m, "the manifest", _TOP_V1 if version == 1 else _TOP_V2)
+    _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
+    created = top["created"]
+    _req(isinstance(created, (int, float)) and not isinstance(created, bool),
+         "'created' must be a number")
+    nproc = _int(top["process_count"], "'process_count'", 1, 1 << 24)
+    versions = top["versions"]
+    _req(isinstance(versions, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in versions.items()),
+         "'versions' must map names to version strings")
+    data = check_dir(top["data"], "'data'") if version >= 2 else None
+    packs = tuple(_pack(p, i) for i, p in enumerate(_list(top.get("packs", []), "'packs'")))
+    raw = _list(top["leaves"], "'leaves'")
+  except _Bad as e:
+    raise _error(location, f"its {e}") from None
+  leaves = []
+  for i, rec in enumerate(raw):
+    try:
+      leaves.append(_leaf(i, rec, version, packs))
+    except _Bad as e:
+      where = keystr(rec["path"]) if _path_ok(rec) else f"leaf #{i}"
+      raise _error(location, f"the record of {where} is invalid: {e}") from None
+  try:
+    _check_tree([(l.path, l.process) for l in leaves])
+  except _Bad as e:
+    raise _error(location, str(e)) from None
+  return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
+                  tuple(leaves), data, packs)
+
+
+def _error(location: str, what: str) -> CheckpointError:
+  return CheckpointError(
+      f"The manifest of {location!r} is invalid: {what}. The checkpoint cannot be read safely; "
+      "restore an earlier one (or check the tool that wrote or edited it).")
+
+
+def _list(v: Any, what: str, limit: int = 1 << 26) -> list:
+  _req(isinstance(v, list) and len(v) <= limit, f"{what} must be a list, found {_short(v)}")
+  return v
+
+
+def _pack(p: Any, i: int) -> Pack:
+  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "inner"))
+  nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
+  inner = _int(p["inner"], f"'packs'[{i}].inner", 1, nbytes)
+  _req(nbytes % inner == 0, f"'packs'[{i}].inner must divide its nbytes")
+  return Pack(check_dir(p["dir"], f"'packs'[{i}].dir"), nbytes, inner)
+
+
+def _path_ok(rec: Any) -> bool:
+  try:
+    _path(rec["path"])
+    return True
+  except Exception:
+    return False
+
+
+def _path(p: Any) -> tuple[tuple[str, Any], ...]:
+  _list(p, "'path'", 256)
+  out = []
+  for e in p:
+    _req(isinstance(e, list) and len(e) == 2 and e[0] in PATH_KINDS,
+         f"key path entry {_short(e)} must be [kind, key] with kind one of {sorted(PATH_KINDS)}")
+    kind, key = e
+    if kind in ("seq", "flat"):
+      _int(key, "a sequence index", 0, 1 << 31)
+    elif kind == "attr":
+      _str(key, "an attribute name", 1024)
+    else:
+      _req((isinstance(key, str) and len(key) <= 4096) or
+           (isinstance(key, int) and not isinstance(key, bool) and -(1 << 63) <= key < 1 << 64),
+           f"dict key {_short(key)} must be a str or an int")
+    out.append((kind, key))
+  return tuple(out)
+
+
+def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
+  _req(isinstance(rec, dict), f"it must be a map, found {_short(rec)}")
+  kind = rec.get("kind")
+  _req(kind in LEAF_KINDS, f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
+  path = _path(rec.get("path"))
+  common = ("path", "kind")
+  extra = ("process",) if version >= 2 else ()
+  process = _int(rec["process"], "'process'", 0, 1 << 24) if "process" in rec else None
+  if kind in ("array", "key"):
+    return _array(i, path, rec, version, packs, process)
+  if kind == "empty":
+    _keys(rec, "it", common + ("type", "name"), extra)
+    _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
+    return Leaf(i, path, kind, type=rec["type"], name=_str(rec["name"], "'name'"),
+                process=process)
+  if kind == "scalar":
+    _keys(rec, "it", common + ("type", "value"), ("subtype",) + extra)
+    return Leaf(i, path, kind, type=rec["type"], value=_scalar(rec["type"], rec["value"]),
+                process=process)
+  if kind == "bigint":
+    _keys(rec, "it", common + ("value",), extra)
+    v = _str(rec["value"], "'value'", MAX_BIGINT_DIGITS + 1)
+    _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,
+         "'value' must be a decimal integer")
+    return Leaf(i, path, kind, value=int(v), process=process)
+  if kind == "npscalar":
+    _keys(rec, "it", common + ("dtype", "value"), extra)
+    dtype = _dtype(rec["dtype"])
+    _req(isinstance(rec["value"], bytes) and len(rec["value"]) == itemsize(dtype),
+         f"'value' must be {itemsize(dtype)} bytes")
+    return Leaf(i, path, kind, dtype=dtype, value=rec["value"], process=process)
+  _keys(rec, "it", common + ("value",), extra)   # npgen
+  return Leaf(i, path, kind, value=_generator_state(rec["value"]), process=process)
+
+
+def _dtype(v: Any) -> str:
+  _req(v in DTYPES if isinstance(v, str) else False,
+       f"dtype {_short(v)} is not one fnckpt stores")
+  return v
+
+
+def _scalar(t: Any, v: Any) -> Any:
+  _req(t in SCALAR_TYPES, f"scalar type {_short(t)} is not one of {sorted(SCALAR_TYPES)}")
+  if t == "complex":
+    _req(isinstance(v, list) and len(v) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
+        "a complex value must be [re, im]")
+    return complex(v[0], v[1])
+  ok = {"bool": isinstance(v, bool), "str": isinstance(v, str), "bytes": isinstance(v, bytes),
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "float": isinstance(v, (int, float)) and not isinstance(v, bool)}[t]
+  _req(ok, f"a {t} value was expected, found {_short(v)}")
+  return float(v) if t == "float" else v
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+  _list(v, "'shape'", MAX_DIMS)
+  shape = tuple(_int(s, "a dimension", 0, MAX_ELEMENTS) for s in v)
+  _req(math.prod(shape) <= MAX_ELEMENTS, f"shape {list(shape)} is too large")
+  return shape
+
+
+def _array(i, path, rec, version, packs, process) -> Leaf:
+  kind = rec["kind"]
+  storage = ("inline", "store", "pack")
+  optional = ("impl",) if kind == "key" else ()
+  extra = ("process",) if version >= 2 else ()
+  _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
+        storage + optional + extra)
+  where = [k for k in storage if k in rec]
+  _req(len(where) == 1, "exactly one of 'inline', 'store', 'pack' must be present")
+  dtype, shape = _dtype(rec["dtype"]), _shape(rec["shape"])
+  _req(rec["source"] in ("jax", "numpy"), "'source' must be 'jax' or 'numpy'")
+  impl = None
+  if kind == "key":
+    impl = rec.get("impl")
+    _req(impl in PRNG_IMPLS if isinstance(impl, str) else False,
+         f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
+    _req(dtype == "uint32" and len(shape) >= 1 and shape[-1] == PRNG_IMPLS[impl],
+         f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
+  sharding = _sharding(rec["sharding"], len(shape))
+  nbytes = math.prod(shape) * itemsize(dtype)
+  leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl, process=process)
+  if "inline" in rec:
+    _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
+         f"'inline' must hold {nbytes} bytes")
+    return dataclasses.replace(leaf, inline=rec["inline"])
+  if "store" in rec:
+    return dataclasses.replace(leaf, stored=_stored(rec["store"], shape, dtype, version))
+  _req(version >= 2, "'pack' needs format 2")
+  p = _keys(rec["pack"], "'pack'", ("index", "offset"))
+  k = _int(p["index"], "'pack'.index", 0, max(len(packs) - 1, 0))
+  _req(k < len(packs), "'pack'.index names no pack")
+  offset = _int(p["offset"], "'pack'.offset", 0, packs[k].nbytes)
+  _req(offset + nbytes <= packs[k].nbytes, f"'pack' bytes [{offset}, {offset + nbytes}) lie "
+       f"outside pack {k} ({packs[k].nbytes} bytes)")
+  return dataclasses.replace(leaf, packed=Packed(k, offset, nbytes))
+
+
+def _stored(s: Any, shape, dtype: str, version: int) -> Stored:
+  _keys(s, "'store'", ("dir", "chunks", "inner", "zstd"))
+  d = check_dir(s["dir"], "'store'.dir")
+  if version == 1:
+    _req(re.fullmatch(r"d/[0-9]{1,9}", d) is not None, "'store'.dir must be d/<n>")
+  chunks = tuple(_int(c, "a chunk dimension", 1, MAX_ELEMENTS) for c in
+                 _list(s["chunks"], "'store'.chunks", MAX_DIMS))
+  inner = tuple(_int(c, "an inner chunk dimension", 1, MAX_ELEMENTS) for c in
+                _list(s["inner"], "'store'.inner", MAX_DIMS))
+  _req(len(chunks) == len(shape) == len(inner), "'store' chunks and inner chunks need one "
+       "entry per dimension")
+  _req(all(c <= max(n, 1) for c, n in zip(chunks, shape)), "a chunk is larger than the array")
+  _req(all(c % k == 0 for c, k in zip(chunks, inner)), "inner chunks must divide chunks")
+  _req(math.prod(-(-n // c) for n, c in zip(shape, chunks)) <= MAX_CHUNKS, "too many chunks")
+  _req(math.prod(chunks) * itemsize(dtype) <= MAX_ELEMENTS, "chunks too large")
+  z = s["zstd"]
+  _req(z is None or (isinstance(z, int) and not isinstance(z, bool) and -131072 <= z <= 22),
+       "'store'.zstd must be nil or a zstd level")
+  return Stored(d, chunks, inner, z)
+
+
+def _sharding(s: Any, ndim: int) -> Sharding | None:
+  if s is None:
+    return None
+  _req(isinstance(s, dict) and isinstance(s.get("type"), str), "'sharding' must be nil or a map")
+  if s["type"] == "single":
+    _keys(s, "'sharding'", ("type",))
+    return Sharding("single")
+  if s["type"] != "named":
+    _keys(s, "'sharding'", ("type", "devices"))
+    return Sharding(_str(s["type"], "'sharding'.type", 128),
+                    devices=_int(s["devices"], "'sharding'.devices", 1, 1 << 24))
+  _keys(s, "'sharding'", ("type", "axes", "sizes", "spec"))
+  axes = tuple(_str(a, "a mesh axis name", 128) for a in _list(s["axes"], "axes", MAX_DIMS))
+  sizes = tuple(_int(n, "a mesh axis size", 1, 1 << 24) for n in _list(s["sizes"], "sizes", 64))
+  _req(len(axes) == len(sizes) and len(set(axes)) == len(axes),
+       "'sharding' axes must be distinct and have one size each")
+  _req(math.prod(sizes) <= 1 << 24, "'sharding' mesh is too large")
+  spec, used = [], []
+  for e in _list(s["spec"], "'sharding'.spec", ndim):
+    names = [] if e is None else [e] if isinstance(e, str) else e
+    _req(isinstance(names, list) and all(isinstance(n, str) for n in names),
+         f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")
+    used.extend(names)
+    spec.append(e if not isinstance(e, list) else tuple(e))
+  _req(all(n in axes for n in used) and len(set(used)) == len(used),
+       "'sharding'.spec must name each mesh axis at most once")
+  return Sharding("named", axes, sizes, tuple(spec), math.prod(sizes))
+
+
+def _generator_state(v: Any) -> dict:
+  _req(isinstance(v, dict) and v.get("bit_generator") in BIT_GENERATORS,
+       f"a Generator state needs 'bit_generator' in {sorted(BIT_GENERATORS)}")
+  _plain_ok(v, 0)
+  return v
+
+
+def _plain_ok(v: Any, depth: int) -> None:
+  """A Generator's state: bounded nesting, tagged arrays/ints well formed."""
+  _req(depth <= MAX_DEPTH, "a Generator state is nested too deeply")
+  if isinstance(v, dict):
+    if "__ndarray__" in v:
+      a = v["__ndarray__"]
+      _req(isinstance(a, list) and len(a) == 3 and isinstance(a[2], bytes),
+           "a tagged array must be [dtype, shape, bytes]")
+      dtype, shape = _dtype(a[0]), _shape(a[1])
+      _req(len(a[2]) == math.prod(shape) * itemsize(dtype), "a tagged array's bytes do not "
+           "match its shape")
+      return
+    if "__int__" in v:
+      _req(isinstance(v["__int__"], str) and re.fullmatch(
+          r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v["__int__"]) is not None,
+          "a tagged int must be a decimal string")
+      return
+    for k, x in v.items():
+      _req(isinstance(k, str), "a Generator state's keys must be strings")
+      _plain_ok(x, depth + 1)
+  elif isinstance(v, list):
+    for x in v:
+      _plain_ok(x, depth + 1)
+
+
+def _check_tree(paths: Sequence[tuple[tuple[tuple[str, Any], ...], int | None]]) -> None:
+  """Key paths form a tree: unique (per saving process, for PerProcess leaves), no leaf above
+  another, one container type per node, sequence indices dense (0..n-1)."""
+  leaves, seen_ids = set(), set()
+  children: dict[tuple, dict[Any, str]] = {}
+  for path, process in paths:
+    keys = tuple((k if kind in ("dict", "attr") else ("#", k)) for kind, k in path)
+    _req((keys, process) not in seen_ids, f"key path {keystr(path)} appears twice")
+    seen_ids.add((keys, process))
+    leaves.add(keys)
+    for depth, (kind, key) in enumerate(path):
+      node = keys[:depth]
+      group = "seq" if kind in ("seq", "flat") else "map"
+      seen = children.setdefault(node, {})
+      _req(all(g == group for g in seen.values()) or not seen,
+           f"{keystr(path[:depth]) } mixes sequence and mapping children")
+      seen[keys[depth]] = group
+  for node in children:
+    _req(node not in leaves, f"a leaf is also a parent of other leaves (at depth {len(node)})")
+  for node, seen in children.items():
+    if seen and next(iter(seen.values())) == "seq":
+      idx = sorted(k[1] for k in seen)
+      _req(idx == list(range(len(idx))), "sequence indices must be 0..n-1 without gaps")
+  _req(len(leaves) <= 1 or all(p for p, _ in paths),
+       "the root is a leaf but there are other leaves")

