@@ -1,15 +1,22 @@
 """CheckpointManager: one fnckpt checkpoint per training step under a directory.
 
 Layout: ``<directory>/<step>/`` holds the checkpoint of ``step`` (plain decimal, no padding);
-a step exists when its ``COMMIT`` marker does. Listing is one TensorStore kvstore list of the
-directory, so it works on local files, ``memory://``, ``gs://`` and ``s3://`` alike.
+a step exists when its commit marker does. The manager composes small parts, each in its own
+module:
 
-Retention is the pure function :func:`fnckpt._retention.to_delete` of the committed steps (and
-their metrics). It runs in a background thread after each save has committed, never touches a
-step whose save or restore (by this manager) is in flight, and always keeps the newest
-committed step; a step it spared for a reader goes at the next retention pass.
+- :class:`fnckpt._steps.StepIndex`: which steps the directory holds (O(steps) per listing);
+- :class:`fnckpt._claims.StepClaims`: which steps this process is saving, deleting, reading;
+- :class:`fnckpt._retention_runner.RetentionRunner`: after each commit, on process 0, deletes
+  what the pure policy (:mod:`fnckpt._retention`) no longer keeps, sparing claimed steps and
+  the newest committed step; its errors wait in a :class:`~fnckpt._retention_runner.Background`;
+- :class:`fnckpt._preemption.Preemption`: SIGTERM flag, or JAX's preemption sync point;
+- :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes).
 
-Resuming after preemption (single process; the pattern every training loop can copy)::
+A second storage tier (a fast local one beside a durable one) is another ``StepIndex`` and
+``RetentionRunner``; references between steps (incremental saves) change what ``StepIndex``
+deletes. Neither exists yet.
+
+Resuming after preemption (the pattern every training loop can copy)::
 
     mgr = fnckpt.CheckpointManager(run_dir, max_to_keep=3, save_interval_steps=100,
                                    handle_preemption=True)   # SIGTERM now only sets a flag
@@ -22,80 +29,40 @@ Resuming after preemption (single process; the pattern every training loop can c
         break
     mgr.close()                          # waits for pending saves; now the process may exit
 
-With several processes (``jax.distributed``), JAX's own preemption service handles SIGTERM and
-:meth:`CheckpointManager.should_save` asks it for the step at which every process saves.
+Several processes (``jax.distributed``): every process makes the same manager calls in the same
+order. ``save``, ``wait``, ``close``, ``delete``, ``cleanup``, ``restore``/``restore_or_init``
+(they choose the step on process 0) and ``reached_preemption`` are collective; ``all_steps``,
+``latest_step``, ``uncommitted_steps`` and ``metrics`` read storage on the calling process only.
+Errors of background work (retention, on process 0) are never raised from ``save``: they are
+warned about on process 0 and raised by ``wait``/``close`` on every process.
 """
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
-import threading
 import warnings
 from typing import Any, Callable, Mapping
 
 import jax
+import msgpack
 import numpy as np
 
-from . import _commit, _manifest, _paths, _retention
-from . import _restore as _restore_mod
-from . import _save as _save_mod
+from . import _commit, _coordination, _paths, _retention, _steps
+from ._claims import StepClaims
 from ._errors import CheckpointError
+from ._preemption import Preemption
+from ._retention_runner import Background, RetentionError, RetentionRunner
+from ._steps import scan  # noqa: F401  (the CLI lists run directories with it)
 
 __all__ = ["CheckpointManager"]
 
-_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+_DEFAULT_BARRIER_TIMEOUT_S = 600.0  # fnckpt.save's default
 
 
-def _as_step(step: Any) -> int:
-  if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
-    value = int(step)
-  elif getattr(step, "shape", None) == () and np.issubdtype(np.asarray(step).dtype, np.integer):
-    value = int(np.asarray(step))  # a 0-d array, e.g. state.step
-  else:
-    value = -1
-  if value < 0:
-    raise CheckpointError(f"A checkpoint step must be a non-negative int, got {step!r}.")
-  return value
-
-
-def _plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-  """Metrics -> msgpack data: 0-d arrays and numpy scalars become Python numbers."""
-  if not isinstance(metrics, Mapping):
-    raise CheckpointError(f"metrics must be a dict of name -> value, got {type(metrics).__name__}.")
-  out = {}
-  for name, value in metrics.items():
-    if not isinstance(name, str):
-      raise CheckpointError(f"metrics: name {name!r} must be a str.")
-    if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
-      value = np.asarray(value).item()
-    out[name] = value
-  _manifest.check_msgpackable(out, "save(metrics=...)")
-  return out
-
-
-def scan(directory: str, storage_options: dict[str, Any] | None = None
-         ) -> tuple[list[int], list[int]]:
-  """(committed steps, uncommitted leftover steps) under ``directory``, each sorted; one list.
-  Step directories are named by the plain decimal step; other names are ignored.
-
-  >>> from fnckpt import _paths
-  >>> kv = _paths.open_kvstore("memory://doc/scan")
-  >>> _ = kv.write("7/COMMIT", b"").result(); _ = kv.write("9/manifest.msgpack", b"").result()
-  >>> _ = kv.write("notes.txt", b"").result(); _ = kv.write("08/COMMIT", b"").result()
-  >>> scan("memory://doc/scan")
-  ([7], [9])
-  """
-  names: dict[int, bool] = {}
-  for key in _paths.list_keys(directory, storage_options):
-    name, sep, rest = key.partition("/")
-    if not sep or not _STEP_NAME.fullmatch(name):
-      continue
-    step = int(name)
-    names[step] = names.get(step, False) or rest == _manifest.COMMIT
-  committed = sorted(s for s, c in names.items() if c)
-  return committed, sorted(s for s, c in names.items() if not c)
+def _api() -> Any:
+  import fnckpt  # the public save/restore; imported late (fnckpt imports this module)
+  return fnckpt
 
 
 class CheckpointManager:
@@ -110,16 +77,16 @@ class CheckpointManager:
     best_mode: ``"min"`` (e.g. a loss) or ``"max"`` (e.g. an accuracy).
     save_interval_steps: :meth:`save` and :meth:`should_save` only save steps divisible by
       this (``force=True`` or a preemption saves any step).
-    handle_preemption: install the SIGTERM handler now (see
-      :meth:`install_preemption_handler`).
+    handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
-      ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``).
+      ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
+      manager's own barriers).
 
   With no retention rule every step is kept. The newest committed step and steps being saved
-  are never deleted. Uncommitted leftovers of crashed saves are ignored, reported (a warning
-  here and :meth:`uncommitted_steps`) and removed only by :meth:`cleanup` or by a new save to
-  the same step.
+  or restored are never deleted. Uncommitted leftovers of crashed saves are ignored, reported
+  (a warning here and :meth:`uncommitted_steps`) and removed only by :meth:`cleanup` or by a
+  new save to the same step.
 
   >>> import numpy as np, fnckpt
   >>> with fnckpt.CheckpointManager("memory://doc/mgr", max_to_keep=2) as mgr:
@@ -136,39 +103,31 @@ class CheckpointManager:
                save_interval_steps: int = 1, handle_preemption: bool = False,
                storage_options: dict[str, Any] | None = None,
                save_options: Mapping[str, Any] | None = None):
-    self.directory = _paths.display(directory)
-    self._root = str(directory)
-    self._policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+    policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
     if best_n and not isinstance(best_metric, str):
       raise ValueError("best_n needs best_metric: the name of a metric passed to "
                        "save(..., metrics={name: value}).")
     if (not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
         or save_interval_steps < 1):
       raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
-    self.best_metric = best_metric
-    self.save_interval_steps = save_interval_steps
-    self._storage_options = storage_options
     self._save_options = dict(save_options or {})
     for bad in ("overwrite", "metadata", "storage_options"):
       if bad in self._save_options:
         raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
-
-    self._lock = threading.Condition()
-    self._pending: dict[int, Any] = {}      # step -> SaveHandle (None while staging)
-    self._deleting: set[int] = set()
-    self._reading: dict[int, int] = {}      # step -> restores of this manager reading it
-    self._threads: list[threading.Thread] = []
-    self._errors: list[BaseException] = []
-    self._metric_cache: dict[int, Any] = {}
+    self.directory = _paths.display(directory)
+    self.best_metric = best_metric
+    self.save_interval_steps = save_interval_steps
+    self._root, self._storage_options = str(directory), storage_options
+    self._timeout = float(self._save_options.get("barrier_timeout_s",
+                                                 _DEFAULT_BARRIER_TIMEOUT_S))
+    self._index = _steps.StepIndex(self._root, storage_options)
+    self._claims = StepClaims()
+    self._background = Background()
+    self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
+    self._preemption = Preemption(self.directory)
     self._last_saved: int | None = None
-    self._preempt_flag = threading.Event()
-    self._preempt_step: int | None = None
-    self._previous_handlers: dict[int, Any] = {}
-    self._multi_process_preemption = False
     self._closed = False
-
-    committed, leftovers = scan(self._root, storage_options)
-    self._known: set[int] = set(committed)
+    leftovers = self._index.list().uncommitted
     if leftovers:
       warnings.warn(
           f"{self.directory!r} holds uncommitted steps {leftovers} (saves interrupted by a "
@@ -177,7 +136,7 @@ class CheckpointManager:
     if handle_preemption:
       self.install_preemption_handler()
 
-  # --- where things are ---------------------------------------------------------------------
+  # --- what is there (local reads) ----------------------------------------------------------
 
   def path(self, step: int) -> str:
     """The location of ``step``'s checkpoint (for :func:`fnckpt.metadata`, the CLI, ...).
@@ -186,7 +145,7 @@ class CheckpointManager:
     >>> fnckpt.CheckpointManager("/tmp/run").path(7)
     '/tmp/run/7'
     """
-    return _paths.join(self._root, str(_as_step(step)))
+    return self._index.path(step)
 
   def all_steps(self) -> list[int]:
     """The committed steps, oldest first (read from storage; saves in flight are not there).
@@ -197,29 +156,31 @@ class CheckpointManager:
     >>> mgr.all_steps()
     [3]
     """
-    return scan(self._root, self._storage_options)[0]
+    return self._index.list(in_flight=self._claims.saving()).steps
 
   def latest_step(self) -> int | None:
-    """The newest committed step, or ``None`` if there is none.
+    """The newest committed step, or ``None``. Waits for this manager's saves in flight to
+    commit first, so every process of a job calling it at the same point of the loop gets the
+    same answer (each save commits behind a barrier; retention keeps the newest step).
 
     >>> import fnckpt
     >>> print(fnckpt.CheckpointManager("memory://doc/latest_empty").latest_step())
     None
     """
+    self._claims.wait_saved()
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def uncommitted_steps(self) -> list[int]:
     """Steps whose directory holds data but no commit marker (interrupted saves), not counting
-    this manager's saves in flight.
+    this manager's saves and deletions in flight.
 
     >>> import fnckpt
     >>> fnckpt.CheckpointManager("memory://doc/uncommitted").uncommitted_steps()
     []
     """
-    leftovers = scan(self._root, self._storage_options)[1]
-    with self._lock:
-      return [s for s in leftovers if s not in self._pending and s not in self._deleting]
+    busy = self._claims.busy()
+    return [s for s in self._index.list(in_flight=busy).uncommitted if s not in busy]
 
   def metrics(self, step: int) -> dict[str, Any] | None:
     """The metrics saved with ``step`` (``None`` if none were given).
@@ -230,37 +191,35 @@ class CheckpointManager:
     >>> mgr.metrics(1)
     {'loss': 0.5}
     """
-    step = _as_step(step)
-    self._wait_step(step)
-    kv = _paths.open_kvstore(self.path(step), self._storage_options)
-    manifest, _ = _commit.read_header(kv, _paths.display(self.path(step)))
-    meta = manifest.get("metadata")
+    step = _steps.as_step(step)
+    self._claims.wait_saved(step)
+    meta = self._index.user_metadata(step)
     return meta.get("metrics") if isinstance(meta, dict) else None
 
   # --- saving -------------------------------------------------------------------------------
 
   def should_save(self, step: int) -> bool:
     """Whether the loop should save ``step``: it is on the save interval, or it is the first
-    step boundary after a preemption notice (then :meth:`reached_preemption` will be true).
+    step boundary after a preemption notice (with several processes: the step JAX's
+    preemption sync point names, the same on every process; call this at every step).
 
     >>> import fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/should_save", save_interval_steps=10)
     >>> [s for s in range(25) if mgr.should_save(s)]
     [0, 10, 20]
     """
-    step = _as_step(step)
-    return self._check_preemption(step) or step % self.save_interval_steps == 0
+    step = _steps.as_step(step)
+    return self._preemption.check(step) or step % self.save_interval_steps == 0
 
   def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
-           metadata: Any = None, force: bool = False) -> _save_mod.SaveHandle | None:
-    """Save ``tree`` as ``step``; return once its arrays are off the devices.
+           metadata: Any = None, force: bool = False) -> Any:
+    """Save ``tree`` as ``step``; return its :class:`fnckpt.SaveHandle` once its arrays are off
+    the devices (the write, the commit and then retention go on in the background).
 
-    Skipped (returns ``None``) when ``step`` is not on ``save_interval_steps``, unless
-    ``force`` or a preemption is pending. The write and commit go on in the background; after
-    the commit, retention deletes the steps the policy no longer keeps. Raises if ``step`` is
-    already committed or older than the newest step, unless ``force`` (a committed step is
-    then replaced). An uncommitted leftover at ``step`` is replaced. An error of an earlier
-    save of this manager is raised here.
+    Skipped (returns ``None``) when ``step`` is not on ``save_interval_steps``, unless ``force``
+    or it is the preemption step. Raises if ``step`` is committed or older than the newest
+    step, unless ``force`` (which replaces it); an uncommitted leftover at ``step`` is replaced.
+    With one process, an error of earlier background work is raised here too.
 
     Args:
       step: the training step (a non-negative int); names the directory ``<directory>/<step>``.
@@ -278,157 +237,63 @@ class CheckpointManager:
     [2]
     """
     self._check_open()
-    self._raise_errors()
-    step = _as_step(step)
-    preempting = self._check_preemption(step)
-    if not force and not preempting and step % self.save_interval_steps:
+    if not _coordination.multi():  # nobody else is in this call: fail fast
+      _raise_first(self._background.take())
+    step = _steps.as_step(step)
+    if not (force or self._preemption.is_save_step(step) or step % self.save_interval_steps == 0):
       return None
-    manifest_meta: dict[str, Any] = {"step": step}
-    if metrics is not None:
-      manifest_meta["metrics"] = _plain_metrics(metrics)
-    if metadata is not None:
-      _manifest.check_msgpackable(metadata, "save(metadata=...)")
-      manifest_meta["user"] = metadata
-    path = self.path(step)
-
-    with self._lock:
-      newer = [s for s in self._known | set(self._pending) if s > step]
-      if newer and not force:
-        raise CheckpointError(
-            f"Step {step} is older than step {max(newer)}, already in {self.directory!r}. Steps "
-            "must increase; to go back, delete the newer steps (manager.delete(s)) or pass "
-            "force=True.")
-      in_flight = self._pending.get(step, False)
-      if in_flight is not False and not force and (in_flight is None or not in_flight.done()):
-        raise CheckpointError(
-            f"Step {step} is being saved to {self.directory!r} already; pass force=True to "
-            "replace it.")
-    self._wait_step(step, claim=True)  # now protected from retention and other deletions
+    user = _user_metadata(step, metrics, metadata)
+    self._check_order(step, force)
+    self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
-      kv = _paths.open_kvstore(path, self._storage_options)
-      if _commit.is_committed(kv) and not force:
+      if not force and _commit.is_committed(_paths.open_kvstore(self.path(step),
+                                                                self._storage_options)):
         raise CheckpointError(
             f"Step {step} is already committed in {self.directory!r}. Pass force=True to "
             "replace it, or save a new step.")
-      handle = _save_mod.save(tree, path, overwrite=True, metadata=manifest_meta,
-                              storage_options=self._storage_options, **self._save_options)
+      handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
+                           storage_options=self._storage_options, **self._save_options)
     except BaseException:
-      with self._lock:
-        self._pending.pop(step, None)
-        self._lock.notify_all()
+      self._claims.release_save(step)
       raise
-    metric = self._metric_of(manifest_meta)
-    thread = threading.Thread(target=self._after_commit, args=(step, handle, metric),
-                              name=f"fnckpt-manager:{self.directory}/{step}")
-    with self._lock:
-      self._pending[step] = handle
-      self._known.add(step)
-      self._last_saved = step
-      self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-    thread.start()
+    self._claims.set_handle(step, handle)
+    self._last_saved = step
+    self._background.spawn(f"fnckpt-manager:{self.directory}/{step}", self._after_commit,
+                           step, handle)
     return handle
 
-  def _metric_of(self, manifest_meta: Any) -> Any:
-    if not self.best_metric or not isinstance(manifest_meta, dict):
-      return None
-    metrics = manifest_meta.get("metrics")
-    return metrics.get(self.best_metric) if isinstance(metrics, dict) else None
+  def _check_order(self, step: int, force: bool) -> None:
+    """Refuse an older step or one being saved (no I/O: the same answer on every process)."""
+    if force:
+      return
+    newest = max(self._claims.saving() | {self._index.newest_known() or -1})
+    if newest > step:
+      raise CheckpointError(
+          f"Step {step} is older than step {newest}, already in {self.directory!r}. Steps "
+          "must increase; to go back, delete the newer steps (manager.delete(s)) or pass "
+          "force=True.")
+    handle = self._claims.handle(step)
+    if handle is not False and (handle is None or not handle.done()):
+      raise CheckpointError(f"Step {step} is being saved to {self.directory!r} already; pass "
+                            "force=True to replace it.")
 
-  def _after_commit(self, step: int, handle: Any, metric: Any) -> None:
-    """Background: wait for the save's commit, then apply retention."""
+  def _after_commit(self, step: int, handle: Any) -> None:
+    """Background: wait for the save's commit, then (process 0) apply retention."""
     try:
       handle.wait()
+      self._index.note_committed(step)
     except BaseException as e:
-      with self._lock:
-        self._errors.append(e)
-        self._known.discard(step)
-        if self._pending.get(step) is handle:
-          del self._pending[step]
-        self._lock.notify_all()
+      self._background.record(e)
       return
-    with self._lock:
-      self._metric_cache[step] = metric
-      if self._pending.get(step) is handle:
-        del self._pending[step]
-      self._lock.notify_all()
-    try:
-      self._apply_retention()
-    except BaseException as e:
-      with self._lock:
-        self._errors.append(e)
-
-  def _apply_retention(self) -> None:
-    if jax.process_index() != 0 or self._policy.keeps_all:
-      return
-    committed, _ = scan(self._root, self._storage_options)
-    metrics = self._metrics_for(committed) if self._policy.best_n else {}
-    with self._lock:
-      doomed = _retention.to_delete(committed, self._policy, metrics,
-                                    protect=set(self._pending) | self._deleting |
-                                    set(self._reading))
-      self._deleting.update(doomed)
-    try:
-      for step in doomed:
-        try:
-          self._delete_now(step)
-        except Exception as e:  # TensorStore raises ValueError and others
-          raise CheckpointError(
-              f"Retention could not delete step {step} of {self.directory!r} ({type(e).__name__}: "
-              f"{e}). The newer checkpoints are committed; delete it by hand or fix the "
-              "permissions.") from e
     finally:
-      with self._lock:
-        self._deleting.difference_update(doomed)
-        self._lock.notify_all()
-
-  def _metrics_for(self, steps: list[int]) -> dict[int, Any]:
-    with self._lock:
-      missing = [s for s in steps if s not in self._metric_cache]
-    found = {}
-    for step in missing:  # steps saved before this manager started: read their manifests once
-      try:
-        kv = _paths.open_kvstore(self.path(step), self._storage_options)
-        manifest, _ = _commit.read_header(kv, _paths.display(self.path(step)))
-        found[step] = self._metric_of(manifest.get("metadata"))
-      except CheckpointError:
-        found[step] = None
-    with self._lock:
-      self._metric_cache.update(found)
-      return {s: self._metric_cache.get(s) for s in steps}
-
-  def _delete_now(self, step: int) -> None:
-    _paths.delete_prefix(self.path(step), self._storage_options, first=(_manifest.COMMIT,))
-    with self._lock:
-      self._known.discard(step)
-      self._metric_cache.pop(step, None)
-
-  def _wait_step(self, step: int, claim: bool = False) -> None:
-    """Wait until no save and no deletion of ``step`` is in flight; with ``claim``, mark it
-    as being saved in the same breath (so retention cannot pick it in between)."""
-    with self._lock:
-      handle = self._pending.get(step)
-    if handle is not None:
-      try:
-        handle.wait()
-      except BaseException:
-        pass  # the background thread reports it
-    with self._lock:
-      self._lock.wait_for(lambda: step not in self._deleting and step not in self._pending)
-      if claim:
-        self._pending[step] = None
-
-  def _join(self) -> None:
-    while True:
-      with self._lock:
-        threads = [t for t in self._threads if t.is_alive()]
-      if not threads:
-        return
-      for t in threads:
-        t.join()
+      self._claims.release_save(step, handle)
+    if jax.process_index() == 0:
+      self._retention.run()  # its errors are recorded (and warned about) by Background
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
-    first error of any of them (once).
+    first error of any of them (once; the others as notes). With several processes every
+    process calls it, and process 0's retention errors are raised on every process.
 
     >>> import numpy as np, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/wait")
@@ -436,20 +301,20 @@ class CheckpointManager:
     >>> mgr.wait(); mgr.latest_step()
     0
     """
-    self._join()
-    self._raise_errors()
+    self._background.join()
+    errors = self._background.take()
+    shared = _coordination.from_process_0(
+        self._root, "wait", lambda: [str(e) for e in errors if isinstance(e, RetentionError)],
+        self._timeout)
+    if jax.process_index() != 0:
+      errors += [RetentionError(f"On process 0: {text}") for text in shared]
+    _raise_first(errors)
 
-  def _raise_errors(self) -> None:
-    with self._lock:
-      errors, self._errors = self._errors, []
-    if errors:
-      raise errors[0]
-
-  # --- deleting -----------------------------------------------------------------------------
+  # --- deleting (process 0 deletes; collective) ---------------------------------------------
 
   def delete(self, step: int) -> None:
-    """Delete the committed checkpoint (or uncommitted leftover) of ``step`` (its commit marker
-    first, so it is never seen half deleted). With several processes, process 0 deletes.
+    """Delete the committed checkpoint (or uncommitted leftover) of ``step``, its commit marker
+    first (so it is never seen half deleted). Waits for this manager's save of it.
 
     >>> import numpy as np, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/delete")
@@ -457,55 +322,48 @@ class CheckpointManager:
     >>> mgr.delete(1); mgr.all_steps()
     [0]
     """
-    step = _as_step(step)
-    self._wait_step(step)
-    with self._lock:
-      if step in self._pending:
-        raise CheckpointError(f"Step {step} of {self.directory!r} is being saved; wait first.")
-      self._lock.wait_for(lambda: step not in self._reading)  # restores of it finish first
-      self._deleting.add(step)
-    try:
-      if not _paths.list_keys(self.path(step), self._storage_options):
+    step = _steps.as_step(step)
+
+    def remove() -> None:
+      if not self._index.exists(step):
         raise CheckpointError(f"There is no step {step} in {self.directory!r}.")
-      if jax.process_index() == 0:
-        self._delete_now(step)
-      else:
-        with self._lock:
-          self._known.discard(step)
+      self._index.delete(step)
+
+    self._claims.claim_delete(step)
+    try:
+      _coordination.from_process_0(self._root, "delete", remove, self._timeout)
     finally:
-      with self._lock:
-        self._deleting.discard(step)
-        self._lock.notify_all()
+      self._claims.release_delete([step])
+    self._index.forget(step)
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. Saves in
-    flight of this manager are not touched (do not run it while another process or manager
-    writes to the same directory).
+    flight of this manager are not touched (do not run it while another job writes to the
+    same directory).
 
     >>> import fnckpt
     >>> fnckpt.CheckpointManager("memory://doc/cleanup").cleanup()
     []
     """
-    leftovers = self.uncommitted_steps()
-    if jax.process_index() == 0:
-      for step in leftovers:
-        with self._lock:
-          if step in self._pending:
-            continue
-          self._deleting.add(step)
-        try:
-          _paths.delete_prefix(self.path(step), self._storage_options)
-        finally:
-          with self._lock:
-            self._deleting.discard(step)
-            self._lock.notify_all()
-    return leftovers
+    def remove() -> list[int]:
+      leftovers = self.uncommitted_steps()
+      doomed = self._claims.claim_unprotected(lambda busy: [s for s in leftovers
+                                                           if s not in busy])
+      try:
+        for step in doomed:
+          self._index.delete(step)
+      finally:
+        self._claims.release_delete(doomed)
+      return sorted(doomed)
+
+    return _coordination.from_process_0(self._root, "cleanup", remove, self._timeout)
 
   # --- restoring ----------------------------------------------------------------------------
 
   def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
-    """Restore ``step`` (default: the newest committed step) with :func:`fnckpt.restore`'s
-    ``target`` and keyword arguments (``partial``, ``cast``, ``budget_bytes``).
+    """Restore ``step`` (default: the newest committed step, chosen by process 0 after this
+    manager's saves and retention have finished) with :func:`fnckpt.restore`'s ``target`` and
+    keyword arguments (``partial``, ``cast``, ``budget_bytes``).
 
     >>> import numpy as np, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/restore")
@@ -514,41 +372,20 @@ class CheckpointManager:
     array([0, 1, 2])
     """
     if step is None:
-      self._join()
-      for _ in range(3):  # a newer commit may retire the latest step before we claim it
-        step = self.latest_step()
-        if step is None:
-          leftovers = self.uncommitted_steps()
-          extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
-          raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
-        self._claim_read(step)
-        if _commit.is_committed(_paths.open_kvstore(self.path(step), self._storage_options)):
-          break
-        self._release_read(step)
-      else:
-        raise CheckpointError(f"The latest step of {self.directory!r} keeps changing; retry.")
-    else:
-      step = _as_step(step)
-      self._wait_step(step)
-      self._claim_read(step)
-    try:
-      return _restore_mod.restore(self.path(step), target,
-                                  storage_options=self._storage_options, **kwargs)
-    finally:
-      self._release_read(step)
+      step = self._agreed_latest()
+      if step is None:
+        leftovers = self.uncommitted_steps()
+        extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
+        raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
+    step = _steps.as_step(step)
+    self._claims.wait_saved(step)
+    with self._claims.reading(step):  # retention and delete() leave it alone meanwhile
+      return _api().restore(self.path(step), target, storage_options=self._storage_options,
+                            **kwargs)
 
-  def _claim_read(self, step: int) -> None:
-    """Mark ``step`` as being read: retention and delete() leave it alone until released."""
-    with self._lock:
-      self._lock.wait_for(lambda: step not in self._deleting)
-      self._reading[step] = self._reading.get(step, 0) + 1
-
-  def _release_read(self, step: int) -> None:
-    with self._lock:
-      self._reading[step] -= 1
-      if not self._reading[step]:
-        del self._reading[step]
-      self._lock.notify_all()
+  def _agreed_latest(self) -> int | None:
+    self._background.join()
+    return _coordination.from_process_0(self._root, "latest", self.latest_step, self._timeout)
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
@@ -557,8 +394,8 @@ class CheckpointManager:
 
     ``target`` says where the restored arrays go (see :func:`fnckpt.restore`): by default the
     state itself when ``init`` is a state, else ``jax.eval_shape(init)`` (for a jitted init
-    with ``out_shardings`` that carries the shardings; Python scalars in its output must then
-    be given by an explicit ``target``).
+    with ``out_shardings`` that carries the shardings). A ``jax.ShapeDtypeStruct`` without a
+    sharding in it is an error with several processes and a warning with one.
 
     >>> import jax.numpy as jnp, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/restore_or_init")
@@ -566,16 +403,17 @@ class CheckpointManager:
     >>> print(step)
     None
     >>> _ = mgr.save(9, {"w": state["w"] + 1}).wait()
-    >>> state, step = mgr.restore_or_init(lambda: {"w": jnp.zeros(2)})
+    >>> state, step = mgr.restore_or_init(lambda: {"w": jnp.zeros(2)}, target={"w": state["w"]})
     >>> step, state["w"]
     (9, Array([1., 1.], dtype=float32))
     """
-    self._join()
-    step = self.latest_step()
+    step = self._agreed_latest()
+    if target is None and step is not None:
+      target = jax.eval_shape(init) if callable(init) else init
+    if target is not None:
+      _check_placed(target, self.directory)
     if step is None:
       return (init() if callable(init) else init), None
-    if target is None:
-      target = jax.eval_shape(init) if callable(init) else init
     return self.restore(step, target, **kwargs), step
 
   # --- preemption ---------------------------------------------------------------------------
@@ -583,9 +421,10 @@ class CheckpointManager:
   def install_preemption_handler(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
     """Make ``signals`` (default SIGTERM) only set a flag, so the loop saves at its next step
     boundary: :meth:`should_save` is then true, and :meth:`reached_preemption` returns true
-    once that save has committed. Call from the main thread. :meth:`close` restores the
+    once that save has committed. Call from the main thread; :meth:`close` restores the
     previous handlers. With several processes JAX's preemption service (started by
-    ``jax.distributed.initialize``) already catches SIGTERM, so nothing is installed.
+    ``jax.distributed.initialize``) catches SIGTERM, and :meth:`should_save` asks its sync
+    point; nothing is installed.
 
     >>> import os, signal, numpy as np, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/preempt", save_interval_steps=100)
@@ -600,70 +439,43 @@ class CheckpointManager:
     (1, [1])
     >>> mgr.close()
     """
-    if jax.process_count() > 1:
-      self._multi_process_preemption = True
-      return
-    if threading.current_thread() is not threading.main_thread():
-      raise CheckpointError("install_preemption_handler() must be called from the main thread "
-                            "(Python installs signal handlers there only).")
-    for sig in signals:
-      if sig not in self._previous_handlers:
-        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
-
-  def _on_signal(self, signum: int, frame: Any) -> None:
-    del frame
-    if not self._preempt_flag.is_set():
-      print(f"fnckpt: received {signal.Signals(signum).name}; saving {self.directory} at the "
-            "next step boundary.", file=sys.stderr, flush=True)
-    self._preempt_flag.set()
-
-  def _check_preemption(self, step: int) -> bool:
-    """True when ``step`` is the step to save for a preemption (fixed at the first check after
-    the notice)."""
-    if self._preempt_step is None:
-      if self._multi_process_preemption:
-        from jax.experimental import multihost_utils
-        if multihost_utils.reached_preemption_sync_point(step):
-          self._preempt_step = step
-      elif self._preempt_flag.is_set():
-        self._preempt_step = step
-    return self._preempt_step == step
+    self._preemption.install(signals)
 
   @property
   def preemption_requested(self) -> bool:
-    """Whether a preemption notice has arrived (the handler's flag).
+    """Whether a preemption notice has arrived (on any process, with several).
 
     >>> import fnckpt
     >>> fnckpt.CheckpointManager("memory://doc/requested").preemption_requested
     False
     """
-    return self._preempt_flag.is_set() or self._preempt_step is not None
+    return self._preemption.requested
 
   def reached_preemption(self, step: int) -> bool:
     """True when the loop should stop at ``step`` because of a preemption notice; before
-    returning True it waits until every save of this manager has committed, so the process
-    may exit right after. Call it after the (maybe) save of each step; see
-    :meth:`install_preemption_handler` for the loop.
+    returning True it waits (:meth:`wait`) until every save of this manager has committed, so
+    the process may exit right after. Call it after the (maybe) save of each step.
 
     >>> import fnckpt
     >>> fnckpt.CheckpointManager("memory://doc/reached").reached_preemption(0)
     False
     """
-    step = _as_step(step)
-    if self._preempt_step is None or step < self._preempt_step:
+    step = _steps.as_step(step)
+    if not self._preemption.reached(step):
       return False
-    if self._last_saved != self._preempt_step:
+    if self._last_saved != self._preemption.step:
       warnings.warn(
-          f"Stopping for preemption at step {step}, but step {self._preempt_step} was not saved "
-          f"(call manager.save when manager.should_save(step) is true); the newest checkpoint "
-          f"in {self.directory!r} is older.", stacklevel=2)
+          f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
+          f"saved (call manager.save when manager.should_save(step) is true); the newest "
+          f"checkpoint in {self.directory!r} is older.", stacklevel=2)
     self.wait()
     return True
 
   # --- lifetime -----------------------------------------------------------------------------
 
   def close(self) -> None:
-    """Wait for pending saves (raising their errors) and restore the signal handlers.
+    """Wait for pending saves and retention (raising their errors, see :meth:`wait`) and
+    restore the signal handlers.
 
     >>> import fnckpt
     >>> fnckpt.CheckpointManager("memory://doc/close").close()
@@ -674,10 +486,7 @@ class CheckpointManager:
     try:
       self.wait()
     finally:
-      for sig, previous in self._previous_handlers.items():
-        if threading.current_thread() is threading.main_thread():
-          signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-      self._previous_handlers.clear()
+      self._preemption.uninstall()
 
   def _check_open(self) -> None:
     if self._closed:
@@ -690,10 +499,71 @@ class CheckpointManager:
     if exc_type is None:
       self.close()
       return
-    try:
-      self.close()
-    except BaseException as e:  # do not hide the exception that ended the block
-      print(f"fnckpt: while closing {self.directory!r}: {e}", file=sys.stderr)
+    # Leaving on an exception: finish this process's own work but meet no other process
+    # (they may be anywhere), and never hide the exception that ended the block.
+    self._closed = True
+    self._background.join()
+    for error in self._background.take():
+      print(f"fnckpt: while closing {self.directory!r}: {error}", file=sys.stderr)
+    self._preemption.uninstall()
 
   def __repr__(self) -> str:
-    return f"CheckpointManager({self.directory!r}, {self._policy})"
+    return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
+
+
+def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:
+  """The manifest's user metadata of a manager save: ``{"step", "metrics", "user"}``."""
+  out: dict[str, Any] = {"step": step}
+  if metrics is not None:
+    if not isinstance(metrics, Mapping):
+      raise CheckpointError(f"metrics must be a dict of name -> value, got "
+                            f"{type(metrics).__name__}.")
+    plain = {}
+    for name, value in metrics.items():
+      if not isinstance(name, str):
+        raise CheckpointError(f"metrics: name {name!r} must be a str.")
+      if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
+        value = np.asarray(value).item()  # 0-d arrays and numpy scalars: Python numbers
+      plain[name] = value
+    try:
+      msgpack.packb(plain)
+    except (TypeError, ValueError, OverflowError) as e:
+      raise CheckpointError(f"save(metrics=...) must be msgpack data (numbers, str, lists, "
+                            f"dicts): {e}. Convert the values, e.g. float(loss).") from None
+    out["metrics"] = plain
+  if metadata is not None:
+    out["user"] = metadata  # checked by fnckpt.save
+  return out
+
+
+def _check_placed(target: Any, directory: str) -> None:
+  """restore_or_init: a ``ShapeDtypeStruct`` target leaf without a sharding would land on one
+  device. An error with several processes, a warning with one."""
+  flat = jax.tree_util.tree_flatten_with_path(target)[0]
+  unplaced = [jax.tree_util.keystr(path) for path, leaf in flat
+              if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+  if not unplaced:
+    return
+  where = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5
+                                     else "")
+  fix = ("Add shardings, e.g. target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "
+         "x.dtype, sharding=NamedSharding(mesh, P())), jax.eval_shape(init)) with each array's "
+         "PartitionSpec, pass the initialized state, or make init a jax.jit with out_shardings.")
+  if jax.process_count() > 1:
+    raise CheckpointError(
+        f"restore_or_init({directory!r}): the target has no sharding at {where}, so with "
+        f"{jax.process_count()} processes these arrays cannot be placed on the job's devices. "
+        f"{fix}")
+  warnings.warn(
+      f"restore_or_init({directory!r}): the target has no sharding at {where}; these arrays "
+      f"are restored onto one device ({jax.devices()[0]}). {fix}", stacklevel=3)
+
+
+def _raise_first(errors: list[BaseException]) -> None:
+  """Raise ``errors[0]``, the others attached as notes (nothing is dropped)."""
+  if not errors:
+    return
+  first = errors[0]
+  for other in errors[1:]:
+    first.add_note(f"also: {type(other).__name__}: {other}")
+  raise first

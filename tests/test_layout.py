@@ -50,18 +50,32 @@ def test_normalize_index_rejects_strides():
     _layout.normalize_index((slice(0, 4, 2),), (4,))
 
 
-@pytest.mark.parametrize("shard, replicas, itemsize, split, expected", [
-    ((4, 8), 1, 4, 1, (4, 8)),                       # not replicated: the shard
-    ((1024, 4096), 4, 4, 16 << 20, (256, 4096)),     # large and replicated: one piece each
-    ((1024, 4096), 4, 4, 32 << 20, (1024, 4096)),    # replicated but small: whole
-    ((6, 8), 4, 1, 1, (2, 8)),                       # 4 replicas, 6 rows: 3 pieces
-    ((1, 8), 4, 1, 1, (1, 2)),                       # one row: split the next dimension
-    ((7,), 4, 1, 1, (7,)),                           # prime length > replicas: whole
-    ((0, 3), 1, 4, 1, (1, 3)),                       # never an empty chunk
-    ((), 8, 4, 1, ()),                               # 0-d
+@pytest.mark.parametrize("shard, replicas, itemsize, split, floor, expected", [
+    ((4, 8), 1, 4, 1, 1, (4, 8)),                       # not replicated: the shard
+    ((1024, 4096), 4, 4, 16 << 20, 1, (256, 4096)),     # large and replicated: one piece each
+    ((1024, 4096), 4, 4, 32 << 20, 1, (1024, 4096)),    # replicated but small: whole
+    ((6, 8), 4, 1, 1, 1, (2, 8)),                       # 4 replicas, 6 rows: 3 pieces
+    ((1, 8), 4, 1, 1, 1, (1, 2)),                       # one row: split the next dimension
+    ((7,), 4, 1, 1, 1, (7,)),                           # prime length > replicas: whole
+    ((0, 3), 1, 4, 1, 1, (1, 3)),                       # never an empty chunk
+    ((), 8, 4, 1, 1, ()),                               # 0-d
+    ((2, 8), 4, 1, 1, 1, (1, 4)),                       # rows split to 1: on into the next
+    ((7, 8), 4, 1, 1, 1, (7, 2)),                       # rows do not divide: the next does
+    # the floor: pieces never under `floor` bytes
+    ((1024, 4096), 4096, 8, 16 << 20, 8 << 20, (256, 4096)),  # 32 MiB x 4096: 4 x 8 MiB
+    ((1024, 4096), 4, 4, 16 << 20, 8 << 20, (512, 4096)),     # 16 MiB: 2 x 8 MiB, not 4 x 4
+    ((1000, 8192), 64, 4, 16 << 20, 8 << 20, (500, 8192)),    # <= 3 pieces; 1000 rows: 2
+    ((3, 1 << 20), 8, 8, 16 << 20, 8 << 20, (1, 1 << 20)),    # 24 MiB: 3 pieces
 ])
-def test_chunk_shape(shard, replicas, itemsize, split, expected):
-  assert _layout.chunk_shape(shard, replicas, itemsize, split) == expected
+def test_chunk_shape(shard, replicas, itemsize, split, floor, expected):
+  assert _layout.chunk_shape(shard, replicas, itemsize, split, floor) == expected
+
+
+def test_chunk_shape_defaults_split_large_replicated_shards_into_8_mib_pieces():
+  assert _layout.MIN_SPLIT_CHUNK_BYTES == 8 << 20
+  assert _layout.chunk_shape((8192, 1024), 4096, 4) == (2048, 1024)  # 32 MiB: 4 pieces
+  assert _layout.chunk_shape((4096, 1024), 4096, 4) == (2048, 1024)  # 16 MiB: 2 pieces
+  assert _layout.chunk_shape((1024, 1024), 4096, 4) == (1024, 1024)  # 4 MiB: whole
 
 
 @pytest.mark.parametrize("chunk, itemsize, target, expected", [
@@ -178,7 +192,7 @@ def test_property_write_plan_writes_every_chunk_exactly_once(arr, itemsize, spli
   sharding, shape = arr
   shards = _shards(sharding, shape)
   replicas = _layout.replica_count(shards)
-  chunk = _layout.chunk_shape(sharding.shard_shape(shape), replicas, itemsize, split)
+  chunk = _layout.chunk_shape(sharding.shard_shape(shape), replicas, itemsize, split, 1)
   assert all(c >= 1 for c in chunk) and len(chunk) == len(shape)
   processes = _processes(data.draw, list(sharding.mesh.devices.flat))
   plans = [_layout.write_plan(shards, group, chunk) for group in processes]
@@ -219,16 +233,19 @@ def test_property_write_plan_writes_every_chunk_exactly_once(arr, itemsize, spli
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 64), max_size=4), st.integers(1, 8), st.sampled_from([1, 2, 4, 8]),
-       st.integers(1, 1 << 12))
-def test_property_chunk_shape_tiles_the_shard(shard, replicas, itemsize, split):
-  chunk = _layout.chunk_shape(shard, replicas, itemsize, split)
+       st.integers(1, 1 << 12), st.sampled_from([1, 7, 64, 1 << 10]))
+def test_property_chunk_shape_tiles_the_shard(shard, replicas, itemsize, split, floor):
+  chunk = _layout.chunk_shape(shard, replicas, itemsize, split, floor)
   assert len(chunk) == len(shard)
   assert all(c >= 1 for c in chunk)
   assert all(n == 0 or n % c == 0 for n, c in zip(shard, chunk))
   pieces = math.prod(max(n, 1) // c for n, c in zip(shard, chunk))
   assert 1 <= pieces <= replicas
-  if replicas == 1 or _layout.nbytes([max(1, n) for n in shard], itemsize) < split:
-    assert chunk == tuple(max(1, n) for n in shard)
+  whole = tuple(max(1, n) for n in shard)
+  if replicas == 1 or _layout.nbytes(whole, itemsize) < split:
+    assert chunk == whole
+  if chunk != whole:  # a split never makes pieces under the floor
+    assert _layout.nbytes(chunk, itemsize) >= floor
 
 
 @settings(max_examples=200, deadline=None)
@@ -314,18 +331,18 @@ def test_each_chunk_is_written_once_whatever_the_replication(tmp_path, spec, n_c
   assert np.array_equal(fnckpt.restore(tmp_path / "c")["x"], np.asarray(x))
 
 
-def test_large_replicated_arrays_are_written_in_pieces_one_per_replica(tmp_path):
-  n = 4096  # 16 MiB of uint8: at SPLIT_REPLICATED_BYTES
-  assert n * n >= _layout.SPLIT_REPLICATED_BYTES
+def test_large_replicated_arrays_are_written_in_pieces_by_different_replicas(tmp_path):
+  n = 4096  # 16 MiB of uint8, on 8 devices: 2 pieces of MIN_SPLIT_CHUNK_BYTES, not 8 of 2 MiB
+  assert n * n >= _layout.SPLIT_REPLICATED_BYTES == 2 * _layout.MIN_SPLIT_CHUNK_BYTES
   x = jax.device_put(jnp.arange(n * n, dtype=jnp.uint8).reshape(n, n),
                      NamedSharding(_mesh((8,)), P()))
   stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
   rec = _records(tmp_path / "c")[("dict", "x")]
-  assert rec["store"]["chunks"] == [n // 8, n]
-  assert stats.chunks_written == 8 and stats.bytes_written == n * n
+  assert rec["store"]["chunks"] == [n // 2, n]
+  assert stats.chunks_written == 2 and stats.bytes_written == n * n
   shards = _shards(x.sharding, x.shape)
   units = _layout.write_plan(shards, shards, rec["store"]["chunks"])
-  assert len({u.device for u in units}) == 8  # every replica writes one piece
+  assert len({u.device for u in units}) == 2  # two replicas write one piece each
   back = fnckpt.restore(tmp_path / "c")["x"]
   assert np.array_equal(back, np.asarray(x))
 
@@ -433,3 +450,287 @@ def test_memory_locations_survive_across_save_and_restore(tmp_path):
   # a different memory:// path is a different checkpoint
   with pytest.raises(fnckpt.CheckpointError, match=f"No checkpoint at 'memory://{tmp_path.name}"):
     fnckpt.restore(f"memory://{tmp_path.name}/run/2")
+
+
+# --- structural planning: local plans from mesh coordinates, O(local devices) -------------
+# The reference is the generic path over the map of every device to its shard: JAX's
+# devices_indices_map on the 8 virtual devices, and a numpy model of it (the mesh's device
+# array transposed to (axes of dim 0, axes of dim 1, ..., unused axes)) for bigger simulated
+# meshes, itself checked against JAX.
+
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+
+def _restricted(info, group):
+  """``info`` as seen by a process holding only the devices in ``group``."""
+  keep = [i for i, d in enumerate(info.devices) if d in set(group)]
+  return _layout.ShardingInfo(info.axis_sizes, info.dim_axes,
+                              tuple(info.devices[i] for i in keep),
+                              tuple(info.coords[i] for i in keep))
+
+
+def _sim_info(axis_sizes, dim_axes, local_ids=()):
+  """A simulated ShardingInfo: devices are flat positions in the mesh."""
+  coords = tuple(tuple(int(x) for x in np.unravel_index(i, axis_sizes)) for i in local_ids)
+  return _layout.ShardingInfo(tuple(axis_sizes), tuple(dim_axes), tuple(local_ids), coords)
+
+
+def _model_map(axis_sizes, dim_axes, shape):
+  """flat device -> (shard index, replica), in device order, by transposing the mesh."""
+  ids = np.arange(math.prod(axis_sizes)).reshape(axis_sizes)
+  used = [a for axes in dim_axes for a in axes]
+  unused = [a for a in range(len(axis_sizes)) if a not in used]
+  blocks = [math.prod(axis_sizes[a] for a in axes) for axes in dim_axes]
+  blocks += [1] * (len(shape) - len(blocks))
+  table = ids.transpose(used + unused).reshape(blocks + [-1])
+  out = {}
+  for pos in np.ndindex(*table.shape):
+    *block, replica = pos
+    out[int(table[pos])] = (tuple((b * n // k, (b + 1) * n // k)
+                                  for b, n, k in zip(block, shape, blocks)), replica)
+  return dict(sorted(out.items()))
+
+
+def _keyed(units):
+  return sorted((u.index, getattr(u.device, "id", u.device), u.local) for u in units)
+
+
+def _assert_writes_partition_the_grid(units, shape, chunk, index_of):
+  """Every chunk-grid cell written exactly once, by a device holding it (so every element
+  once); ``index_of``: device -> its shard index."""
+  cells = [u.index for u in units]
+  assert len(set(cells)) == len(cells)
+  grid = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if math.prod(shape) else 0
+  assert len(cells) == grid
+  for u in units:
+    for (a, b), c, n, (s, e) in zip(u.index, chunk, shape, index_of(u.device)):
+      assert a % c == 0 and b == min(a + c, n) and s <= a < b <= e
+    assert u.local == tuple((a - s, b - s) for (a, b), (s, _) in
+                            zip(u.index, index_of(u.device)))
+
+
+def _check_against_generic(info, full, shape, itemsize, salts=(0, 1, 977), split=()):
+  """One process's structural plans equal the generic ones built from ``full``."""
+  shard_shape = _layout.shard_shape_of(info, shape)
+  generic = _layout.generic_write_layout(full, info.devices, shape, shard_shape, itemsize,
+                                         *split)
+  layout = _layout.write_layout(info, shape, itemsize, *split)
+  assert layout.chunk == generic.chunk and layout.shape == generic.shape
+  if math.prod(shape):  # (in an empty array, the generic path merges the empty shards)
+    assert set(layout.shards) == set(generic.shards)
+  for salt in salts:
+    assert _keyed(_layout.local_writes(layout, salt)) == _keyed(
+        _layout.local_writes(generic, salt))
+  assert _layout.local_reads(info, shape) == _layout.read_plan(
+      {d: full[d] for d in info.devices})
+
+
+REAL_CASES = [  # mesh shape, device order (None: as jax.devices()), spec, shape
+    ((8,), None, P("a"), (16, 4)),
+    ((8,), [3, 1, 4, 0, 5, 7, 2, 6], P(None, "a"), (3, 16)),
+    ((2, 4), None, P("a", "b"), (4, 8)),
+    ((2, 4), None, P("a"), (4, 8)),                 # partially replicated
+    ((2, 4), None, P(None, ("a", "b")), (3, 16)),   # a tuple of axes
+    ((2, 4), [7, 6, 5, 4, 3, 2, 1, 0], P(("b", "a")), (16, 64)),
+    ((2, 4), None, P("b", "a"), (8, 2)),
+    ((2, 4), None, P(), (4, 8)),                    # replicated
+    ((2, 4), None, P(), ()),                        # 0-d
+    ((2, 4), None, P("a", "b"), (0, 8)),            # zero-size
+    ((2, 2, 2), [6, 2, 0, 4, 7, 1, 3, 5], P(("c", "a"), None, "b"), (4, 3, 2)),
+    ((2, 2, 2), None, P(None, "c"), (2, 4)),
+    ((2, 2, 2), None, P("b"), (1 << 13, 1 << 12)),  # 32 MiB replicated 4 ways: split
+    ((1, 8), None, P("a", "b"), (5, 8)),            # an axis of size 1
+    ((1,), None, P(), (5,)),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, order, spec, shape", REAL_CASES)
+def test_structural_plans_equal_devices_indices_map(mesh_shape, order, spec, shape):
+  devices = None if order is None else [jax.devices()[i] for i in order]
+  sharding = NamedSharding(_mesh(mesh_shape, devices=devices), spec)
+  full = _shards(sharding, shape)
+  info = _layout.sharding_info(sharding)
+  assert info.devices == tuple(sharding.mesh.devices.flat)  # one process: all, mesh order
+  assert _layout.shard_shape_of(info, shape) == sharding.shard_shape(shape)
+  assert info.replicas == _layout.replica_count(full) or not math.prod(shape)
+  for itemsize in (1, 4):
+    for k in (1, 2, 4, 8):  # every split of the devices into k "processes"
+      step = len(info.devices) // k
+      for p in range(k):
+        _check_against_generic(_restricted(info, info.devices[p * step:(p + 1) * step]),
+                               full, shape, itemsize)
+    chunk, units = _layout.plan_write(sharding, shape, itemsize, salt=5)
+    _assert_writes_partition_the_grid(units, shape, chunk, full.__getitem__)
+  assert _layout.plan_read(sharding, shape) == _layout.read_plan(full)
+
+
+@pytest.mark.parametrize("mesh_shape, order, spec, shape",
+                         [c for c in REAL_CASES[:11] if math.prod(c[3])])  # (JAX merges empties)
+def test_replica_ids_are_jaxs(mesh_shape, order, spec, shape):
+  devices = None if order is None else [jax.devices()[i] for i in order]
+  sharding = NamedSharding(_mesh(mesh_shape, devices=devices), spec)
+  x = jax.device_put(np.zeros(shape, np.int8), sharding)
+  mine = {s.device: s for s in _layout.local_shards(_layout.sharding_info(sharding), shape)}
+  for shard in x.addressable_shards:
+    assert mine[shard.device].replica == shard.replica_id
+    assert mine[shard.device].index == _layout.normalize_index(shard.index, shape)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_sharded_arrays(), st.sampled_from([1, 2, 4]), st.data())
+def test_property_structural_plans_equal_generic_for_every_process(arr, itemsize, data):
+  sharding, shape = arr
+  full = _shards(sharding, shape)
+  info = _layout.sharding_info(sharding)
+  processes = _processes(data.draw, list(sharding.mesh.devices.flat))
+  split = data.draw(st.sampled_from([(1, 1), (8, 4), ()]))  # (): the defaults, no splits here
+  salt = data.draw(st.integers(0, 99))  # one for all processes, as the leaf's index would be
+  units = []
+  for group in processes:
+    local = _restricted(info, group)
+    _check_against_generic(local, full, shape, itemsize, salts=(salt,), split=split)
+    units += _layout.local_writes(_layout.write_layout(local, shape, itemsize, *split), salt)
+  chunk = _layout.write_layout(info, shape, itemsize, *split).chunk
+  _assert_writes_partition_the_grid(units, shape, chunk, full.__getitem__)
+  cover = np.zeros(shape, dtype=np.int32)
+  for u in units:
+    cover[tuple(slice(a, b) for a, b in u.index)] += 1
+  assert np.all(cover == 1)
+
+
+def test_the_mesh_model_is_jaxs():
+  for mesh_shape, order, spec, shape in REAL_CASES:
+    devices = None if order is None else [jax.devices()[i] for i in order]
+    sharding = NamedSharding(_mesh(mesh_shape, devices=devices), spec)
+    info = _layout.sharding_info(sharding)
+    flat = list(sharding.mesh.devices.flat)
+    model = _model_map(info.axis_sizes, info.dim_axes, shape)
+    assert {flat[i]: idx for i, (idx, _) in model.items()} == _shards(sharding, shape)
+
+
+@st.composite
+def _simulated(draw):
+  """A mesh of up to 4 axes and 512 devices (no devices needed), a spec over it, a shape it
+  divides (sometimes large enough for replicated shards to be split), and processes: equal
+  groups of the devices, in a random order."""
+  sizes = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 8]), min_size=1, max_size=4)))
+  assume(math.prod(sizes) <= 512)
+  free = list(range(len(sizes)))
+  dim_axes = []
+  for _ in range(draw(st.integers(0, 3))):
+    axes = draw(st.permutations(free))[:draw(st.integers(0, min(2, len(free))))]
+    free = [a for a in free if a not in axes]
+    dim_axes.append(tuple(axes))
+  shape = tuple(math.prod(sizes[a] for a in axes) * draw(st.sampled_from([0, 1, 2, 3, 2048]))
+                for axes in dim_axes)
+  shape += tuple(draw(st.lists(st.sampled_from([1, 5, 4096]), max_size=1)))
+  n = math.prod(sizes)
+  per = draw(st.sampled_from([d for d in (1, 2, 4, 8, n) if n % d == 0]))
+  order = draw(st.permutations(range(n)))
+  return sizes, tuple(dim_axes), shape, [order[i:i + per] for i in range(0, n, per)]
+
+
+@settings(max_examples=120, deadline=None)
+@given(_simulated(), st.sampled_from([1, 4]), st.integers(0, 1 << 20),
+       st.sampled_from([(), (1, 1), (64, 16)]))
+def test_property_simulated_meshes_every_process_and_every_chunk_once(case, itemsize, salt,
+                                                                      split):
+  sizes, dim_axes, shape, processes = case
+  model = _model_map(sizes, dim_axes, shape)
+  full = {d: idx for d, (idx, _) in model.items()}
+  units = []
+  for group in processes:
+    info = _sim_info(sizes, dim_axes, sorted(group))
+    for s in _layout.local_shards(info, shape):
+      assert (s.index, s.replica) == model[s.device]
+    _check_against_generic(info, full, shape, itemsize, salts=(salt,), split=split)
+    units += _layout.local_writes(_layout.write_layout(info, shape, itemsize, *split), salt)
+  layout = _layout.write_layout(_sim_info(sizes, dim_axes), shape, itemsize, *split)
+  _assert_writes_partition_the_grid(units, shape, layout.chunk, full.__getitem__)
+  # the pieces of one shard go to different replicas (never two to one, while k <= R)
+  writers = {}
+  for u in units:
+    writers.setdefault(full[u.device], []).append(u.device)
+  for devices in writers.values():
+    assert len(set(devices)) == len(devices) or len(devices) > math.prod(sizes)
+
+
+def _all_writes(sizes, dim_axes, shape, itemsize, salt, per_process):
+  """Write units of every process of a simulated mesh (devices in flat order)."""
+  n = math.prod(sizes)
+  return [_layout.local_writes(_layout.write_layout(
+      _sim_info(sizes, dim_axes, range(p, p + per_process)), shape, itemsize), salt)
+      for p in range(0, n, per_process)]
+
+
+def test_a_32_mib_shard_replicated_4096_ways_is_4_pieces_on_4_hosts():
+  sizes, per = (512, 8), 8  # 4,096 devices on 512 hosts; P(): every device a replica
+  plans = _all_writes(sizes, (), (8192, 1024), 4, salt=7, per_process=per)
+  units = [u for plan in plans for u in plan]
+  assert sorted(u.index for u in units) == [((a, a + 2048), (0, 1024))
+                                            for a in range(0, 8192, 2048)]
+  assert sum(1 for plan in plans if plan) == 4  # 4 pieces of 8 MiB, on 4 different hosts
+
+
+def test_replicated_leaves_spread_over_processes():
+  """Each of 256 small replicated leaves is written once; the salt (a leaf's index) spreads
+  them over the 16 processes instead of giving them all to replica 0."""
+  sizes, per = (16, 8), 8
+  counts = np.zeros(16, int)
+  for salt in range(256):
+    plans = _all_writes(sizes, (), (64,), 4, salt=salt, per_process=per)
+    assert sum(len(p) for p in plans) == 1
+    counts += [len(p) for p in plans]
+  assert counts.max() <= 2 * counts.mean() and (counts > 0).all()
+  # and the pieces of partially replicated shards: P(None, "model") on (16, 8), 4 pieces each
+  plans = _all_writes(sizes, ((), (1,)), (8192, 8 * 1024), 4, salt=0, per_process=per)
+  assert [len(p) for p in plans] == [2] * 16  # 32 pieces of 8 MiB: 2 on every process
+
+
+@pytest.mark.parametrize("spec, shape, match", [
+    (P("a"), (5, 4), r"splits dimension 0 of shape \(5, 4\) into 2 parts, which do not divide 5"),
+    (P(None, ("a", "b")), (2, 12), r"splits dimension 1 of shape \(2, 12\) into 8 parts"),
+    (P("a", "b"), (4,), r"A PartitionSpec of 2 entries cannot shard an array of shape \(4,\)"),
+])
+def test_shardings_that_do_not_fit_the_shape_are_refused(spec, shape, match):
+  sharding = NamedSharding(_mesh((2, 4)), spec)
+  with pytest.raises(Exception):  # JAX refuses them too
+    sharding.shard_shape(shape)
+  for plan in (lambda: _layout.plan_write(sharding, shape, 4), lambda: _layout.plan_read(
+      sharding, shape)):
+    with pytest.raises(fnckpt.CheckpointError, match=match) as e:
+      plan()
+    assert "NamedSharding" in str(e.value)
+
+
+def test_other_shardings_take_the_generic_path():
+  sharding = SingleDeviceSharding(jax.devices()[3])
+  assert _layout.sharding_info(sharding) is None
+  chunk, units = _layout.plan_write(sharding, (6, 4), 4)
+  assert chunk == (6, 4)
+  assert [(u.index, u.device, u.local) for u in units] == [
+      (((0, 6), (0, 4)), jax.devices()[3], ((0, 6), (0, 4)))]
+  assert _layout.plan_read(sharding, (6, 4)) == {((0, 6), (0, 4)): [jax.devices()[3]]}
+
+
+def test_plans_are_cached_per_sharding_shape_and_itemsize():
+  sharding = NamedSharding(_mesh((2, 4)), P("a"))
+  _layout.plan_write(sharding, (8, 8), 4)
+  before = _layout._cached_write_layout.cache_info()
+  same = NamedSharding(sharding.mesh, P("a"))  # an equal sharding shares the entry
+  first = _layout.plan_write(same, (8, 8), 4, salt=1)
+  after = _layout._cached_write_layout.cache_info()
+  assert after.hits == before.hits + 1 and after.misses == before.misses
+  assert after.maxsize == _layout.PLAN_CACHE_SIZE  # bounded
+  assert _layout.plan_write(sharding, (8, 8), 4, salt=1) == first
+  # read plans are new dicts: a caller may change one without touching the cache
+  plan = _layout.plan_read(sharding, (8, 8))
+  plan.clear()
+  assert _layout.plan_read(sharding, (8, 8)) == _layout.read_plan(_shards(sharding, (8, 8)))
+
+
+def test_sharding_info_rejects_inconsistent_records():
+  with pytest.raises(ValueError, match="distinct"):
+    _layout.ShardingInfo((2, 4), ((0,), (0,)))
+  with pytest.raises(ValueError, match="do not place"):
+    _layout.ShardingInfo((2, 4), ((0,),), devices=(0,), coords=((2, 0),))

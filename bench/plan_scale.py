@@ -1,0 +1,240 @@
+"""What planning a save and a restore costs each process at scale, simulated without devices.
+
+    python bench/plan_scale.py --processes 4096 --devices-per-process 8 --json /tmp/plan.json
+    python bench/plan_scale.py --processes 64 --devices-per-process 8 --tp-only-embeddings
+
+The state is 70B-like (Llama-2-70B sizes with fused projections): d_model 8192, 80 layers,
+each with ``wqkv`` (8192, 10240), ``wo`` (8192, 8192), ``w13`` (8192, 57344), ``w2``
+(28672, 8192) and two norm scales (8192,); plus ``embed`` (32000, 8192), a final norm and
+``lm_head`` (8192, 32000): 483 parameters. The training state is params (float32), AdamW
+``mu`` (bfloat16) and ``nu`` (float32): 1,449 leaves, 690 GB. The mesh is
+(P * D / 8, 8) with axes ("data", "model"): every matrix FSDP x TP (``P("data", "model")``
+for wqkv, w13, lm_head; ``P("model", "data")`` for wo, w2, embed), norms replicated (``P()``).
+With ``--tp-only-embeddings``, embed and lm_head are sharded over "model" only and replicated
+over "data" (32 to 125 MiB shards held by P * D / 8 replicas: the replica-parallel split).
+The restore goes onto a (P * D / 4, 4) mesh (TP 4 instead of 8) with the same specs.
+
+Process ``p`` holds the devices at flat mesh positions ``p * D .. p * D + D - 1`` (as
+``jax.make_mesh`` lays out hosts). For a sample of processes (the first, the last and 3
+drawn with seed 0) it runs fnckpt's own planner (``fnckpt._layout``: ``write_layout`` +
+``local_writes`` per leaf, with the leaf index as salt, and ``local_reads`` for the restore)
+on :class:`ShardingInfo` records, the same code a real save runs after its adapter reads the
+JAX sharding; the plan caches start empty for each process (a first save), and a second pass
+measures the steady state. ``bytes_max_over_mean`` is over *all* processes: bytes of
+unreplicated leaves are the same on every process (each device writes its shard); the pieces
+of replicated leaves are assigned by the planner's rule for every shard, and the result is
+checked against the planned bytes of every sampled process.
+
+"Before": the generic path that planning used for every leaf (``write_plan`` over the map of
+every device to its shard index, with ``replica_count``), timed on a few leaves with a
+synthetic full map and extrapolated to all leaves; building the map is timed apart (JAX's
+``devices_indices_map`` costs more than this synthetic one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from fnckpt import _layout  # noqa: E402
+
+AXES = ("data", "model")
+DATA, MODEL, REPLICATED = ((0,), (1,)), ((1,), (0,)), ()
+D_MODEL, LAYERS, FFN, QKV, VOCAB = 8192, 80, 28672, 10240, 32000
+MiB = 1 << 20
+
+
+def leaves(tp_only_embeddings: bool = False) -> list[tuple[str, tuple[int, ...], int, Any]]:
+  """(name, shape, itemsize, dim_axes) of every leaf: params, mu, nu."""
+  embed_spec, head_spec = (((1,),), ((), (1,))) if tp_only_embeddings else (MODEL, DATA)
+  params = [("embed", (VOCAB, D_MODEL), embed_spec)]
+  for i in range(LAYERS):
+    params += [(f"l{i}.attn_norm", (D_MODEL,), REPLICATED),
+               (f"l{i}.wqkv", (D_MODEL, QKV), DATA), (f"l{i}.wo", (D_MODEL, D_MODEL), MODEL),
+               (f"l{i}.mlp_norm", (D_MODEL,), REPLICATED),
+               (f"l{i}.w13", (D_MODEL, 2 * FFN), DATA), (f"l{i}.w2", (FFN, D_MODEL), MODEL)]
+  params += [("final_norm", (D_MODEL,), REPLICATED), ("lm_head", (D_MODEL, VOCAB), head_spec)]
+  return [(f"{part}/{name}", shape, itemsize, spec)
+          for part, itemsize in (("params", 4), ("mu", 2), ("nu", 4))
+          for name, shape, spec in params]
+
+
+def info_for(mesh: tuple[int, ...], spec, process: int, per: int) -> _layout.ShardingInfo:
+  """What the adapter would build in process ``process`` (devices: flat mesh positions)."""
+  ids = range(process * per, (process + 1) * per)
+  coords = tuple(zip(*(c.tolist() for c in np.unravel_index(list(ids), mesh))))
+  return _layout.ShardingInfo(mesh, spec, tuple(ids), coords)
+
+
+def plan_save(state, mesh, process: int, per: int) -> tuple[float, list[list[_layout.WriteUnit]]]:
+  """One process's first save: empty caches, every leaf planned."""
+  _layout._cached_write_layout.cache_clear()
+  t0 = time.perf_counter()
+  infos: dict[Any, _layout.ShardingInfo] = {}
+  plans = []
+  for i, (_, shape, itemsize, spec) in enumerate(state):
+    info = infos.get(spec) or infos.setdefault(spec, info_for(mesh, spec, process, per))
+    plans.append(_layout.local_writes(_layout.write_layout(info, shape, itemsize), salt=i))
+  return time.perf_counter() - t0, plans
+
+
+def plan_restore(state, mesh, process: int, per: int) -> tuple[float, int]:
+  t0 = time.perf_counter()
+  infos: dict[Any, _layout.ShardingInfo] = {}
+  slices = 0
+  for _, shape, _, spec in state:
+    info = infos.get(spec) or infos.setdefault(spec, info_for(mesh, spec, process, per))
+    slices += len(_layout.local_reads(info, shape))
+  return time.perf_counter() - t0, slices
+
+
+def _owner(mesh, spec, block: tuple[int, ...], replica: int, per: int) -> int:
+  """The process holding the device with this shard block and replica number."""
+  coord = [0] * len(mesh)
+  for axes, b in zip(spec, block):
+    for a in reversed(axes):
+      coord[a], b = b % mesh[a], b // mesh[a]
+  for a in reversed(_layout.ShardingInfo(mesh, spec).unused_axes):
+    coord[a], replica = replica % mesh[a], replica // mesh[a]
+  return int(np.ravel_multi_index(coord, mesh)) // per
+
+
+def bytes_per_process(state, mesh, processes: int, per: int) -> np.ndarray:
+  """Bytes each process writes, for all processes, by the planner's assignment rule."""
+  out = np.zeros(processes, np.int64)
+  for salt, (_, shape, itemsize, spec) in enumerate(state):
+    info = _layout.ShardingInfo(mesh, spec)
+    shard = _layout.shard_shape_of(info, shape)
+    if info.replicas == 1:
+      out += per * _layout.nbytes(shard, itemsize)
+      continue
+    layout = _layout.write_layout(info, shape, itemsize)
+    blocks = [n // s for n, s in zip(shape, shard)]
+    for block in np.ndindex(*blocks):
+      index = tuple((b * s, b * s + s) for b, s in zip(block, shard))
+      cells = _layout._chunks_of(index, layout.chunk)
+      start = _layout._spread(salt) + _layout._cell_number(cells[0], layout.chunk, shape)
+      stride = max(1, info.replicas // len(cells))
+      for p, cell in enumerate(cells):
+        replica = (start + p * stride) % info.replicas
+        out[_owner(mesh, spec, block, replica, per)] += _layout.nbytes(
+            [b - a for a, b in cell], itemsize)
+  return out
+
+
+def old_plan_per_leaf(state, mesh, per: int, sample: list[int]) -> tuple[float, float]:
+  """Seconds per leaf of the generic O(all devices) path, for process 0: (building the map of
+  every device to its shard index, planning from it)."""
+  build = plan = 0.0
+  n = math.prod(mesh)
+  for i in sample:
+    _, shape, itemsize, spec = state[i]
+    info = _layout.ShardingInfo(mesh, spec)
+    t0 = time.perf_counter()
+    shard = _layout.shard_shape_of(info, shape)
+    full = {d: _layout.shard_index(info, np.unravel_index(d, mesh), shard) for d in range(n)}
+    t1 = time.perf_counter()
+    chunk = _layout.chunk_shape(shard, _layout.replica_count(full), itemsize)
+    _layout.write_plan(full, range(per), chunk, salt=i)
+    t2 = time.perf_counter()
+    build, plan = build + t1 - t0, plan + t2 - t1
+  return build / len(sample), plan / len(sample)
+
+
+def sample_processes(processes: int, k: int = 3, seed: int = 0) -> list[int]:
+  rest = list(range(1, processes - 1))
+  return sorted({0, processes - 1, *random.Random(seed).sample(rest, min(k, len(rest)))})
+
+
+def run(processes: int, per: int, tp_only_embeddings: bool = False,
+        old_leaves: int = 6) -> dict[str, Any]:
+  if processes * per % 8:
+    raise SystemExit("processes x devices-per-process must be a multiple of 8")
+  state = leaves(tp_only_embeddings)
+  save_mesh, restore_mesh = (processes * per // 8, 8), (processes * per // 4, 4)
+  sample = sample_processes(processes)
+  totals = bytes_per_process(state, save_mesh, processes, per)
+  save_s, warm_s, restore_s, objects, slices, min_obj, small = [], [], [], [], [], None, 0
+  for p in sample:
+    cold, plans = plan_save(state, save_mesh, p, per)
+    save_s.append(cold)
+    infos = {spec: info_for(save_mesh, spec, p, per) for _, _, _, spec in state}
+    t0 = time.perf_counter()  # steady state: the same plans again, caches warm
+    for i, (_, shape, itemsize, spec) in enumerate(state):
+      _layout.local_writes(_layout.write_layout(infos[spec], shape, itemsize), salt=i)
+    warm_s.append(time.perf_counter() - t0)
+    written = 0
+    for (_, shape, itemsize, _), units in zip(state, plans):
+      for u in units:
+        size = _layout.nbytes([b - a for a, b in u.index], itemsize)
+        written += size
+        min_obj = size if min_obj is None else min(min_obj, size)
+        small += size < MiB <= _layout.nbytes(shape, itemsize)
+    assert written == totals[p], (p, written, totals[p])  # the all-process figure is right
+    objects.append(sum(len(units) for units in plans))
+    t, n = plan_restore(state, restore_mesh, p, per)
+    restore_s.append(t)
+    slices.append(n)
+  which = [i * len(state) // old_leaves for i in range(old_leaves)]
+  build, plan = old_plan_per_leaf(state, save_mesh, per, which)
+  return {
+      "processes": processes, "devices_per_process": per, "leaves": len(state),
+      "smallest_leaf_bytes": min(_layout.nbytes(s, i) for _, s, i, _ in state),
+      "state_bytes": sum(_layout.nbytes(s, i) for _, s, i, _ in state),
+      "tp_only_embeddings": tp_only_embeddings, "sampled_processes": sample,
+      "save": {"mesh": list(save_mesh), "plan_s_per_process": max(save_s),
+               "plan_s_per_process_warm": max(warm_s),
+               "objects_per_process_max": max(objects), "min_object_bytes": min_obj,
+               "objects_under_1MiB_of_leaves_over_1MiB_max": small,
+               "bytes_per_process_mean": float(totals.mean()),
+               "bytes_max_over_mean": float(totals.max() / totals.mean()),
+               "bytes_max_over_mean_of": "all processes"},
+      "restore": {"mesh": list(restore_mesh), "plan_s_per_process": max(restore_s),
+                  "slices_per_process_max": max(slices)},
+      "before": {"leaves_timed": len(which), "map_build_s_per_leaf": build,
+                 "write_plan_s_per_leaf": plan,
+                 "plan_s_per_process_extrapolated": (build + plan) * len(state)},
+  }
+
+
+def summary(r: dict[str, Any]) -> str:
+  s, b = r["save"], r["before"]
+  return (f"{r['processes']} x {r['devices_per_process']}: {r['leaves']} leaves; save plan "
+          f"{s['plan_s_per_process']:.3f} s/process (warm {s['plan_s_per_process_warm']:.3f}), "
+          f"restore plan {r['restore']['plan_s_per_process']:.3f} s; "
+          f"{s['objects_per_process_max']} objects/process, smallest "
+          f"{s['min_object_bytes']:,} B; bytes max/mean {s['bytes_max_over_mean']:.3f}; before: "
+          f"{b['plan_s_per_process_extrapolated']:.1f} s/process "
+          f"({(b['map_build_s_per_leaf'] + b['write_plan_s_per_leaf']) * 1e3:.1f} ms/leaf)")
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--processes", type=int, default=64)
+  ap.add_argument("--devices-per-process", type=int, default=8)
+  ap.add_argument("--json", help="write the result here")
+  ap.add_argument("--tp-only-embeddings", action="store_true",
+                  help="embed/lm_head replicated over 'data' (exercises replica splits)")
+  ap.add_argument("--old-leaves", type=int, default=6, help="leaves timed on the old path")
+  args = ap.parse_args(argv)
+  r = run(args.processes, args.devices_per_process, args.tp_only_embeddings, args.old_leaves)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(r, f, indent=1)
+  print(summary(r))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,114 @@
+"""The manager's background work: after each save commits, retention deletes what the policy
+no longer keeps. The policy itself is the pure :mod:`fnckpt._retention`.
+
+Retention runs on process 0 only (deletes are prefix deletes, the commit marker first). Its
+errors never propagate from a call another process also makes: they are warned about at once
+and kept in :class:`Background` until the manager's ``wait()``/``close()``, which share them
+with every process (:mod:`fnckpt._coordination`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+from . import _retention
+from ._claims import StepClaims
+from ._errors import CheckpointError
+from ._steps import StepIndex
+
+__all__ = ["Background", "RetentionRunner", "RetentionError"]
+
+
+class RetentionError(CheckpointError):
+  """Retention (on process 0) could not delete a step; the newer checkpoints are committed."""
+
+
+class Background:
+  """Background threads (one per save: wait for its commit, then retention) and the errors
+  they hit, each handed out once by :meth:`take`."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._threads: list[threading.Thread] = []
+    self._errors: list[BaseException] = []
+
+  def spawn(self, name: str, fn: Callable[..., None], *args: Any) -> None:
+    def run() -> None:
+      try:
+        fn(*args)
+      except BaseException as e:  # kept for wait(); nothing may die silently in a thread
+        self.record(e)
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with self._lock:
+      self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+    thread.start()
+
+  def record(self, error: BaseException) -> None:
+    with self._lock:
+      self._errors.append(error)
+
+  def join(self) -> None:
+    """Wait for every thread, including those started meanwhile."""
+    while True:
+      with self._lock:
+        alive = [t for t in self._threads if t.is_alive() and t is not threading.current_thread()]
+      if not alive:
+        return
+      for t in alive:
+        t.join()
+
+  def take(self) -> list[BaseException]:
+    with self._lock:
+      errors, self._errors = self._errors, []
+    return errors
+
+
+class RetentionRunner:
+  """Applies ``policy`` to the committed steps of ``index``, sparing the steps in ``claims``,
+  the newest committed step, and (through the policy) whatever it keeps."""
+
+  def __init__(self, index: StepIndex, claims: StepClaims, policy: _retention.Policy,
+               best_metric: str | None):
+    self.index = index
+    self.claims = claims
+    self.policy = policy
+    self.best_metric = best_metric
+
+  @property
+  def active(self) -> bool:
+    return not self.policy.keeps_all
+
+  def run(self) -> None:
+    """One retention pass (blocking). Raises :class:`RetentionError` naming every step it
+    could not delete; the other doomed steps are deleted regardless."""
+    if not self.active:
+      return
+    listing = self.index.list(in_flight=self.claims.saving())
+    metrics = (self.index.metric_values(listing, self.best_metric)
+               if self.policy.best_n and self.best_metric else {})
+    doomed = self.claims.claim_unprotected(
+        lambda protect: _retention.to_delete(listing.steps, self.policy, metrics, protect))
+    failed: list[tuple[int, BaseException]] = []
+    try:
+      for step in doomed:
+        try:
+          self.index.delete(step)
+        except Exception as e:  # TensorStore raises ValueError and others
+          failed.append((step, e))
+    finally:
+      self.claims.release_delete(doomed)
+    if failed:
+      raise self._error(failed)
+
+  def _error(self, failed: list[tuple[int, BaseException]]) -> RetentionError:
+    steps = [s for s, _ in failed]
+    causes = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in failed)
+    error = RetentionError(
+        f"Retention could not delete step{'s' if len(steps) > 1 else ''} "
+        f"{', '.join(map(str, steps))} of {self.index.display!r} ({causes}). The newer "
+        f"checkpoints are committed; fix the permissions and call manager.delete(step), or "
+        f"delete the directory by hand.")
+    warnings.warn(str(error), RuntimeWarning, stacklevel=1)
+    return error

@@ -1,0 +1,213 @@
+"""The script the manager's multi-process tests run: ``python tests/mp_manager_worker.py '<json>'``.
+
+``config["mode"]`` picks a ``mode_*`` function. Every child joins a ``jax.distributed`` job on
+127.0.0.1 (``mp_worker.setup``), with 2 CPU devices, and reports one line ``RESULT <json>``.
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mp_worker  # noqa: E402  (setup, expected values; no side effects)
+from mp_worker import result, say  # noqa: E402
+
+LEAVES = {"w": {"shape": [8, 16], "spec": ["x", "y"]},
+          "b": {"shape": [16], "spec": "replicated"},
+          "e": {"shape": [4, 4], "kind": "numpy"}}
+LOSS = {0: 9.0, 2: 1.0, 4: 8.0, 6: 7.0, 8: 6.0, 10: 5.0}
+
+
+def mesh_and_target():
+  import jax
+  n = jax.process_count()
+  mesh = mp_worker.make_mesh([n, 2], ["x", "y"])
+  target = {k: (np.zeros(v["shape"], np.float32) if v.get("kind") == "numpy" else
+                jax.ShapeDtypeStruct(tuple(v["shape"]), np.float32,
+                                     sharding=mp_worker.sharding_of(mesh, v.get("spec"))))
+            for k, v in LEAVES.items()}
+  target["step"] = 0
+  return mesh, target
+
+
+def state_at(mesh, step: int) -> dict[str, Any]:
+  state = mp_worker.make_state(LEAVES, mesh, seed=step)
+  state["step"] = step
+  return state
+
+
+def check_state(got, step: int) -> int:
+  """Compare every addressable shard with the values saved at ``step``; return how many."""
+  assert got["step"] == step, got["step"]
+  checked = 0
+  for name, leaf in LEAVES.items():
+    want = mp_worker.expected(name, leaf["shape"], "float32", seed=step)
+    if leaf.get("kind") == "numpy":
+      assert np.asarray(got[name]).tobytes() == want.tobytes(), name
+      checked += 1
+    else:
+      checked += mp_worker.check_addressable(name, got[name], want)
+  return checked
+
+
+def error_of(fn) -> dict[str, str] | None:
+  try:
+    fn()
+  except Exception as e:
+    return {"type": type(e).__name__, "message": str(e)}
+  return None
+
+
+def mode_lifecycle(cfg):
+  """Save on an interval with retention (newest 2, every 4th, best loss), latest_step after
+  each save, restore_or_init in a new manager, an unsharded target, a collective delete."""
+  import jax
+  import fnckpt
+  mesh, target = mesh_and_target()
+  opts = {"barrier_timeout_s": cfg["barrier_s"]}
+  kw = dict(max_to_keep=2, keep_every=4, best_n=1, best_metric="loss", save_interval_steps=2,
+            save_options=opts)
+  out: dict[str, Any] = {"process": jax.process_index()}
+  mgr = fnckpt.CheckpointManager(cfg["root"], **kw)
+  state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+  out["fresh_step"] = step
+  out["latest_after_save"] = []
+  for step in range(11):
+    if mgr.should_save(step):
+      mgr.save(step, state_at(mesh, step), metrics={"loss": LOSS[step]})
+      out["latest_after_save"].append(mgr.latest_step())
+  mgr.wait()
+  out["all_steps"] = mgr.all_steps()
+  out["metrics_2"] = mgr.metrics(2)
+  mgr.close()
+
+  mgr = fnckpt.CheckpointManager(cfg["root"], **kw)
+  state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+  out["restored_step"], out["checked"] = step, check_state(state, step)
+  unsharded = dict(target, w=jax.ShapeDtypeStruct((8, 16), np.float32))
+  out["unsharded"] = error_of(lambda: mgr.restore_or_init(lambda: state, target=unsharded))
+  mgr.delete(10)
+  out["latest_after_delete"] = mgr.latest_step()
+  out["restore_latest_step"] = int(mgr.restore(target=target)["step"])
+  out["all_steps_end"] = mgr.all_steps()
+  mgr.close()
+  result(out)
+
+
+def make_undeletable(path: str) -> str:
+  """Make deleting the files under ``path`` fail for real: a read-only directory, or (root
+  ignores modes) the immutable attribute. Returns how, for undo."""
+  if os.geteuid() != 0:
+    os.chmod(path, 0o555)
+    return "chmod"
+  if shutil.which("chattr") and subprocess.run(["chattr", "+i", path],
+                                               capture_output=True).returncode == 0:
+    return "chattr"
+  # No way to make the file system refuse: fail the delete in fnckpt's own call instead.
+  import fnckpt._steps as steps_mod
+  real = steps_mod._paths.delete_prefix
+
+  def refuse(where, *args, **kwargs):
+    if os.path.abspath(where) == os.path.abspath(path):
+      raise OSError(f"Permission denied (injected): {where}")
+    return real(where, *args, **kwargs)
+  steps_mod._paths.delete_prefix = refuse
+  steps_mod._real_delete_prefix = real
+  return "hook"
+
+
+def undo_undeletable(path: str, how: str) -> None:
+  if how == "chmod":
+    os.chmod(path, 0o755)
+  elif how == "chattr":
+    subprocess.run(["chattr", "-i", path], check=True)
+  else:
+    import fnckpt._steps as steps_mod
+    steps_mod._paths.delete_prefix = steps_mod._real_delete_prefix
+
+
+def mode_retention_failure(cfg):
+  """Process 0 cannot delete step 0: its retention error is raised by wait() on every
+  process (not by save() on process 0), once; once fixed, the next retention deletes it."""
+  import jax
+  import fnckpt
+  mesh, _ = mesh_and_target()
+  me = jax.process_index()
+  out: dict[str, Any] = {"process": me}
+  mgr = fnckpt.CheckpointManager(cfg["root"], max_to_keep=1,
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  mgr.save(0, state_at(mesh, 0)).wait()
+  how = make_undeletable(os.path.join(cfg["root"], "0")) if me == 0 else None
+  out["how"] = how
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    mgr.save(1, state_at(mesh, 1)).wait()
+    if me == 0:
+      mgr._background.join()  # (test only) process 0's retention of step 1 has failed now
+    out["save_after_failure"] = error_of(lambda: mgr.save(2, state_at(mesh, 2)))
+    t0 = time.monotonic()
+    out["wait"] = error_of(mgr.wait)
+    out["wait_s"] = time.monotonic() - t0
+  out["warned"] = [str(w.message) for w in caught if "Retention" in str(w.message)]
+  out["wait_again"] = error_of(mgr.wait)
+  if me == 0:
+    undo_undeletable(os.path.join(cfg["root"], "0"), how)
+  mgr.save(3, state_at(mesh, 3))
+  out["close"] = error_of(mgr.close)
+  out["all_steps"] = mgr.all_steps()
+  result(out)
+
+
+def mode_preempt(cfg):
+  """Train until preempted: SIGTERM comes from outside (to every process) after process 0
+  prints READY; should_save names the step to save (JAX's sync point)."""
+  import jax
+  import fnckpt
+  mesh, target = mesh_and_target()
+  me = jax.process_index()
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_interval_steps=1000, handle_preemption=True,
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  state, start = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+  saves, requested_at, step = [], None, 0
+  for step in range(0 if start is None else start + 1, cfg["max_steps"]):
+    time.sleep(cfg["step_s"])  # a training step
+    if mgr.should_save(step):
+      mgr.save(step, state_at(mesh, step))
+      saves.append(step)
+    if requested_at is None and mgr.preemption_requested:
+      requested_at = step
+    if mgr.reached_preemption(step):
+      break
+    if me == 0 and step == cfg["ready_at"]:
+      say("READY")
+  result({"process": me, "stopped_at": step, "saves": saves, "requested_at": requested_at,
+          "all_steps": mgr.all_steps()})
+  mgr.close()
+
+
+def main() -> None:
+  cfg = json.loads(sys.argv[1])
+  cfg.setdefault("devices", 2)
+  mp_worker.setup(cfg)
+  try:
+    globals()["mode_" + cfg["mode"]](cfg)
+  except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,122 @@
+"""examples/lm.py at size tiny, run as subprocesses (simulated CPU devices): an interrupted run's
+loss curve equals an uninterrupted one's bitwise; a run resumes on another mesh and device
+count with the saved values and keeps training; --eval restores the parameters through
+fnckpt.metadata -> target_from_metadata; the default size is as large as documented."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fnckpt
+
+LM = Path(__file__).resolve().parent.parent / "examples" / "lm.py"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+TINY = ["--size", "tiny", "--save-every", "8", "--keep", "3", "--log-every", "1"]
+ON_8 = ["--devices", "8", "--mesh", "2,4"]
+STEPS = 28
+
+
+def lm(directory, *args):
+  """Run the example; (returncode, losses {step: repr string}, JSON summary or None, log)."""
+  r = subprocess.run([sys.executable, str(LM), "--dir", str(directory), *map(str, args)],
+                     capture_output=True, text=True, env=ENV, timeout=300)
+  losses = {int(s): v for s, v in re.findall(r"^step +(\d+) loss (\S+)$", r.stdout, re.M)}
+  lines = r.stdout.strip().splitlines()
+  summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+  return r.returncode, losses, summary, r.stdout + r.stderr
+
+
+def digest(params) -> str:
+  """What lm.params_digest computes, over host values."""
+  import hashlib
+  import jax
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    h.update(jax.tree_util.keystr(path).encode())
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted run: 28 steps on a 2x4 mesh, saved at 8, 16, 24 and 28."""
+  directory = tmp_path_factory.mktemp("lm") / "straight"
+  rc, losses, summary, log = lm(directory, *TINY, *ON_8, "--steps", STEPS)
+  assert rc == 0, log
+  assert "starting fresh" in log and summary["resumed_from"] is None
+  assert sorted(losses) == list(range(1, STEPS + 1)), log
+  assert summary["steps_on_disk"] == [16, 24, 28]
+  return directory, losses, summary
+
+
+@pytest.mark.slow
+def test_preempted_run_has_the_loss_curve_of_an_uninterrupted_one(straight, tmp_path):
+  _, straight_losses, straight_summary = straight
+  run = tmp_path / "interrupted"
+  rc, first, summary, log = lm(run, *TINY, *ON_8, "--steps", STEPS, "--preempt-at-step", 10)
+  assert rc == 0, log
+  assert summary["preempted"] and summary["step"] == 11, log  # saved at the next boundary
+  assert summary["steps_on_disk"] == [8, 11]
+
+  rc, second, summary, log = lm(run, *TINY, *ON_8, "--steps", STEPS)
+  assert rc == 0, log
+  assert "resumed from step 11" in log and "saved on mesh {'data': 2, 'model': 4}" in log
+  assert sorted(second) == list(range(12, STEPS + 1))  # crosses an epoch of the data (23 batches)
+  assert {**first, **second} == straight_losses  # every loss, bit for bit (repr strings)
+  assert summary["params_sha256"] == straight_summary["params_sha256"]
+
+
+@pytest.mark.slow
+def test_resumes_on_another_mesh_and_device_count(straight, tmp_path):
+  directory, straight_losses, straight_summary = straight
+  run = tmp_path / "moved"
+  shutil.copytree(directory, run)
+  with fnckpt.CheckpointManager(str(run)) as manager:
+    manager.delete(28)  # resume from 24, so that steps 25-28 can be compared
+  saved = fnckpt.restore(str(run / "24"))  # host values, as saved
+
+  # --eval: parameters only, through fnckpt.metadata -> target_from_metadata, on 2 devices
+  rc, _, evaluated, log = lm(run, "--size", "tiny", "--devices", 2, "--mesh", "1,2", "--eval")
+  assert rc == 0, log
+  assert evaluated["eval_step"] == 24 and evaluated["saved_on"] == {"data": 2, "model": 4}
+  assert evaluated["params_sha256"] == digest(saved["params"])  # restored bitwise
+  assert np.isfinite(evaluated["eval_loss"])
+
+  # the whole state onto 4 devices as (1, 4), and training goes on from it
+  rc, losses, summary, log = lm(run, *TINY, "--devices", 4, "--mesh", "1,4", "--steps", STEPS)
+  assert rc == 0, log
+  assert "mesh {'data': 1, 'model': 4} on 4 cpu device(s)" in log
+  assert "resumed from step 24" in log and summary["resumed_from"] == 24
+  assert sorted(losses) == list(range(25, STEPS + 1))
+  # another mesh sums in another order: equal up to rounding, not bitwise (a wrong data
+  # position, optimizer state or PRNG key would be off by far more)
+  expected = [float(straight_losses[s]) for s in range(25, STEPS + 1)]
+  np.testing.assert_allclose([float(losses[s]) for s in range(25, STEPS + 1)], expected,
+                             rtol=1e-4)
+  assert summary["steps_on_disk"] == [16, 24, 28]
+  moved = fnckpt.restore(str(run / "28"), partial=False)
+  assert moved["step"] == 28 and digest(moved["params"]) != digest(saved["params"])
+
+
+def test_default_size_is_a_real_checkpoint(tmp_path):
+  """`small` (the default): at least 20 arrays and 5 MiB (step 0: initialised, saved, no step)."""
+  rc, _, summary, log = lm(tmp_path / "small", "--devices", 2, "--mesh", "1,2", "--steps", 0)
+  assert rc == 0, log
+  assert "size small" in log and summary["steps_on_disk"] == [0]
+  assert summary["checkpoint"]["arrays"] >= 20
+  assert summary["checkpoint"]["bytes"] >= 5 << 20
+  meta = fnckpt.metadata(str(tmp_path / "small" / "0"))
+  assert meta.tree["data"]["epoch"] == 0 and meta.tree["step"] == 0
+  assert meta.tree["key"].impl is not None  # the dropout key is a typed PRNG key
+
+
+def test_another_device_count_than_the_mesh_is_refused(tmp_path):
+  rc, _, _, log = lm(tmp_path, "--size", "tiny", "--devices", 4, "--mesh", "3,1")
+  assert rc != 0 and "--mesh 3,1 needs 3 devices; this job has 4" in log
