@@ -42,7 +42,8 @@ __all__ = ["Index", "WriteUnit", "ShardingInfo", "LocalShard", "WriteLayout",
            "normalize_index", "chunk_shape", "inner_chunk_shape", "nbytes",
            "shard_shape_of", "shard_index", "replica_id", "local_shards", "write_layout",
            "generic_write_layout", "local_writes", "local_reads", "sharding_info",
-           "plan_write", "plan_read", "write_plan", "read_plan", "replica_count"]
+           "plan_write", "plan_read", "clear_plan_caches", "write_plan", "read_plan",
+           "replica_count"]
 
 Index = tuple[tuple[int, int], ...]
 
@@ -53,8 +54,11 @@ SPLIT_REPLICATED_BYTES = 16 << 20
 MIN_SPLIT_CHUNK_BYTES = 8 << 20
 # Inner chunks (the unit of a partial read and of a checksum) are at most this large.
 INNER_CHUNK_BYTES = 1 << 20
-# Entries of each plan cache (a few per distinct sharding and shape; a model has dozens).
+# Entries of each plan cache keyed by sharding and shape (a model has dozens of distinct ones),
+# and of the cache of whole leaf plans (one per array leaf: more leaves than this are planned
+# anew at each save, in O(local devices) each). All are bounded LRU caches.
 PLAN_CACHE_SIZE = 1024
+LEAF_PLAN_CACHE_SIZE = 8192
 
 
 @dataclass(frozen=True)
@@ -468,17 +472,7 @@ def _local_positions(mesh: Any) -> tuple[tuple[Hashable, ...], tuple[tuple[int, 
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def sharding_info(sharding: Any) -> ShardingInfo | None:
-  """The :class:`ShardingInfo` of a ``NamedSharding`` over a concrete mesh, for this process;
-  ``None`` for any other sharding (and for specs with unreduced/reduced/unconstrained axes or
-  custom device ids), which then takes the generic path. Cached per sharding.
-
-  >>> import jax
-  >>> from jax.sharding import NamedSharding, PartitionSpec as P
-  >>> mesh = jax.make_mesh((1,), ("a",))
-  >>> sharding_info(NamedSharding(mesh, P(None, "a"))).dim_axes
-  ((), (0,))
-  """
+def _named_info(sharding: Any) -> ShardingInfo | None:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
@@ -498,6 +492,21 @@ def sharding_info(sharding: Any) -> ShardingInfo | None:
   return ShardingInfo(tuple(sharding.mesh.devices.shape), tuple(dim_axes), devices, coords)
 
 
+def sharding_info(sharding: Any) -> ShardingInfo | None:
+  """The :class:`ShardingInfo` of a ``NamedSharding`` over a concrete mesh, for this process
+  (cached per sharding); a ``ShardingInfo`` itself (a simulated sharding) as it is; ``None``
+  for any other sharding (and for specs with unreduced, reduced or unconstrained axes, or
+  custom device ids), which then takes the generic path.
+
+  >>> import jax
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> mesh = jax.make_mesh((1,), ("a",))
+  >>> sharding_info(NamedSharding(mesh, P(None, "a"))).dim_axes
+  ((), (0,))
+  """
+  return sharding if isinstance(sharding, ShardingInfo) else _named_info(sharding)
+
+
 def _about(sharding: Any, shape: tuple[int, ...], e: CheckpointError) -> CheckpointError:
   return CheckpointError(f"{e} (sharding {sharding}, shape {shape})")
 
@@ -510,11 +519,25 @@ def _generic_layout(sharding: Any, shape: tuple[int, ...], itemsize: int) -> Wri
                               sharding.shard_shape(shape), itemsize)
 
 
+@functools.lru_cache(maxsize=LEAF_PLAN_CACHE_SIZE)
+def _cached_plan_write(sharding: Any, shape: tuple[int, ...], itemsize: int, salt: int
+                       ) -> tuple[tuple[int, ...], tuple[WriteUnit, ...]]:
+  info = sharding_info(sharding)
+  try:
+    layout = (write_layout(info, shape, itemsize) if info is not None
+              else _generic_layout(sharding, shape, itemsize))
+  except CheckpointError as e:
+    raise _about(sharding, shape, e) from None
+  return layout.chunk, tuple(local_writes(layout, salt))
+
+
 def plan_write(sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
                ) -> tuple[tuple[int, ...], list[WriteUnit]]:
-  """The write chunk of an array with this JAX sharding, shape and item size, and the
-  chunks this process writes (see :func:`local_writes`; ``salt``: the leaf's index in the
-  tree). O(local devices) for a ``NamedSharding``; cached per (sharding, shape, itemsize).
+  """The write chunk of an array with this sharding (JAX's, or a :class:`ShardingInfo`),
+  shape and item size, and the chunks this process writes (see :func:`local_writes`;
+  ``salt``: the leaf's index in the tree). O(local devices) for a ``NamedSharding``; cached
+  per (sharding, shape, itemsize, salt), so the saves of a training loop after the first
+  plan nothing (while the tree has at most ``LEAF_PLAN_CACHE_SIZE`` array leaves).
 
   >>> import jax
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -523,32 +546,29 @@ def plan_write(sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
   >>> chunk, [u.index for u in units]
   ((8, 2), [((0, 8), (0, 2))])
   """
-  shape = tuple(int(n) for n in shape)
-  info = sharding_info(sharding)
-  try:
-    layout = (write_layout(info, shape, itemsize) if info is not None
-              else _generic_layout(sharding, shape, int(itemsize)))
-  except CheckpointError as e:
-    raise _about(sharding, shape, e) from None
-  return layout.chunk, local_writes(layout, salt)
+  chunk, units = _cached_plan_write(sharding, tuple(int(n) for n in shape), int(itemsize),
+                                    int(salt))
+  return chunk, list(units)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _read_groups(sharding: Any, shape: tuple[int, ...]
                  ) -> tuple[tuple[Index, tuple[Hashable, ...]], ...]:
   info = sharding_info(sharding)
-  if info is not None:
-    plan = local_reads(info, shape)
-  else:
-    plan = read_plan({d: normalize_index(idx, shape)
-                      for d, idx in sharding.addressable_devices_indices_map(shape).items()})
+  try:
+    plan = local_reads(info, shape) if info is not None else read_plan(
+        {d: normalize_index(idx, shape)
+         for d, idx in sharding.addressable_devices_indices_map(shape).items()})
+  except CheckpointError as e:
+    raise _about(sharding, shape, e) from None
   return tuple((index, tuple(devices)) for index, devices in plan.items())
 
 
 def plan_read(sharding: Any, shape: Sequence[int]) -> dict[Index, list[Hashable]]:
   """The distinct slices this process's devices need for an array of ``shape`` placed with
-  this JAX sharding, each with the devices that need it (a new dict each call). O(local
-  devices) for a ``NamedSharding``; cached per (sharding, shape).
+  this sharding (JAX's, or a :class:`ShardingInfo`), each with the devices that need it (a
+  new dict each call). O(local devices) for a ``NamedSharding``; cached per (sharding,
+  shape).
 
   >>> import jax
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -556,9 +576,13 @@ def plan_read(sharding: Any, shape: Sequence[int]) -> dict[Index, list[Hashable]
   >>> list(plan_read(s, (4, 2)))
   [((0, 4), (0, 2))]
   """
-  shape = tuple(int(n) for n in shape)
-  try:
-    groups = _read_groups(sharding, shape)
-  except CheckpointError as e:
-    raise _about(sharding, shape, e) from None
-  return {index: list(devices) for index, devices in groups}
+  return {index: list(devices)
+          for index, devices in _read_groups(sharding, tuple(int(n) for n in shape))}
+
+
+def clear_plan_caches() -> None:
+  """Empty every plan cache of this module (they are bounded; this is for benchmarks and
+  tests that measure a first save)."""
+  for cache in (_local_positions, _named_info, _cached_write_layout, _generic_layout,
+                _cached_plan_write, _read_groups):
+    cache.cache_clear()

@@ -103,12 +103,12 @@ class RetentionRunner:
       raise self._error(failed)
 
   def _error(self, failed: list[tuple[int, BaseException]]) -> RetentionError:
-    steps = [s for s, _ in failed]
-    causes = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in failed)
+    steps = ", ".join(str(s) for s, _ in failed)
+    causes = "; ".join(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+                       for _, e in failed)
     error = RetentionError(
-        f"Retention could not delete step{'s' if len(steps) > 1 else ''} "
-        f"{', '.join(map(str, steps))} of {self.index.display!r} ({causes}). The newer "
-        f"checkpoints are committed; fix the permissions and call manager.delete(step), or "
-        f"delete the directory by hand.")
+        f"Retention could not delete step {steps} of {self.index.display!r}: "
+        f"{causes.rstrip('.')}. The newer checkpoints are committed. Fix the cause, then call "
+        f"manager.delete(step) for step {steps} (or let the next retention pass retry).")
     warnings.warn(str(error), RuntimeWarning, stacklevel=1)
     return error

@@ -80,6 +80,15 @@ _CRASH_PATTERNS = re.compile(
     r"MemoryError|Check failed|^F\d{4} |RecursionError|out of memory", re.M)
 
 
+def _innermost(dump: str) -> str:
+  """' [at file:line function]': the innermost fnckpt frame of the worker's main thread in a
+  faulthandler dump (the thread whose stack holds worker_main), or ''."""
+  blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
+  main = [b for b in blocks if "worker_main" in b] or blocks
+  frames = re.findall(r'File "[^"]*?fnckpt/([^"/]+)", line (\d+) in (\S+)', main[-1])
+  return f" [at {frames[0][0]}:{frames[0][1]} {frames[0][2]}]" if frames else ""
+
+
 class _Worker:
   def __init__(self, n: int, source, base: str, scratch: str, config: dict):
     self.n, self.source = n, str(source)
@@ -178,8 +187,14 @@ class _Worker:
       if kind == "line":
         continue
       if kind == "timeout":
+        try:  # where is it stuck? (faulthandler dumps every thread's stack on SIGUSR1)
+          os.kill(self.proc.pid, signal.SIGUSR1)
+          time.sleep(1.0)
+        except ProcessLookupError:
+          pass
         self.kill()
-        what, detail = f"hang (no result in {timeout:g}s)", "killed"
+        what = f"hang (no result in {timeout:g}s)"
+        detail = "killed" + _innermost(self._log_tail(offset, 60000))
       else:
         try:
           rc = self.proc.wait(10)
@@ -187,16 +202,13 @@ class _Worker:
           rc = None
         self.kill()
         time.sleep(0.05)
-        tail = self._log_tail(offset)
+        tail = self._log_tail(offset, 60000)
         what = (f"crash: killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0
                 else f"crash: exit status {rc}")
         hits = [l.strip() for l in tail.splitlines() if _CRASH_PATTERNS.search(l.strip())]
-        frames = re.findall(r'File "[^"]*?fnckpt/([^"]+)", line (\d+) in (\S+)', tail)
         detail = (hits[0] if hits else fw._first_line(tail.strip().splitlines()[-1]
                                                        if tail.strip() else ""))[:300]
-        if frames:
-          f = frames[0]  # faulthandler prints the innermost frame first
-          detail += f" [at {f[0]}:{f[1]} {f[2]}]"
+        detail += _innermost(tail)
       return {"case": int(command) if command.lstrip("-").isdigit() else -1,
               "failures": [{"op": op, "kind": what, "msg": detail}], "outcomes": {op: "FAIL"},
               "died": True}

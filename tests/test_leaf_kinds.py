@@ -185,11 +185,11 @@ def test_scalars_strings_none_and_empty_containers(tmp_path):
   for target in (None, SCALARS):
     back = fnckpt.restore(path, target)
     assert_trees_all_equal(back, SCALARS)
-  recs = {r["path"][0][1]: r for r in fnckpt.metadata(path).leaves}
-  assert recs["bigint"]["kind"] == recs["negbig"]["kind"] == "bigint"
-  assert recs["u64"]["kind"] == "scalar"
-  assert recs["np_f32"]["kind"] == "npscalar"
-  assert {recs[k]["kind"] for k in ("none", "dict", "list", "tuple")} == {"empty"}
+  recs = {r.path[0][1]: r for r in fnckpt.metadata(path).leaves}
+  assert recs["bigint"].kind == recs["negbig"].kind == "bigint"
+  assert recs["u64"].kind == "scalar"
+  assert recs["np_f32"].kind == "npscalar"
+  assert {recs[k].kind for k in ("none", "dict", "list", "tuple")} == {"empty"}
   # restored without a target, the metadata tree shows the values themselves
   assert fnckpt.metadata(path).tree["str"] == "héllo"
 
@@ -388,10 +388,10 @@ def test_data_loader_position_and_numpy_rng(tmp_path):
   path = _saved(tmp_path, tree)
 
   state = gen.bit_generator.state
-  recs = {tuple(e[1] for e in r["path"]): r for r in fnckpt.metadata(path).leaves}
-  assert recs[("gen",)]["kind"] == "npgen"
+  recs = {tuple(e[1] for e in r.path): r for r in fnckpt.metadata(path).leaves}
+  assert recs[("gen",)].kind == "npgen"
   # the 128-bit PCG64 state: each int is a leaf of its own, stored as a 'bigint'
-  assert recs[("gen_state", "state", "state")]["kind"] == "bigint"
+  assert recs[("gen_state", "state", "state")].kind == "bigint"
   assert state["state"]["state"] >= 1 << 64 or state["state"]["inc"] >= 1 << 64
 
   for target in (None, tree):

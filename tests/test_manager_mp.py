@@ -75,7 +75,7 @@ def test_retention_failure_is_raised_by_wait_on_every_process(tmp_path):
     assert r["wait"]["type"] == "RetentionError", r
     msg = r["wait"]["message"]
     assert "Retention could not delete step 0 of" in msg and root in msg, msg
-    assert "manager.delete(step)" in msg  # the fix
+    assert "manager.delete(step) for step 0" in msg  # the fix
     if r["process"] != 0:
       assert msg.startswith("On process 0: ")
     assert r["wait_again"] is None  # raised once
