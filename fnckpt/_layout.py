@@ -12,8 +12,9 @@ Planning is O(leaves + local shards) per process. A ``NamedSharding`` is reduced
 process's devices sit in the mesh); every local device's shard index and replica number follow
 from its mesh coordinates alone, so no process ever walks the global device list. Other
 shardings (single-device, GSPMD, ...) take the generic path through ``devices_indices_map``,
-which gives the same result. Plans are cached per (sharding, shape, itemsize) in bounded LRU
-caches, so the steady state of a training loop plans nothing anew.
+which gives the same result. Layouts are cached per (sharding, shape, itemsize) and whole leaf
+plans per (sharding, shape, itemsize, salt), in bounded LRU caches, so the steady state of a
+training loop plans nothing anew.
 
 Who writes what (every process decides alike, without talking): piece ``p`` of a shard held by
 ``R`` replicas and cut into ``k`` pieces is written by replica
@@ -58,10 +59,10 @@ INNER_CHUNK_BYTES = 1 << 20
 # and of the cache of whole leaf plans (one per array leaf: more leaves than this are planned
 # anew at each save, in O(local devices) each). All are bounded LRU caches.
 PLAN_CACHE_SIZE = 1024
-LEAF_PLAN_CACHE_SIZE = 8192
+LEAF_PLAN_CACHE_SIZE = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteUnit:
   """One chunk to write: its global index, the device that holds it, and where the chunk
   sits inside that device's shard (``local``, relative to the shard)."""
@@ -70,7 +71,7 @@ class WriteUnit:
   local: Index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardingInfo:
   """A ``NamedSharding`` reduced to what planning needs, as one process sees it.
 
@@ -113,7 +114,7 @@ class ShardingInfo:
     return math.prod(self.axis_sizes[a] for a in self.unused_axes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalShard:
   """One device of this process and the shard it holds. ``replica`` (``0 .. replicas - 1``)
   numbers the devices holding that same shard, alike in every process."""
@@ -123,7 +124,7 @@ class LocalShard:
   replicas: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteLayout:
   """What a leaf's write depends on besides its salt: the array shape, the write chunk, and
   this process's shards (each device once)."""

@@ -52,7 +52,7 @@ from . import _commit, _coordination, _paths, _retention, _steps
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
-from ._retention_runner import Background, RetentionError, RetentionRunner
+from ._retention_runner import Background, RetentionRunner, delete_unclaimed
 from ._steps import scan  # noqa: F401  (the CLI lists run directories with it)
 
 __all__ = ["CheckpointManager"]
@@ -104,16 +104,8 @@ class CheckpointManager:
                storage_options: dict[str, Any] | None = None,
                save_options: Mapping[str, Any] | None = None):
     policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
-    if best_n and not isinstance(best_metric, str):
-      raise ValueError("best_n needs best_metric: the name of a metric passed to "
-                       "save(..., metrics={name: value}).")
-    if (not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
-        or save_interval_steps < 1):
-      raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
-    self._save_options = dict(save_options or {})
-    for bad in ("overwrite", "metadata", "storage_options"):
-      if bad in self._save_options:
-        raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
+    self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
+                                          save_options)
     self.directory = _paths.display(directory)
     self.best_metric = best_metric
     self.save_interval_steps = save_interval_steps
@@ -136,61 +128,32 @@ class CheckpointManager:
     if handle_preemption:
       self.install_preemption_handler()
 
-  # --- what is there (local reads) ----------------------------------------------------------
+  # --- what is there (reads on the calling process only) ------------------------------------
 
   def path(self, step: int) -> str:
-    """The location of ``step``'s checkpoint (for :func:`fnckpt.metadata`, the CLI, ...).
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("/tmp/run").path(7)
-    '/tmp/run/7'
-    """
+    """The location of ``step``'s checkpoint (for :func:`fnckpt.metadata`, the CLI, ...)."""
     return self._index.path(step)
 
   def all_steps(self) -> list[int]:
-    """The committed steps, oldest first (read from storage; saves in flight are not there).
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/all_steps")
-    >>> _ = mgr.save(3, {"x": np.zeros(2)}); mgr.wait()
-    >>> mgr.all_steps()
-    [3]
-    """
+    """The committed steps, oldest first (read from storage; saves in flight are not there)."""
     return self._index.list(in_flight=self._claims.saving()).steps
 
   def latest_step(self) -> int | None:
     """The newest committed step, or ``None``. Waits for this manager's saves in flight to
     commit first, so every process of a job calling it at the same point of the loop gets the
-    same answer (each save commits behind a barrier; retention keeps the newest step).
-
-    >>> import fnckpt
-    >>> print(fnckpt.CheckpointManager("memory://doc/latest_empty").latest_step())
-    None
-    """
+    same answer (each save commits behind a barrier; retention keeps the newest step)."""
     self._claims.wait_saved()
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def uncommitted_steps(self) -> list[int]:
-    """Steps whose directory holds data but no commit marker (interrupted saves), not counting
-    this manager's saves and deletions in flight.
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("memory://doc/uncommitted").uncommitted_steps()
-    []
-    """
+    """Steps holding data but no commit marker (interrupted saves), not counting this
+    manager's saves and deletions in flight."""
     busy = self._claims.busy()
     return [s for s in self._index.list(in_flight=busy).uncommitted if s not in busy]
 
   def metrics(self, step: int) -> dict[str, Any] | None:
-    """The metrics saved with ``step`` (``None`` if none were given).
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/metrics")
-    >>> _ = mgr.save(1, {"x": np.zeros(2)}, metrics={"loss": 0.5}); mgr.wait()
-    >>> mgr.metrics(1)
-    {'loss': 0.5}
-    """
+    """The metrics saved with ``step`` (``None`` if none were given)."""
     step = _steps.as_step(step)
     self._claims.wait_saved(step)
     meta = self._index.user_metadata(step)
@@ -201,7 +164,7 @@ class CheckpointManager:
   def should_save(self, step: int) -> bool:
     """Whether the loop should save ``step``: it is on the save interval, or it is the first
     step boundary after a preemption notice (with several processes: the step JAX's
-    preemption sync point names, the same on every process; call this at every step).
+    preemption sync point names, the same on every process; ask at every step).
 
     >>> import fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/should_save", save_interval_steps=10)
@@ -219,7 +182,7 @@ class CheckpointManager:
     Skipped (returns ``None``) when ``step`` is not on ``save_interval_steps``, unless ``force``
     or it is the preemption step. Raises if ``step`` is committed or older than the newest
     step, unless ``force`` (which replaces it); an uncommitted leftover at ``step`` is replaced.
-    With one process, an error of earlier background work is raised here too.
+    With one process an error of earlier background work is raised here too.
 
     Args:
       step: the training step (a non-negative int); names the directory ``<directory>/<step>``.
@@ -227,14 +190,6 @@ class CheckpointManager:
       metrics: small ``{name: number}`` stored with the step (ranked by ``best_n``).
       metadata: more msgpack-able user data stored with the step.
       force: save off the interval, replace a committed step, or save an older step.
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/save", save_interval_steps=2)
-    >>> mgr.save(1, {"x": np.zeros(2)}) is None
-    True
-    >>> _ = mgr.save(2, {"x": np.zeros(2)}, metrics={"loss": 1.0}).wait()
-    >>> mgr.all_steps()
-    [2]
     """
     self._check_open()
     if not _coordination.multi():  # nobody else is in this call: fail fast
@@ -243,7 +198,7 @@ class CheckpointManager:
     if not (force or self._preemption.is_save_step(step) or step % self.save_interval_steps == 0):
       return None
     user = _user_metadata(step, metrics, metadata)
-    self._check_order(step, force)
+    _check_order(self._claims, self._index, step, force, self.directory)
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       if not force and _commit.is_committed(_paths.open_kvstore(self.path(step),
@@ -262,21 +217,6 @@ class CheckpointManager:
                            step, handle)
     return handle
 
-  def _check_order(self, step: int, force: bool) -> None:
-    """Refuse an older step or one being saved (no I/O: the same answer on every process)."""
-    if force:
-      return
-    newest = max(self._claims.saving() | {self._index.newest_known() or -1})
-    if newest > step:
-      raise CheckpointError(
-          f"Step {step} is older than step {newest}, already in {self.directory!r}. Steps "
-          "must increase; to go back, delete the newer steps (manager.delete(s)) or pass "
-          "force=True.")
-    handle = self._claims.handle(step)
-    if handle is not False and (handle is None or not handle.done()):
-      raise CheckpointError(f"Step {step} is being saved to {self.directory!r} already; pass "
-                            "force=True to replace it.")
-
   def _after_commit(self, step: int, handle: Any) -> None:
     """Background: wait for the save's commit, then (process 0) apply retention."""
     try:
@@ -292,36 +232,15 @@ class CheckpointManager:
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
-    first error of any of them (once; the others as notes). With several processes every
-    process calls it, and process 0's retention errors are raised on every process.
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/wait")
-    >>> _ = mgr.save(0, {"x": np.zeros(2)})
-    >>> mgr.wait(); mgr.latest_step()
-    0
-    """
-    self._background.join()
-    errors = self._background.take()
-    shared = _coordination.from_process_0(
-        self._root, "wait", lambda: [str(e) for e in errors if isinstance(e, RetentionError)],
-        self._timeout)
-    if jax.process_index() != 0:
-      errors += [RetentionError(f"On process 0: {text}") for text in shared]
-    _raise_first(errors)
+    first error of any of them (once; the others as notes). With several processes, process
+    0's retention errors are raised on every process."""
+    _raise_first(self._background.settle(self._root, self._timeout))
 
   # --- deleting (process 0 deletes; collective) ---------------------------------------------
 
   def delete(self, step: int) -> None:
-    """Delete the committed checkpoint (or uncommitted leftover) of ``step``, its commit marker
-    first (so it is never seen half deleted). Waits for this manager's save of it.
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/delete")
-    >>> _ = mgr.save(0, {"x": np.zeros(2)}); _ = mgr.save(1, {"x": np.ones(2)}); mgr.wait()
-    >>> mgr.delete(1); mgr.all_steps()
-    [0]
-    """
+    """Delete the checkpoint (or uncommitted leftover) of ``step``, its commit marker first
+    (so it is never seen half deleted). Waits for this manager's save of it."""
     step = _steps.as_step(step)
 
     def remove() -> None:
@@ -337,40 +256,24 @@ class CheckpointManager:
     self._index.forget(step)
 
   def cleanup(self) -> list[int]:
-    """Delete the uncommitted leftovers of interrupted saves; return their steps. Saves in
-    flight of this manager are not touched (do not run it while another job writes to the
-    same directory).
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("memory://doc/cleanup").cleanup()
-    []
-    """
+    """Delete the uncommitted leftovers of interrupted saves; return their steps. This
+    manager's saves in flight are spared (another job's are not: do not run it then)."""
     def remove() -> list[int]:
       leftovers = self.uncommitted_steps()
-      doomed = self._claims.claim_unprotected(lambda busy: [s for s in leftovers
-                                                           if s not in busy])
-      try:
-        for step in doomed:
-          self._index.delete(step)
-      finally:
-        self._claims.release_delete(doomed)
-      return sorted(doomed)
+      deleted, failed = delete_unclaimed(self._index, self._claims, lambda busy: [
+          s for s in leftovers if s not in busy])
+      if failed:
+        raise failed[0][1]
+      return deleted
 
     return _coordination.from_process_0(self._root, "cleanup", remove, self._timeout)
 
   # --- restoring ----------------------------------------------------------------------------
 
   def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
-    """Restore ``step`` (default: the newest committed step, chosen by process 0 after this
-    manager's saves and retention have finished) with :func:`fnckpt.restore`'s ``target`` and
-    keyword arguments (``partial``, ``cast``, ``budget_bytes``).
-
-    >>> import numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/restore")
-    >>> _ = mgr.save(5, {"x": np.arange(3)}); mgr.wait()
-    >>> mgr.restore()["x"]
-    array([0, 1, 2])
-    """
+    """Restore ``step`` with :func:`fnckpt.restore`'s ``target`` and keyword arguments
+    (``partial``, ``cast``, ``budget_bytes``). Default: the newest committed step, chosen by
+    process 0 once this manager's saves and retention have finished (collective then)."""
     if step is None:
       step = self._agreed_latest()
       if step is None:
@@ -395,18 +298,7 @@ class CheckpointManager:
     ``target`` says where the restored arrays go (see :func:`fnckpt.restore`): by default the
     state itself when ``init`` is a state, else ``jax.eval_shape(init)`` (for a jitted init
     with ``out_shardings`` that carries the shardings). A ``jax.ShapeDtypeStruct`` without a
-    sharding in it is an error with several processes and a warning with one.
-
-    >>> import jax.numpy as jnp, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/restore_or_init")
-    >>> state, step = mgr.restore_or_init(lambda: {"w": jnp.zeros(2)})
-    >>> print(step)
-    None
-    >>> _ = mgr.save(9, {"w": state["w"] + 1}).wait()
-    >>> state, step = mgr.restore_or_init(lambda: {"w": jnp.zeros(2)}, target={"w": state["w"]})
-    >>> step, state["w"]
-    (9, Array([1., 1.], dtype=float32))
-    """
+    sharding in it is an error with several processes and a warning with one."""
     step = self._agreed_latest()
     if target is None and step is not None:
       target = jax.eval_shape(init) if callable(init) else init
@@ -420,46 +312,22 @@ class CheckpointManager:
 
   def install_preemption_handler(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
     """Make ``signals`` (default SIGTERM) only set a flag, so the loop saves at its next step
-    boundary: :meth:`should_save` is then true, and :meth:`reached_preemption` returns true
-    once that save has committed. Call from the main thread; :meth:`close` restores the
-    previous handlers. With several processes JAX's preemption service (started by
-    ``jax.distributed.initialize``) catches SIGTERM, and :meth:`should_save` asks its sync
-    point; nothing is installed.
-
-    >>> import os, signal, numpy as np, fnckpt
-    >>> mgr = fnckpt.CheckpointManager("memory://doc/preempt", save_interval_steps=100)
-    >>> mgr.install_preemption_handler()
-    >>> os.kill(os.getpid(), signal.SIGTERM)   # what the scheduler does
-    >>> for step in range(1, 1000):
-    ...   if mgr.should_save(step):
-    ...     _ = mgr.save(step, {"step": step})
-    ...   if mgr.reached_preemption(step):
-    ...     break
-    >>> step, mgr.all_steps()
-    (1, [1])
-    >>> mgr.close()
-    """
+    boundary (:meth:`should_save`) and stops once that save has committed
+    (:meth:`reached_preemption`). Call from the main thread; :meth:`close` restores the
+    previous handlers. With several processes nothing is installed: JAX's preemption service
+    (started by ``jax.distributed.initialize``) catches SIGTERM and :meth:`should_save` asks
+    its sync point."""
     self._preemption.install(signals)
 
   @property
   def preemption_requested(self) -> bool:
-    """Whether a preemption notice has arrived (on any process, with several).
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("memory://doc/requested").preemption_requested
-    False
-    """
+    """Whether a preemption notice has arrived (on any process, with several)."""
     return self._preemption.requested
 
   def reached_preemption(self, step: int) -> bool:
-    """True when the loop should stop at ``step`` because of a preemption notice; before
-    returning True it waits (:meth:`wait`) until every save of this manager has committed, so
-    the process may exit right after. Call it after the (maybe) save of each step.
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("memory://doc/reached").reached_preemption(0)
-    False
-    """
+    """True when the loop should stop at ``step`` for a preemption notice; first waits
+    (:meth:`wait`) until every save of this manager has committed, so the process may exit
+    right after. Call it after the (maybe) save of each step."""
     step = _steps.as_step(step)
     if not self._preemption.reached(step):
       return False
@@ -475,11 +343,7 @@ class CheckpointManager:
 
   def close(self) -> None:
     """Wait for pending saves and retention (raising their errors, see :meth:`wait`) and
-    restore the signal handlers.
-
-    >>> import fnckpt
-    >>> fnckpt.CheckpointManager("memory://doc/close").close()
-    """
+    restore the signal handlers."""
     if self._closed:
       return
     self._closed = True
@@ -509,6 +373,38 @@ class CheckpointManager:
 
   def __repr__(self) -> str:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
+
+
+def _check_order(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
+                 directory: str) -> None:
+  """save(): refuse an older step or one being saved (no I/O: the same on every process)."""
+  if force:
+    return
+  newest = max(claims.saving() | {index.newest_known() or -1})
+  if newest > step:
+    raise CheckpointError(
+        f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
+        "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True.")
+  handle = claims.handle(step)
+  if handle is not False and (handle is None or not handle.done()):
+    raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
+                          "force=True to replace it.")
+
+
+def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
+                     save_options: Mapping[str, Any] | None) -> dict[str, Any]:
+  """The constructor's checks (the retention policy checks its own arguments)."""
+  if best_n and not isinstance(best_metric, str):
+    raise ValueError("best_n needs best_metric: the name of a metric passed to "
+                     "save(..., metrics={name: value}).")
+  if (not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
+      or save_interval_steps < 1):
+    raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
+  options = dict(save_options or {})
+  for bad in ("overwrite", "metadata", "storage_options"):
+    if bad in options:
+      raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
+  return options
 
 
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:

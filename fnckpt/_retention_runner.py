@@ -13,12 +13,14 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from . import _retention
+import jax
+
+from . import _coordination, _retention
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._steps import StepIndex
 
-__all__ = ["Background", "RetentionRunner", "RetentionError"]
+__all__ = ["Background", "RetentionRunner", "RetentionError", "delete_unclaimed"]
 
 
 class RetentionError(CheckpointError):
@@ -64,6 +66,37 @@ class Background:
       errors, self._errors = self._errors, []
     return errors
 
+  def settle(self, location: str, timeout_s: float) -> list[BaseException]:
+    """Join, then take the errors: this process's, plus (several processes; collective) the
+    retention errors process 0 hit, which no other process would see otherwise."""
+    self.join()
+    errors = self.take()
+    shared = _coordination.from_process_0(
+        location, "wait", lambda: [str(e) for e in errors if isinstance(e, RetentionError)],
+        timeout_s)
+    if jax.process_index() != 0:
+      errors += [RetentionError(f"On process 0: {text}") for text in shared]
+    return errors
+
+
+def delete_unclaimed(index: StepIndex, claims: StepClaims,
+                     choose: Callable[[set[int]], list[int]]
+                     ) -> tuple[list[int], list[tuple[int, BaseException]]]:
+  """Claim and delete the steps ``choose(claimed steps)`` names (never a claimed one); return
+  (deleted steps, [(step, error)] for those that could not be deleted)."""
+  doomed = claims.claim_unprotected(choose)
+  deleted, failed = [], []
+  try:
+    for step in doomed:
+      try:
+        index.delete(step)
+        deleted.append(step)
+      except Exception as e:  # TensorStore raises ValueError and others
+        failed.append((step, e))
+  finally:
+    claims.release_delete(doomed)
+  return sorted(deleted), failed
+
 
 class RetentionRunner:
   """Applies ``policy`` to the committed steps of ``index``, sparing the steps in ``claims``,
@@ -88,17 +121,8 @@ class RetentionRunner:
     listing = self.index.list(in_flight=self.claims.saving())
     metrics = (self.index.metric_values(listing, self.best_metric)
                if self.policy.best_n and self.best_metric else {})
-    doomed = self.claims.claim_unprotected(
-        lambda protect: _retention.to_delete(listing.steps, self.policy, metrics, protect))
-    failed: list[tuple[int, BaseException]] = []
-    try:
-      for step in doomed:
-        try:
-          self.index.delete(step)
-        except Exception as e:  # TensorStore raises ValueError and others
-          failed.append((step, e))
-    finally:
-      self.claims.release_delete(doomed)
+    _, failed = delete_unclaimed(self.index, self.claims, lambda protect: _retention.to_delete(
+        listing.steps, self.policy, metrics, protect))
     if failed:
       raise self._error(failed)
 

@@ -96,8 +96,10 @@ def build_tree(canary: bool = False) -> Any:
   gen.random(3)
   return {
       "params": {
-          "dense": {"kernel": jarr((64, 128), "float32", sh("a", "b")),   # zarr
+          "dense": {"kernel": jarr((64, 128), "float32", sh("a", "b")),   # medium
                     "bias": jarr((8,), "float32", sh("b"))},             # inline
+          # > 4 MiB: its own zarr array even where medium arrays are packed (format 2)
+          "big": jarr((1024, 1040), "float32", sh("a", "b")),
           "emb": jarr((64, 256), "bfloat16", sh(None, "b")),
           "small_bf16": jarr((4, 4), "bfloat16", sh()),
           "q": jarr((64, 512), "int4", sh("a")),
@@ -247,14 +249,18 @@ class _Mutator:
     self.touched: list[tuple] = []
 
   # -- helpers
-  def set(self, path: tuple, value: Any, what: str) -> None:
+  def set(self, path: tuple, value: Any, what: str) -> bool:
+    """Put ``value`` at ``path`` (False, and nothing done, if it is what is there)."""
     old = _get(self.obj, path)
+    if _pack(old) == _pack(value):
+      return False
     if not path:
       self.obj = value
     else:
       _get(self.obj, path[:-1])[path[-1][1]] = value
     self.steps.append(f"{fmt_path(path)}: {short(old)} -> {short(value)} ({what})")
     self.touched.append(path)
+    return True
 
   def strings_for(self, path: tuple, old: str) -> list[str]:
     derived = ["../other/" + old, "../" + old, "/" + old, old + "/..", old + "/../..",
@@ -410,7 +416,7 @@ class _Mutator:
 
   def mutate_random(self) -> None:
     r = self.rng
-    sites = _sites(self.obj)
+    sites = _sites(self.obj) if self.steps else self.original_sites  # unmutated yet: the same
     pick = r.random()
     if pick < 0.7:
       self.tweak(r.choice(sites)[0])
@@ -422,8 +428,9 @@ class _Mutator:
       path = r.choice(sites)[0]
       self.set(path, self.random_value(type(_get(self.obj, path))), "another type")
     else:  # two nodes swapped
-      (a, av), (b, bv) = r.choice(sites[1:] or sites), r.choice(sites[1:] or sites)
+      a, b = r.choice(sites[1:] or sites)[0], r.choice(sites[1:] or sites)[0]
       if a[:len(b)] != b and b[:len(a)] != a:
+        av, bv = _get(self.obj, a), _get(self.obj, b)
         self.set(a, bv, f"swapped with {fmt_path(b)}")
         _get(self.obj, b[:-1])[b[-1][1]] = av
         self.touched.append(b)
@@ -450,7 +457,10 @@ class _Mutator:
       pool = [[], v[:-1], v + v[-1:], v[::-1], v + [None], None, {}, "", 0]
     else:
       pool = [None, {}, [], "", 0, v]
-    choice = pool[rnd % len(pool)]
+    for offset in range(len(pool)):  # the first value of the pool, from this round's, that
+      choice = pool[(rnd + offset) % len(pool)]  # differs from what is there
+      if choice is v or _pack(choice) != _pack(v):
+        break
     if isinstance(v, dict) and choice is v:  # the round that deletes this node instead
       if path and isinstance(_get(self.obj, path[:-1]), dict):
         parent = _get(self.obj, path[:-1])
@@ -504,6 +514,10 @@ def make_case(original: bytes, canary: bytes, seed: int | str, index: int) -> Ca
     raw_only = rng.random() < 0.05
     if not raw_only:
       for _ in range(rng.choice([1, 1, 1, 1, 2, 2, 3, 4])):
+        m.mutate_random()
+      for _ in range(20):  # until something changed
+        if m.steps:
+          break
         m.mutate_random()
   data = _pack(m.obj)
   obj_out = m.obj
@@ -742,6 +756,7 @@ def worker_main(config: dict) -> None:
   import contextlib
   import io
   import shutil
+  import threading
   import time
   import traceback
   import warnings
@@ -873,6 +888,13 @@ def worker_main(config: dict) -> None:
       res["selftest"] = {"canary arrays recognised": len(marked),
                          "canary reads seen": len(watch.events()) if watch.fd >= 0 else None}
       send("RESULT " + json.dumps(res))
+      continue
+    if line == "stats":
+      with open("/proc/self/status") as f:
+        status = dict(l.split(":", 1) for l in f if ":" in l)
+      send("RESULT " + json.dumps({"case": -2, "failures": [], "outcomes": {}, "memory": (
+          f"VmPeak {status.get('VmPeak', '?').strip()}, VmRSS {status.get('VmRSS', '?').strip()}"
+          f", {threading.active_count()} Python threads")}))
       continue
     index = int(line)
     t0 = time.perf_counter()

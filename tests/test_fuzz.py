@@ -243,6 +243,7 @@ def _report(groups: dict, cases: dict, original: bytes, canary: bytes, seed, bas
   out.append(f"{len(ordered)} kind(s) of failure:")
   for n, ((op, kind, norm, loc), hits) in enumerate(ordered, 1):
     out.append(f"  {n:3d}. {len(hits):5d}x  {op}: {kind}: {norm}" + (f"  [{loc}]" if loc else ""))
+  printed: dict = {}
   for n, ((op, kind, norm, loc), hits) in enumerate(ordered, 1):
     def size(h):
       c = cases[h[0]]
@@ -252,6 +253,10 @@ def _report(groups: dict, cases: dict, original: bytes, canary: bytes, seed, bas
     out.append("")
     out.append(f"=== {n}. {op}: {kind} ({len(hits)} case(s)); example: case {index}")
     out.append(f"message: {msg.replace(base, '<dir>')}")
+    if index in printed:
+      out.append(f"mutation and manifest: as in {printed[index]} above")
+      continue
+    printed[index] = f"=== {n}."
     out.append("mutation:")
     out.extend(f"  - {s}" for s in case.steps)
     if case.obj is not None:
@@ -330,6 +335,11 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
     for t in threads:
       t.join()
     elapsed = time.monotonic() - start
+    memory = []
+    for w in workers:
+      if w.proc is not None:
+        res = w.run("stats", 30)
+        memory.append(res.get("memory", "?"))
   finally:
     for w in workers:
       w.kill()
@@ -351,13 +361,14 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
       key = (f["op"], f["kind"], _normalize(f["msg"], scratch), _location(f["msg"]))
       groups[key].append((res["case"], f["msg"]))
   failed_cases = sum(1 for r in results if r["failures"])
-  restarts = sum(w.starts for w in workers) - len(workers)
+  deaths = sum(1 for r in results if r.get("died"))
   in_worker = sum(r.get("case_s", 0) for r in results)
   summary = [f"fuzz: seed {seed}, {len(results)} mutated manifests in {elapsed:.1f}s with "
              f"{n_workers} worker(s) ({elapsed / max(1, len(results)) * 1000:.1f}s per 1000 "
              f"cases; in a worker {in_worker / max(1, len(results)) * 1000:.1f} ms per case, "
-             f"excluding hangs and restarts); {failed_cases} case(s) failed; {restarts} worker "
-             f"restart(s); inotify: {'/'.join(w.inotify for w in workers)}"]
+             f"excluding hangs and restarts); {failed_cases} case(s) failed; {deaths} worker(s) "
+             f"crashed or hung; inotify: {'/'.join(w.inotify for w in workers)}; worker memory at "
+             f"the end: {'; '.join(memory)} (limit {as_gb:g} GiB of address space)"]
   for op in fw.OPS:
     c = outcomes.get(op, collections.Counter())
     counts = "  ".join(f"{k} {v}" for k, v in sorted(c.items()))
@@ -386,3 +397,18 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
         f.write("\n".join(summary) + "\n\n" + report + "\n")
   if groups or problems:
     pytest.fail("\n".join(summary + problems) + "\n\n" + report, pytrace=False)
+
+
+def test_mutator_is_deterministic_and_always_mutates(source):
+  """A case is a pure function of (manifests, seed, number): the test regenerates reproducers
+  from the number alone, so this must hold (and the cached original must never change)."""
+  with open(source / fw.CKPT / fw.MANIFEST, "rb") as f:
+    original = f.read()
+  with open(source / fw.CANARY / fw.MANIFEST, "rb") as f:
+    canary = f.read()
+  first = [fw.make_case(original, canary, 7, i) for i in range(400)]
+  again = [fw.make_case(original, canary, 7, i) for i in range(400)]
+  assert [c.data for c in first] == [c.data for c in again]
+  assert [c.steps for c in first] == [c.steps for c in again]
+  assert all(c.data != original and c.steps for c in first)
+  assert len({c.data for c in first}) > 350

@@ -576,7 +576,7 @@ def test_replica_ids_are_jaxs(mesh_shape, order, spec, shape):
     assert mine[shard.device].index == _layout.normalize_index(shard.index, shape)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_sharded_arrays(), st.sampled_from([1, 2, 4]), st.data())
 def test_property_structural_plans_equal_generic_for_every_process(arr, itemsize, data):
   sharding, shape = arr
@@ -630,7 +630,7 @@ def _simulated(draw):
   return sizes, tuple(dim_axes), shape, [order[i:i + per] for i in range(0, n, per)]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_simulated(), st.sampled_from([1, 4]), st.integers(0, 1 << 20),
        st.sampled_from([(), (1, 1), (64, 16)]))
 def test_property_simulated_meshes_every_process_and_every_chunk_once(case, itemsize, salt,

@@ -422,3 +422,141 @@ TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = _machine_settings
 TestFileManagerMachine = FileManagerMachine.TestCase
 TestFileManagerMachine.settings = settings(_machine_settings, max_examples=25)
+
+
+# --- listing, metrics, targets, errors (the parts the manager is made of) ----------------------
+
+class CountingKv:
+  """The real kvstore of a StepIndex, with its list calls counted (keys returned per call)."""
+
+  def __init__(self, kv):
+    self.kv, self.listed = kv, []
+
+  def list(self, range=None):
+    future = self.kv.list(range=range)
+    self.listed.append(len(future.result()))
+    return future
+
+  def read(self, key):
+    return self.kv.read(key)
+
+
+def test_listing_skips_the_data_of_known_steps_and_finds_every_change():
+  from fnckpt import _steps
+  root = f"memory://test_manager/{uuid.uuid4().hex}"
+  big = {"w": np.zeros((64, 64), np.float32)}
+  for step in (1, 2, 10):  # many chunk files per step: the data that must not be listed
+    fnckpt.save(big, _paths.join(root, str(step)), budget_bytes=1 << 20).wait()
+  keys_per_step = len([k for k in _paths.list_keys(root) if k.startswith("1/")])
+  index = _steps.StepIndex(root)
+  index._kv = counting = CountingKv(index._kv)
+  assert index.list().steps == [1, 2, 10]          # first look: every key, once
+  assert sum(counting.listed) == 3 * keys_per_step
+  counting.listed.clear()
+  assert index.list().steps == [1, 2, 10]          # then only the (empty) gaps between steps
+  assert counting.listed == [0, 0, 0, 0]
+  # another writer adds a step, leaves a crashed one, re-commits one and deletes one
+  fnckpt.save(big, _paths.join(root, "5")).wait()
+  _paths.open_kvstore(_paths.join(root, "7")).write("manifest.msgpack", b"half").result()
+  fnckpt.save({"w": np.ones(3)}, _paths.join(root, "2"), overwrite=True).wait()
+  _paths.delete_prefix(_paths.join(root, "10"), first=(_steps.MARKER,))
+  counting.listed.clear()
+  listing = index.list()
+  assert listing.steps == [1, 2, 5] and listing.uncommitted == [7]
+  # the gaps held only the new steps' keys; the deleted step's own range was probed (empty)
+  assert sum(counting.listed) == keys_per_step + 1
+  assert index.list().steps == [1, 2, 5]
+
+
+def test_local_listing_reads_step_names_and_markers_only(tmp_path):
+  from fnckpt import _steps
+  root = tmp_path / "run"
+  fnckpt.save({"w": np.zeros(5000)}, str(root / "3")).wait()
+  (root / "4").mkdir()                       # an empty directory is no step
+  (root / "6" / "d").mkdir(parents=True)
+  (root / "6" / "d" / "x").write_bytes(b"")  # data without a marker: a leftover
+  (root / "notes").mkdir()
+  (root / "9").write_bytes(b"")              # a file, not a step directory
+  listing = _steps.StepIndex(str(root)).list()
+  assert listing.steps == [3] and listing.uncommitted == [6]
+  assert _steps.scan(str(tmp_path / "nothing")) == ([], [])
+
+
+def test_marker_is_what_the_core_commits(root):
+  """The index reads <step>/MARKER without parsing it; it must be the core's marker."""
+  from fnckpt import _commit, _steps
+  path = _paths.join(root, "1")
+  fnckpt.save({"x": np.zeros(2)}, path).wait()
+  assert f"1/{_steps.MARKER}" in _paths.list_keys(root)
+  kv = _paths.open_kvstore(path)
+  kv.delete_range(__import__("tensorstore").KvStore.KeyRange(_steps.MARKER,
+                                                             _steps.MARKER + "\0")).result()
+  assert not _commit.is_committed(kv)
+  assert _steps.scan(root) == ([], [1])
+
+
+def test_best_n_ranks_a_recommitted_step_by_its_new_metric(root):
+  """Metrics are cached per commit of a step: a step re-saved by another manager is re-read."""
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=1, best_n=1, best_metric="loss")
+  for step, loss in ((1, 0.1), (2, 0.5), (3, 0.9)):
+    mgr.save(step, state_of(step), metrics={"loss": loss})
+  mgr.wait()
+  assert mgr.all_steps() == [1, 3]  # 1 is the best
+  other = fnckpt.CheckpointManager(root)
+  other.save(1, state_of(1), metrics={"loss": 5.0}, force=True).wait()
+  mgr.save(4, state_of(4), metrics={"loss": 0.8})
+  mgr.wait()
+  assert mgr.all_steps() == [4]  # 1 is no longer the best (and 4 is the newest)
+  assert mgr.metrics(4) == {"loss": 0.8}
+
+
+def test_restore_or_init_warns_about_a_target_without_shardings(root):
+  mgr = fnckpt.CheckpointManager(root)
+  mgr.save(2, {"w": np.arange(4.0, dtype=np.float32), "step": 2}).wait()
+  target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "step": 0}
+  with pytest.warns(UserWarning, match=r"no sharding at \['w'\].*one device.*NamedSharding"):
+    state, step = mgr.restore_or_init(lambda: None, target=target)
+  assert step == 2 and len(state["w"].devices()) == 1
+  with pytest.warns(UserWarning, match=r"no sharding at \['step'\], \['w'\]"):  # eval_shape(init)
+    mgr.restore_or_init(lambda: {"w": jnp.zeros(4), "step": 0})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    placed = NamedSharding(jax.make_mesh((8,), ("x",)), P())
+    mgr.restore_or_init(None, target={"w": jax.ShapeDtypeStruct((4,), jnp.float32,
+                                                                sharding=placed), "step": 0})
+
+
+def test_wait_raises_every_error_once(root, phase_hook):
+  mgr = fnckpt.CheckpointManager(root)
+
+  def fail(name):
+    if name == "written":
+      raise OSError("disk full (simulated)")
+  phase_hook[1] = phase_hook[2] = fail
+  mgr.save(1, state_of(1))
+  mgr.save(2, state_of(2))
+  with pytest.raises(fnckpt.CheckpointError, match="disk full") as info:
+    mgr.wait()
+  assert any("also:" in note and "disk full" in note for note in info.value.__notes__)
+  mgr.wait()
+
+
+def test_retention_error_is_warned_then_raised_by_the_next_call(tmp_path):
+  """One process: a retention failure is warned about at once and raised (once) by the next
+  save() or wait(); the next pass deletes the step once the cause is gone."""
+  from mp_manager_worker import make_undeletable, undo_undeletable
+  root = str(tmp_path / "run")
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=1)
+  mgr.save(0, state_of(0)).wait()
+  how = make_undeletable(os.path.join(root, "0"))
+  try:
+    with pytest.warns(RuntimeWarning, match="Retention could not delete step 0"):
+      mgr.save(1, state_of(1)).wait()
+      mgr._background.join()
+    with pytest.raises(fnckpt.CheckpointError, match=r"manager.delete\(step\) for step 0"):
+      mgr.save(2, state_of(2))
+  finally:
+    undo_undeletable(os.path.join(root, "0"), how)
+  mgr.save(2, state_of(2))
+  mgr.close()
+  assert mgr.all_steps() == [2] and os.listdir(root) == ["2"]
