@@ -18,7 +18,12 @@ Reported per size (the figures are pooled over rounds: total steps / total secon
 * the **second dip**: steps/s over the steps that started while a save was still writing or
   committing (its "window"), and their slowdown against ``off``;
 * **blocked per save**: the wall time of ``manager.save(...)`` (median) and
-  ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed).
+  ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed);
+* ``cost/save``: the seconds the saves added to the ``on`` phases, per save (``on`` time minus
+  its steps at the ``off`` rate), and ``at 50`` the slowdown that cost makes at a save every
+  50 steps (the same figure as ``slowdown`` when ``--every 50``; for a size too slow to run
+  50-step intervals here, measure with a smaller ``--every`` whose writes still end inside
+  the interval: ``spilled`` in the JSON counts those that did not).
 
 Other processes on the same cores skew wall times: the load average at start and end is
 printed, and alternating ``off``/``on`` phases spreads that noise over both. ``--json PATH``
@@ -124,9 +129,12 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
   window = [t for s in saves for t in s.window]
   off_rate, on_rate, dip_rate = rate(off), rate(on), rate(window)
   stats = [s.handle.stats for s in saves]
+  # what the saves added to the 'on' phases, per save, against the 'off' step time
+  cost_per_save = (sum(on) - len(on) / off_rate) / len(saves)
   return {
       "steps_per_s_off": off_rate, "steps_per_s_on": on_rate,
-      "slowdown": 1 - on_rate / off_rate,
+      "slowdown": 1 - on_rate / off_rate, "cost_per_save_s": cost_per_save,
+      "slowdown_at_50": cost_per_save / (50 / off_rate + cost_per_save),
       "dip_steps_per_s": dip_rate, "dip_slowdown": 1 - dip_rate / off_rate,
       "dip_steps_per_save": len(window) / len(saves) if saves else 0,
       "saves": len(saves), "spilled": sum(p.spilled for p in phases),
@@ -134,7 +142,6 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
       "blocked_s_max": max(s.blocked_s for s in saves),
       "stats_blocking_s_median": statistics.median(s.blocking_s for s in stats),
       "write_total_s_median": statistics.median(s.total_s for s in stats),
-      "checkpoint_bytes": stats[0].bytes_written,
       "step_s_off_median": statistics.median(off), "step_s_on_median": statistics.median(on),
       "phases": [{"saving": p.saving, "step_s": p.step_s,
                   "saves": [{"step": s.step, "blocked_s": s.blocked_s, "window_s": s.window,
@@ -166,6 +173,8 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
       arrays, step, phase = run_phase(lm_run, arrays, batches, step, steps, args.every,
                                       manager if saving else None)
       phases.append(phase)
+      if saving and r == 0:  # what one checkpoint holds, from its metadata
+        saved = lm.checkpoint_size(fnckpt.metadata(manager.path(manager.latest_step())))
       print(f"[{name}] round {r + 1} {'on ' if saving else 'off'}: "
             f"{rate(phase.step_s):.3f} steps/s"
             + "".join(f"; save {s.step}: blocked {s.blocked_s:.3f}s, written in "
@@ -173,20 +182,23 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
                       for s in phase.saves), flush=True)
   manager.close()
   shutil.rmtree(directory, ignore_errors=True)
-  return {"size": name, "every": args.every, **summarize(phases)}
+  return {"size": name, "every": args.every, "checkpoint_bytes": saved["bytes"],
+          "checkpoint_arrays": saved["arrays"], **summarize(phases)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
-  rows = ["| size | checkpoint | steps/s off | steps/s on | slowdown | dip steps/s (steps) "
-          "| dip slowdown | blocked/save (stats) | write |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  rows = ["| size | checkpoint | every | steps/s off | steps/s on | slowdown | dip steps/s "
+          "(steps) | dip slowdown | blocked/save (stats) | write | cost/save | at 50 |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in results:
     rows.append(
-        f"| {r['size']} | {r['checkpoint_bytes'] / 2**20:.1f} MiB | {r['steps_per_s_off']:.3f} "
+        f"| {r['size']} | {r['checkpoint_bytes'] / 2**20:.1f} MiB | {r['every']} "
+        f"| {r['steps_per_s_off']:.3f} "
         f"| {r['steps_per_s_on']:.3f} | {100 * r['slowdown']:.1f}% "
         f"| {r['dip_steps_per_s']:.3f} ({r['dip_steps_per_save']:.1f}) "
         f"| {100 * r['dip_slowdown']:.1f}% | {r['blocked_s_median']:.3f} s "
-        f"({r['stats_blocking_s_median']:.3f} s) | {r['write_total_s_median']:.2f} s |")
+        f"({r['stats_blocking_s_median']:.3f} s) | {r['write_total_s_median']:.2f} s "
+        f"| {r['cost_per_save_s']:.3f} s | {100 * r['slowdown_at_50']:.1f}% |")
   return "\n".join(rows)
 
 

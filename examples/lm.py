@@ -340,10 +340,11 @@ def checkpoint_size(meta: fnckpt.CheckpointMetadata) -> dict[str, int]:
 def evaluate_newest(directory: str, size: Size, mesh: Mesh) -> dict[str, Any]:
   """Restore only the parameters of the newest checkpoint onto ``mesh`` (no optimizer built:
   the target comes from the checkpoint's metadata) and compute a held-out loss."""
-  step = fnckpt.CheckpointManager(directory).latest_step()
+  manager = fnckpt.CheckpointManager(directory)
+  step = manager.latest_step()
   if step is None:
     raise SystemExit(f"--eval: no checkpoint in {directory}")
-  path = f"{directory.rstrip('/')}/{step}"
+  path = manager.path(step)
   meta = fnckpt.metadata(path)
   target = fnckpt.target_from_metadata(meta, lambda keypath, _: spec_for(keypath), mesh=mesh)
   params = fnckpt.restore(path, {"params": target["params"]}, partial=True)["params"]
@@ -381,48 +382,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
-  if args.devices:  # before JAX starts its CPU backend; only CPU devices are simulated
-    jax.config.update("jax_num_cpu_devices", args.devices)
-  mesh_shape = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
-  mesh = make_mesh(mesh_shape)
-  size = SIZES[args.size]
-  devices = jax.devices()
-  print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s), "
-        f"size {args.size}", flush=True)
-  if args.eval:
-    print(json.dumps(evaluate_newest(args.dir, size, mesh)), flush=True)
-    return 0
-
-  run = build(size, mesh, args.seed)
+def resume_or_start(manager: fnckpt.CheckpointManager, run: Run) -> tuple[dict, int | None]:
+  """The newest checkpoint restored onto this job's mesh, or a fresh state."""
   t0 = time.perf_counter()
-  manager = fnckpt.CheckpointManager(args.dir, max_to_keep=args.keep,
-                                     save_interval_steps=args.save_every,
-                                     handle_preemption=True)
   state, restored = manager.restore_or_init(run.init, target=run.target)
   if restored is None:
     print(f"no checkpoint in {manager.directory}: starting fresh", flush=True)
   else:
-    meta = fnckpt.metadata(manager.path(restored))
+    meta = fnckpt.metadata(manager.path(restored))  # reads only the manifest
     print(f"resumed from step {restored} ({manager.path(restored)}), saved on mesh "
           f"{saved_mesh(meta)}, in {time.perf_counter() - t0:.2f}s", flush=True)
+  return state, restored
 
+
+def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+  """Train until ``args.steps``, saving every ``args.save_every`` steps, on SIGTERM and at
+  the end; return the summary."""
+  t0 = time.perf_counter()
+  manager = fnckpt.CheckpointManager(args.dir, max_to_keep=args.keep,
+                                     save_interval_steps=args.save_every,
+                                     handle_preemption=True)  # SIGTERM: save, then stop
+  state, restored = resume_or_start(manager, run)
   batches = run.batches(state["data"])
   arrays = {k: state[k] for k in ("params", "opt_state", "key")}
-  step, loss, preempted = state["step"], float("nan"), False
-  last_saved = restored
+  step, loss, preempted, last_saved = state["step"], float("nan"), False, restored
   while step < args.steps:
     tokens = jax.device_put(next(batches), run.tokens_sharding)
     arrays, loss = run.train_step(arrays, tokens)
     step += 1  # the checkpoint's step = number of steps done
     if step % args.log_every == 0 or step == args.steps:
       print(f"step {step:6d} loss {float(loss)!r}", flush=True)
-    if manager.should_save(step):
+    if manager.should_save(step):  # on the interval, or the first step after a SIGTERM
       manager.save(step, {**arrays, "step": step, "data": batches.state()},
                    metrics={"loss": loss})
       last_saved = step
-    if manager.reached_preemption(step):
+    if manager.reached_preemption(step):  # that save has committed
       print(f"preempted: step {step} is committed; run the same command to resume", flush=True)
       preempted = True
       break
@@ -432,17 +426,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.preempt_at_step == step:
       print(f"--preempt-at-step {step}: sending SIGTERM to self", flush=True)
       os.kill(os.getpid(), signal.SIGTERM)
-
   if not preempted and last_saved != step:
     manager.save(step, {**arrays, "step": step, "data": batches.state()},
                  metrics={"loss": loss}, force=True)
   manager.close()  # waits until every save is committed
-  newest = manager.latest_step()
-  print(json.dumps({
-      "step": step, "preempted": preempted, "resumed_from": restored, "loss": float(loss),
-      "params_sha256": params_digest(arrays["params"]), "steps_on_disk": manager.all_steps(),
-      "checkpoint": checkpoint_size(fnckpt.metadata(manager.path(newest))),
-      "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+  return {"step": step, "preempted": preempted, "resumed_from": restored, "loss": float(loss),
+          "params_sha256": params_digest(arrays["params"]), "steps_on_disk": manager.all_steps(),
+          "checkpoint": checkpoint_size(fnckpt.metadata(manager.path(manager.latest_step()))),
+          "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  if args.devices:  # before JAX starts its CPU backend; only CPU devices are simulated
+    jax.config.update("jax_num_cpu_devices", args.devices)
+  mesh = make_mesh(tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None)
+  devices = jax.devices()
+  print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s), "
+        f"size {args.size}", flush=True)
+  if args.eval:
+    summary = evaluate_newest(args.dir, SIZES[args.size], mesh)
+  else:
+    summary = train(args, build(SIZES[args.size], mesh, args.seed))
+  print(json.dumps(summary), flush=True)  # the last line: a JSON summary
   return 0
 
 

@@ -20,7 +20,7 @@ import jax
 from . import _commit, _paths
 from ._errors import CheckpointError
 
-__all__ = ["from_process_0", "client", "multi"]
+__all__ = ["from_process_0", "client", "preemption_sync_manager", "multi"]
 
 
 def multi() -> bool:
@@ -31,6 +31,12 @@ def client() -> Any:
   """The coordination service client (JAX has no public accessor for it)."""
   from jax._src import distributed
   return distributed.global_state.client
+
+
+def preemption_sync_manager() -> Any:
+  """JAX's preemption sync manager (``None`` when its preemption service is off)."""
+  from jax._src import distributed
+  return distributed.global_state.preemption_sync_manager
 
 
 def _key(location: str, name: str) -> str:

@@ -30,9 +30,10 @@ Resuming after preemption (the pattern every training loop can copy)::
     mgr.close()                          # waits for pending saves; now the process may exit
 
 Several processes (``jax.distributed``): every process makes the same manager calls in the same
-order. ``save``, ``wait``, ``close``, ``delete``, ``cleanup``, ``restore``/``restore_or_init``
-(they choose the step on process 0) and ``reached_preemption`` are collective; ``all_steps``,
-``latest_step``, ``uncommitted_steps`` and ``metrics`` read storage on the calling process only.
+order. ``save``, ``wait``, ``close``, ``delete``, ``cleanup``, ``reached_preemption``,
+``restore_or_init`` and ``restore`` without a step (process 0 chooses the step and publishes it)
+are collective; ``all_steps``, ``latest_step``, ``uncommitted_steps``, ``metrics`` and
+``restore(step)`` work on the calling process alone.
 Errors of background work (retention, on process 0) are never raised from ``save``: they are
 warned about on process 0 and raised by ``wait``/``close`` on every process.
 """

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from . import _coordination
 from ._errors import CheckpointError
 
 __all__ = ["Preemption"]
@@ -25,11 +26,6 @@ __all__ = ["Preemption"]
 # The coordination-service key JAX's preemption service writes when a process receives the
 # notice (tsl's preemption_sync_manager.cc); read only to answer `requested` early.
 _NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
-
-
-def _sync_manager() -> Any:
-  from jax._src import distributed
-  return distributed.global_state.preemption_sync_manager
 
 
 class Preemption:
@@ -45,7 +41,7 @@ class Preemption:
   def install(self, signals: tuple[int, ...]) -> None:
     """One process: ``signals`` only set a flag. Several: use JAX's preemption service."""
     if jax.process_count() > 1:
-      if _sync_manager() is None:
+      if _coordination.preemption_sync_manager() is None:
         raise CheckpointError(
             "handle_preemption with several processes uses JAX's preemption service, which "
             "is off. Call jax.config.update('jax_enable_preemption_service', True) before "
@@ -89,8 +85,7 @@ class Preemption:
     if not self._sync_point:
       return False
     try:
-      from jax._src import distributed
-      distributed.global_state.client.key_value_try_get(_NOTICE_KEY)
+      _coordination.client().key_value_try_get(_NOTICE_KEY)
       return True
     except Exception:  # not found: no notice yet
       return False

@@ -42,7 +42,7 @@ class Background:
         fn(*args)
       except BaseException as e:  # kept for wait(); nothing may die silently in a thread
         self.record(e)
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread = threading.Thread(target=run, name=name)  # the interpreter waits for it at exit
     with self._lock:
       self._threads = [t for t in self._threads if t.is_alive()] + [thread]
     thread.start()

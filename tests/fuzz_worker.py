@@ -414,8 +414,40 @@ class _Mutator:
       else:
         self.set(path, self.random_value(dict), "another type")
 
+  def redirect(self) -> None:
+    """A consistent crafted manifest: every string naming a location under some prefix (a
+    data directory, 'd', 'd/3', ...) now names the same place under ../other/ (the canary's
+    name for it where the canary names it differently, e.g. a per-save directory)."""
+    r = self.rng
+    prefixes = {}
+    for path, v in self.original_sites:
+      if isinstance(v, str) and 0 < len(v) < 200:
+        twin = _lookup(self.canary, path)
+        parts = v.split("/")
+        for n in range(1, len(parts) + 1 if len(parts) > 1 else 1):
+          prefixes.setdefault("/".join(parts[:n]), None)
+        if isinstance(twin, str) and twin != v:
+          prefixes[v] = twin
+    if not prefixes:
+      return
+    prefix = r.choice(sorted(prefixes, key=str))
+    twin = prefixes[prefix] or prefix
+    new = r.choice(["../other/", "../" + CANARY + "/./", "/../other/"]) + twin
+    count = 0
+    for path, v in _sites(self.obj):
+      if isinstance(v, str) and (v == prefix or v.startswith(prefix + "/")) and path:
+        _get(self.obj, path[:-1])[path[-1][1]] = new + v[len(prefix):]
+        self.touched.append(path)
+        count += 1
+    if count:
+      self.steps.append(f"every string {short(prefix)} or under it -> under {short(new)} "
+                        f"({count} string(s); redirect)")
+
   def mutate_random(self) -> None:
     r = self.rng
+    if r.random() < 0.05:
+      self.redirect()
+      return
     sites = _sites(self.obj) if self.steps else self.original_sites  # unmutated yet: the same
     pick = r.random()
     if pick < 0.7:
@@ -444,13 +476,17 @@ class _Mutator:
     rnd = k // len(sites)
     if isinstance(v, bool) or v is None:
       pool = [x for x in OTHER_VALUES if type(x) is not type(v)]
-    elif isinstance(v, int):
-      pool = NASTY_INTS + [v + 1, v - 1, _int_clamp(v << 45), -v]
+    elif isinstance(v, int):  # (the first rounds matter most: 10,000 cases make ~6)
+      pool = [-1, 1 << 45, 1 << 63, v + 1, _int_clamp(v << 45), 0, -(1 << 63), (1 << 64) - 1,
+              v - 1, -v] + NASTY_INTS
     elif isinstance(v, float):
       pool = NASTY_FLOATS
     elif isinstance(v, str):
-      pool = (self.strings_for(path, v)[:2] + NASTY_NAMES[:4] + ["../other/d/0"] + NASTY_DTYPES[:4]
-              + NASTY_PATHS + NASTY_NAMES + NASTY_DTYPES + NASTY_MISC + self.vocab_str)
+      pool = (self.strings_for(path, v)[:1] + ["seed", "__import__", "os.system", "object",
+                                               "/etc", "<U3", "a/../../x", "float128", "",
+                                               "V8", "."]
+              + self.strings_for(path, v)[1:] + NASTY_PATHS + NASTY_NAMES + NASTY_DTYPES
+              + NASTY_MISC + self.vocab_str)
     elif isinstance(v, bytes):
       pool = [b"", v[:-1], v + b"\x00", v[: len(v) // 2], v * 2, "", None]
     elif isinstance(v, list):
@@ -497,8 +533,10 @@ def make_case(original: bytes, canary: bytes, seed: int | str, index: int) -> Ca
   """Case ``index`` of the run with ``seed``: a deterministic function of its arguments.
 
   Even cases are systematic (every node of the manifest in turn, each with the hostile values
-  for its type in turn), odd ones random (1-4 mutations of random nodes); one case in ten
-  also mangles the encoded bytes (truncated, bits flipped, a byte inserted or dropped)."""
+  for its type in turn: strings first become '../other/<the canary's value here>', 'seed',
+  '__import__', 'os.system', ...; ints -1, 2**45, 2**63, ...; every 7th round deletes the
+  node), odd ones random (1-4 mutations of random nodes); about one odd case in seven instead
+  or also mangles the encoded bytes (truncated, bits flipped, bytes inserted or dropped)."""
   rng = random.Random(f"{seed}:{index}")
   key = (original, canary)
   if key not in _CACHE:

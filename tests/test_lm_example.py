@@ -1,8 +1,11 @@
 """examples/lm.py at size tiny, run as subprocesses (simulated CPU devices): an interrupted run's
 loss curve equals an uninterrupted one's bitwise; a run resumes on another mesh and device
 count with the saved values and keeps training; --eval restores the parameters through
-fnckpt.metadata -> target_from_metadata; the default size is as large as documented."""
+fnckpt.metadata -> target_from_metadata; the default size is as large as documented.
+Then target_from_metadata itself, in this process (8 CPU devices, see conftest.py)."""
 
+import collections
+import hashlib
 import json
 import os
 import re
@@ -11,10 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
+from fnckpt._target import target_from_metadata  # exported as fnckpt.target_from_metadata
+from tree_utils import assert_trees_all_equal
 
 LM = Path(__file__).resolve().parent.parent / "examples" / "lm.py"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
@@ -44,8 +51,6 @@ def lm(directory, *args):
 
 def digest(params) -> str:
   """What lm.params_digest computes, over host values."""
-  import hashlib
-  import jax
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     h.update(jax.tree_util.keystr(path).encode())
@@ -129,3 +134,85 @@ def test_default_size_is_a_real_checkpoint(tmp_path):
 def test_another_device_count_than_the_mesh_is_refused(tmp_path):
   rc, _, _, log = lm(tmp_path, "--size", "tiny", "--devices", 4, "--mesh", "3,1")
   assert rc != 0 and "--mesh 3,1 needs 3 devices; this job has 4" in log
+
+
+# --- target_from_metadata ------------------------------------------------------------------
+
+Opt = collections.namedtuple("Opt", "count mu")
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """A checkpoint of every kind of leaf, saved on a (2, 4) mesh."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  tree = {"w": put(np.arange(512.0, dtype=np.float32).reshape(64, 8), "data", "model"),
+          "b": put(np.arange(4, dtype=np.int32), "model"),
+          "keys": put(jax.random.split(jax.random.key(0), 8), "data"),
+          "key": jax.random.key(1, impl="rbg"),
+          "opt": Opt(7, {"w": put(np.ones((64, 8), jax.numpy.bfloat16), ("data", "model"))}),
+          "host": np.arange(6.0).reshape(2, 3), "name": "run", "none": None, "empty": {},
+          "rng": np.random.default_rng(3)}
+  path = str(tmp_path / "ckpt")
+  fnckpt.save(tree, path).wait()
+  return path
+
+
+def test_target_keeps_the_saved_specs_on_another_mesh(saved):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+  target = target_from_metadata(saved, mesh)  # a path: read with fnckpt.metadata
+  assert target["w"] == jax.ShapeDtypeStruct((64, 8), np.float32,
+                                             sharding=NamedSharding(mesh, P("data", "model")))
+  assert target["opt"]["mu"]["w"].sharding.spec == P(("data", "model"))
+  assert target["keys"].shape == (8,) and target["keys"].sharding.spec == P("data")
+  assert jax.dtypes.issubdtype(target["key"].dtype, jax.dtypes.prng_key)
+  assert str(target["key"].dtype) == "key<rbg>" and target["key"].shape == ()
+  assert target["host"].sharding.spec == P()  # saved from numpy: replicated
+  assert target["opt"]["count"] == 7 and target["name"] == "run" and target["none"] is None
+  restored = fnckpt.restore(saved, target)
+  assert_trees_all_equal(restored, fnckpt.restore(saved))  # every value, as saved
+  for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      got = restored
+      for k in path:
+        got = got[k.key]
+      assert got.sharding == leaf.sharding, jax.tree_util.keystr(path)
+
+
+def test_target_from_a_rule_or_one_sharding(saved):
+  meta = fnckpt.metadata(saved)
+  mesh = jax.make_mesh((8,), ("x",))
+  seen = []
+
+  def rule(keypath, array):
+    seen.append(keypath)
+    return P("x") if array.key_shape[:1] == (8,) or array.shape[:1] == (64,) else P()
+
+  target = target_from_metadata(meta, rule, mesh=mesh)
+  assert sorted(seen) == sorted(["['b']", "['host']", "['key']", "['keys']",
+                                 "['opt']['mu']['w']", "['w']"])
+  assert target["w"].sharding == NamedSharding(mesh, P("x"))
+  assert target["keys"].sharding == NamedSharding(mesh, P("x"))
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+  restored = fnckpt.restore(saved, target_from_metadata(meta, one))
+  assert restored["keys"].sharding == one and restored["w"].sharding == one
+  assert_trees_all_equal(restored, fnckpt.restore(saved))
+
+
+@pytest.mark.parametrize("sharding, mesh, error, match", [
+    ("mesh x", None, ValueError, r"\['w'\] was saved as P\('data', 'model'\) over mesh axes "
+     r"\('data', 'model'\); this mesh has axes \('x',\), not \['data', 'model'\]"),
+    ("mesh 1x8", None, ValueError, r"\['b'\] of shape \(4,\) cannot be placed"),
+    (lambda keypath, array: P(), None, TypeError, r"a PartitionSpec needs a mesh: pass mesh="),
+    (lambda keypath, array: "data", "mesh x", TypeError, r"returned 'data' for \['b'\]"),
+    ("one device", "mesh x", TypeError, r"mesh= goes with a rule"),
+    ("mesh x", "mesh x", TypeError, r"pass the mesh once"),
+    ("data", None, TypeError, r"got str"),
+])
+def test_target_errors_say_which_leaf_and_what_to_do(saved, sharding, mesh, error, match):
+  given = {"mesh x": jax.make_mesh((8,), ("x",)),
+           "mesh 1x8": jax.make_mesh((1, 8), ("data", "model")),
+           "one device": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+  with pytest.raises(error, match=match):
+    target_from_metadata(fnckpt.metadata(saved), given.get(sharding, sharding),
+                         mesh=given.get(mesh, mesh))
