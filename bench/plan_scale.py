@@ -16,11 +16,11 @@ The restore goes onto a (P * D / 4, 4) mesh (TP 4 instead of 8) with the same sp
 
 Process ``p`` holds the devices at flat mesh positions ``p * D .. p * D + D - 1`` (as
 ``jax.make_mesh`` lays out hosts). For a sample of processes (the first, the last and 3
-drawn with seed 0) it runs fnckpt's own planner (``fnckpt._layout``: ``write_layout`` +
-``local_writes`` per leaf, with the leaf index as salt, and ``local_reads`` for the restore)
-on :class:`ShardingInfo` records, the same code a real save runs after its adapter reads the
-JAX sharding; the plan caches start empty for each process (a first save), and a second pass
-measures the steady state. ``bytes_max_over_mean`` is over *all* processes: bytes of
+drawn with seed 0) it runs fnckpt's own planner: ``_layout.plan_write`` per leaf (the leaf
+index as salt) and ``_layout.plan_read``, given ``ShardingInfo`` records (what the adapter
+builds from a JAX ``NamedSharding``, here built from the simulated mesh), with the same
+caches a real process has. They start empty for each process (a first save); a second pass
+is the steady state of a training loop. ``bytes_max_over_mean`` is over *all* processes: bytes of
 unreplicated leaves are the same on every process (each device writes its shard); the pieces
 of replicated leaves are assigned by the planner's rule for every shard, and the result is
 checked against the planned bytes of every sampled process. Times are the best of 3 runs (on a
@@ -53,7 +53,7 @@ if REPO not in sys.path:
 
 from fnckpt import _layout  # noqa: E402
 
-AXES = ("data", "model")
+# dim_axes of the specs on mesh axes ("data", "model")
 DATA, MODEL, REPLICATED = ((0,), (1,)), ((1,), (0,)), ()
 D_MODEL, LAYERS, FFN, QKV, VOCAB = 8192, 80, 28672, 10240, 32000
 MiB = 1 << 20
@@ -129,6 +129,8 @@ def bytes_per_process(state, mesh, processes: int, per: int) -> np.ndarray:
     for block in np.ndindex(*blocks):
       index = tuple((b * s, b * s + s) for b, s in zip(block, shard))
       cells = _layout._chunks_of(index, layout.chunk)
+      if not cells:
+        continue
       start = _layout._spread(salt) + _layout._cell_number(cells[0], layout.chunk, shape)
       stride = max(1, info.replicas // len(cells))
       for p, cell in enumerate(cells):

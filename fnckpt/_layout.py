@@ -29,7 +29,6 @@ Indices are tuples of ``(start, stop)`` pairs, one per dimension.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
