@@ -1,33 +1,32 @@
 """What checkpointing costs training: steps/s of examples/lm.py with and without saving.
 
-    python bench/train_cost.py                                  # small and 100m, every 50 steps
-    python bench/train_cost.py --sizes small --rounds 3 --every 50
-    python bench/train_cost.py --sizes 100m --rounds 1 --phase-saves 1
+    python bench/train_cost.py --rounds 3        # small: 6 saves, one every 50 steps (~5 min)
+    python bench/train_cost.py --sizes 100m --every 10 --phase-saves 2 --rounds 1 --warmup 2
 
 The example's own pieces (``lm.build``: model, optimizer, shardings, jitted train step and data
 iterator) run in this process on ``--devices`` simulated CPU devices (a ``--mesh`` of them).
 After a warm-up (compilation), phases alternate: ``off`` trains ``--phase-saves x --every``
 steps without saving; ``on`` trains as many with a ``fnckpt.CheckpointManager`` save of the
-whole state (what lm.py saves) at the first step of every ``--every``-step interval, so each
-save's background write ends inside its phase. Every step is timed to the loss being ready
-(``block_until_ready``), the save call included.
+whole state (what lm.py saves: parameters, AdamW state, step, key, data position) in the
+middle of every ``--every``-step interval, so each save has a quiet baseline before it and
+its background write ends inside the phase (``spilled`` in the JSON counts those that did
+not). Every step is timed until its loss is ready, the ``manager.save`` call included.
 
-Reported per size (the figures are pooled over rounds: total steps / total seconds):
-* ``steps/s off`` and ``steps/s on``, and the slowdown ``1 - on/off`` (the target: <= 5% at a
-  save every 50 steps);
-* the **second dip**: steps/s over the steps that started while a save was still writing or
-  committing (its "window"), and their slowdown against ``off``;
+Reported per size:
+* **pooled**: steps/s of all ``off`` and all ``on`` steps and the slowdown ``1 - on/off``.
+  Honest but fragile: on a shared 2-core machine other processes move step times by more
+  than a save does, so also:
+* **paired**: per save, the seconds it added: the step that saved (blocked time included) and
+  the steps of its "window" (those that started while it was still writing or committing)
+  against the median of the 10 steps just before it. ``slowdown at every / at 50`` is that
+  cost over an interval of ``--every`` / 50 baseline steps (the target: <= 5% at 50). For a
+  size too slow to run 50-step intervals, measure with a smaller ``--every`` and read "at 50";
+* the **second dip**: how many steps a save's window spans, and how much slower they ran than
+  its baseline (median over saves);
 * **blocked per save**: the wall time of ``manager.save(...)`` (median) and
-  ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed);
-* ``cost/save``: the seconds the saves added to the ``on`` phases, per save (``on`` time minus
-  its steps at the ``off`` rate), and ``at 50`` the slowdown that cost makes at a save every
-  50 steps (the same figure as ``slowdown`` when ``--every 50``; for a size too slow to run
-  50-step intervals here, measure with a smaller ``--every`` whose writes still end inside
-  the interval: ``spilled`` in the JSON counts those that did not).
+  ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed).
 
-Other processes on the same cores skew wall times: the load average at start and end is
-printed, and alternating ``off``/``on`` phases spreads that noise over both. ``--json PATH``
-writes every figure and per-step time.
+The load average at start and end is printed. ``--json PATH`` writes every figure and step time.
 """
 
 from __future__ import annotations
@@ -51,7 +50,14 @@ class Save:
   step: int
   blocked_s: float                 # wall time of manager.save(...)
   handle: Any                      # fnckpt.SaveHandle
+  before: list[float]              # the step times just before it: its local baseline
+  save_step_s: float = 0.0         # the step that saved, blocked time included
   window: list[float] = dataclasses.field(default_factory=list)  # step times while writing
+
+  def cost_s(self) -> float:
+    """Seconds this save added: its step and its window against the baseline's median."""
+    base = statistics.median(self.before)
+    return self.save_step_s + sum(self.window) - (1 + len(self.window)) * base
 
 
 @dataclasses.dataclass
@@ -64,7 +70,8 @@ class Phase:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--sizes", default="small,100m", help="comma-separated lm.py sizes")
+  p.add_argument("--sizes", default="small", help="comma-separated lm.py sizes (100m: ~6-12 s "
+                 "a step on 2 cores, so measure it with a smaller --every)")
   p.add_argument("--every", type=int, default=50, help="save every K steps")
   p.add_argument("--phase-saves", type=int, default=2, help="saves per 'on' phase (a phase "
                  "is this many intervals of --every steps)")
@@ -97,18 +104,18 @@ def timed_step(lm_run, arrays, batches) -> tuple[Any, float]:
 
 def run_phase(lm_run, arrays, batches, step: int, steps: int, every: int,
               manager: Any | None) -> tuple[Any, int, Phase]:
-  """``steps`` timed steps; with a manager, a save after the first step of each interval."""
+  """``steps`` timed steps; with a manager, a save in the middle of each interval."""
   phase = Phase(saving=manager is not None)
   for i in range(steps):
     writing = [s for s in phase.saves if not s.handle.done()]
     arrays, seconds = timed_step(lm_run, arrays, batches)
     step += 1
-    if manager is not None and i % every == 0:
+    if manager is not None and i % every == every // 2:
       t0 = time.perf_counter()
       handle = manager.save(step, {**arrays, "step": step, "data": batches.state()})
       blocked = time.perf_counter() - t0
-      phase.saves.append(Save(step, blocked, handle))
       seconds += blocked
+      phase.saves.append(Save(step, blocked, handle, phase.step_s[-10:], seconds))
     for s in writing:
       s.window.append(seconds)
     phase.step_s.append(seconds)
@@ -122,30 +129,32 @@ def rate(step_s: list[float]) -> float:
   return len(step_s) / sum(step_s) if step_s else float("nan")
 
 
-def summarize(phases: list[Phase]) -> dict[str, Any]:
+def summarize(phases: list[Phase], every: int) -> dict[str, Any]:
   off = [t for p in phases if not p.saving for t in p.step_s]
   on = [t for p in phases if p.saving for t in p.step_s]
   saves = [s for p in phases for s in p.saves]
-  window = [t for s in saves for t in s.window]
-  off_rate, on_rate, dip_rate = rate(off), rate(on), rate(window)
   stats = [s.handle.stats for s in saves]
-  # what the saves added to the 'on' phases, per save, against the 'off' step time
-  cost_per_save = (sum(on) - len(on) / off_rate) / len(saves)
+  base = statistics.median(t for s in saves for t in s.before)
+  cost = statistics.median(s.cost_s() for s in saves)
+  dips = [statistics.mean(s.window) / statistics.median(s.before) - 1 for s in saves if s.window]
   return {
-      "steps_per_s_off": off_rate, "steps_per_s_on": on_rate,
-      "slowdown": 1 - on_rate / off_rate, "cost_per_save_s": cost_per_save,
-      "slowdown_at_50": cost_per_save / (50 / off_rate + cost_per_save),
-      "dip_steps_per_s": dip_rate, "dip_slowdown": 1 - dip_rate / off_rate,
-      "dip_steps_per_save": len(window) / len(saves) if saves else 0,
+      "steps_per_s_off": rate(off), "steps_per_s_on": rate(on),
+      "slowdown": 1 - rate(on) / rate(off),
+      "cost_per_save_s": cost, "baseline_step_s": base,
+      "slowdown_at_every": cost / (every * base + cost),
+      "slowdown_at_50": cost / (50 * base + cost),
+      "dip_slowdown": statistics.median(dips) if dips else 0.0,
+      "dip_steps_per_save": statistics.mean(len(s.window) for s in saves),
       "saves": len(saves), "spilled": sum(p.spilled for p in phases),
       "blocked_s_median": statistics.median(s.blocked_s for s in saves),
       "blocked_s_max": max(s.blocked_s for s in saves),
       "stats_blocking_s_median": statistics.median(s.blocking_s for s in stats),
       "write_total_s_median": statistics.median(s.total_s for s in stats),
-      "step_s_off_median": statistics.median(off), "step_s_on_median": statistics.median(on),
       "phases": [{"saving": p.saving, "step_s": p.step_s,
-                  "saves": [{"step": s.step, "blocked_s": s.blocked_s, "window_s": s.window,
-                             "stats": dataclasses.asdict(s.handle.stats)} for s in p.saves]}
+                  "saves": [{"step": s.step, "blocked_s": s.blocked_s, "before_s": s.before,
+                             "save_step_s": s.save_step_s, "window_s": s.window,
+                             "cost_s": s.cost_s(), "stats": dataclasses.asdict(s.handle.stats)}
+                            for s in p.saves]}
                  for p in phases],
   }
 
@@ -183,22 +192,23 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
   manager.close()
   shutil.rmtree(directory, ignore_errors=True)
   return {"size": name, "every": args.every, "checkpoint_bytes": saved["bytes"],
-          "checkpoint_arrays": saved["arrays"], **summarize(phases)}
+          "checkpoint_arrays": saved["arrays"], **summarize(phases, args.every)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
-  rows = ["| size | checkpoint | every | steps/s off | steps/s on | slowdown | dip steps/s "
-          "(steps) | dip slowdown | blocked/save (stats) | write | cost/save | at 50 |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  rows = ["| size | checkpoint | every | steps/s off / on (pooled) | slowdown (pooled) "
+          "| blocked/save (stats) | write | dip: steps, slowdown | cost/save (paired) "
+          "| slowdown at every / at 50 (paired) |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in results:
     rows.append(
-        f"| {r['size']} | {r['checkpoint_bytes'] / 2**20:.1f} MiB | {r['every']} "
-        f"| {r['steps_per_s_off']:.3f} "
-        f"| {r['steps_per_s_on']:.3f} | {100 * r['slowdown']:.1f}% "
-        f"| {r['dip_steps_per_s']:.3f} ({r['dip_steps_per_save']:.1f}) "
-        f"| {100 * r['dip_slowdown']:.1f}% | {r['blocked_s_median']:.3f} s "
+        f"| {r['size']} | {r['checkpoint_bytes'] / 2**20:.1f} MiB, {r['checkpoint_arrays']} "
+        f"arrays | {r['every']} | {r['steps_per_s_off']:.3f} / {r['steps_per_s_on']:.3f} "
+        f"| {100 * r['slowdown']:.1f}% | {r['blocked_s_median']:.3f} s "
         f"({r['stats_blocking_s_median']:.3f} s) | {r['write_total_s_median']:.2f} s "
-        f"| {r['cost_per_save_s']:.3f} s | {100 * r['slowdown_at_50']:.1f}% |")
+        f"| {r['dip_steps_per_save']:.1f}, {100 * r['dip_slowdown']:+.1f}% "
+        f"| {r['cost_per_save_s']:.3f} s | {100 * r['slowdown_at_every']:.2f}% / "
+        f"{100 * r['slowdown_at_50']:.2f}% |")
   return "\n".join(rows)
 
 

@@ -21,9 +21,10 @@ from ._save import SaveHandle as SaveHandle
 from ._save import SaveStats as SaveStats
 from ._save import save as save
 from ._save import wait as wait
+from ._target import target_from_metadata as target_from_metadata
 
 __all__ = [
-    "save", "restore", "metadata", "wait", "CheckpointManager",
+    "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",
     "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
     "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
 ]

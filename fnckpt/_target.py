@@ -48,7 +48,8 @@ def target_from_metadata(meta: CheckpointMetadata | str,
     (ints, strings, numpy Generators, None, empty containers) are the saved values, which
     :func:`fnckpt.restore` fills in as saved. Restore it whole, or a part of it with
     ``partial=True``. Every sharding is checked against its array's shape here, so an axis
-    that does not divide a dimension is an error naming the key path.
+    that does not divide a dimension is an error naming the key path. (As for any
+    ``jax.device_put``, 64-bit dtypes stay 64-bit on devices only with ``jax_enable_x64``.)
 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
   >>> from jax.sharding import NamedSharding, PartitionSpec as P

@@ -229,8 +229,7 @@ def _location(msg: str) -> str:
   return re.sub(r":\d+ ", " ", m.group(1)) if m else ""
 
 
-def _report(groups: dict, cases: dict, original: bytes, canary: bytes, seed, base: str,
-            show_full: bool) -> str:
+def _report(groups: dict, cases: dict, seed, base: str) -> str:
   out = []
   ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
   by_place: dict = collections.defaultdict(collections.Counter)
@@ -248,7 +247,7 @@ def _report(groups: dict, cases: dict, original: bytes, canary: bytes, seed, bas
     def size(h):
       c = cases[h[0]]
       return (len(c.steps), sum(len(s) for s in c.steps), h[0])
-    index, msg = min(hits, key=size)
+    index, msg = min(hits[:50], key=size)
     case = cases[index]
     out.append("")
     out.append(f"=== {n}. {op}: {kind} ({len(hits)} case(s)); example: case {index}")
@@ -261,8 +260,7 @@ def _report(groups: dict, cases: dict, original: bytes, canary: bytes, seed, bas
     out.extend(f"  - {s}" for s in case.steps)
     if case.obj is not None:
       out.append("mutated manifest (long lists show only the mutated items):")
-      out.append(fw.render(case.obj, case.touched) if not show_full else
-                 fw.render(case.obj, case.touched, width=10 ** 9))
+      out.append(fw.render(case.obj, case.touched))
     else:
       out.append(f"mutated manifest bytes ({len(case.data)} B), from byte 0: "
                  f"{case.data[:64].hex()}...")
@@ -293,7 +291,11 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
   # files, which costs milliseconds on a disk mounted with 'discard'.
   scratch = base
   if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-    scratch = tempfile.mkdtemp(prefix="fnckpt-fuzz-", dir="/dev/shm")
+    for old in os.listdir("/dev/shm"):  # left by runs that were killed (pytest's timeout)
+      m = re.fullmatch(r"fnckpt-fuzz-(\d+)-.*", old)
+      if m and not os.path.exists(f"/proc/{m.group(1)}"):
+        shutil.rmtree(os.path.join("/dev/shm", old), ignore_errors=True)
+    scratch = tempfile.mkdtemp(prefix=f"fnckpt-fuzz-{os.getpid()}-", dir="/dev/shm")
   workers = [_Worker(i, source, base, scratch, config) for i in range(n_workers)]
   try:
     # The harness itself: the unmutated checkpoint must pass every operation, values intact.
@@ -335,11 +337,13 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
     for t in threads:
       t.join()
     elapsed = time.monotonic() - start
-    memory = []
+    memory, cpu = [], []
     for w in workers:
       if w.proc is not None:
         res = w.run("stats", 30)
         memory.append(res.get("memory", "?"))
+        if res.get("cases"):
+          cpu.append(res["cpu_s"] / res["cases"])
   finally:
     for w in workers:
       w.kill()
@@ -360,13 +364,19 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
     for f in res["failures"]:
       key = (f["op"], f["kind"], _normalize(f["msg"], scratch), _location(f["msg"]))
       groups[key].append((res["case"], f["msg"]))
+  notes: dict = collections.defaultdict(list)
+  for res in results:
+    for f in res.get("notes", []):
+      key = (f["op"], f["kind"], _normalize(f["msg"], scratch), _location(f["msg"]))
+      notes[key].append((res["case"], f["msg"]))
   failed_cases = sum(1 for r in results if r["failures"])
   deaths = sum(1 for r in results if r.get("died"))
   in_worker = sum(r.get("case_s", 0) for r in results)
   summary = [f"fuzz: seed {seed}, {len(results)} mutated manifests in {elapsed:.1f}s with "
              f"{n_workers} worker(s) ({elapsed / max(1, len(results)) * 1000:.1f}s per 1000 "
              f"cases; in a worker {in_worker / max(1, len(results)) * 1000:.1f} ms per case, "
-             f"excluding hangs and restarts); {failed_cases} case(s) failed; {deaths} worker(s) "
+             f"excluding hangs and restarts; CPU per case {sum(cpu) / max(1, len(cpu)) * 1000:.1f} "
+             f"ms); {failed_cases} case(s) failed; {deaths} worker(s) "
              f"crashed or hung; inotify: {'/'.join(w.inotify for w in workers)}; worker memory at "
              f"the end: {'; '.join(memory)} (limit {as_gb:g} GiB of address space)"]
   for op in fw.OPS:
@@ -374,27 +384,46 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors(source, tmp_path):
     counts = "  ".join(f"{k} {v}" for k, v in sorted(c.items()))
     summary.append(f"  {op:16s} mean {op_time[op] / max(1, sum(c.values())) * 1000:6.1f} ms  "
                    f"{counts}")
-  print("\n".join(summary))
-
   problems = []
   if stopped_early and len(results) < n_cases:
     problems.append(f"only {len(results)} of {n_cases} cases ran within FNCKPT_FUZZ_MAX_S="
                     f"{max_s:g}s")
   report = ""
+  if notes:  # not failures: CheckpointErrors that a catch-all made out of raw Python errors
+    lines = [f"note: {sum(len(h) for h in notes.values())} CheckpointError(s) wrap a raw Python "
+             "error (a catch-all turned it into CheckpointError: validation gaps, not failures):"]
+    for (op, kind, norm, loc), hits in sorted(notes.items(), key=lambda kv: -len(kv[1])):
+      try:
+        examples = [fw.make_case(original, canary, seed, i) for i, _ in hits[:20]]
+        example = min(examples, key=lambda c: (len(c.steps), sum(map(len, c.steps))))
+        index, steps = example.index, "; ".join(example.steps)
+      except Exception as e:
+        index, steps = hits[0][0], f"make_case raised {e!r}"
+      lines.append(f"  {len(hits):5d}x  {op}: {kind}: {norm}" + (f"  [{loc}]" if loc else "")
+                   + f"\n         e.g. case {index}: {steps[:300]}")
+    summary += lines
+  print("\n".join(summary))  # (shown with -s, or with the failure)
   if groups or only:
-    wanted = {i for hits in groups.values() for i, _ in hits} if not only else set(only)
-    cases = {i: fw.make_case(original, canary, seed, i) for i in wanted}
-    report = _report(groups, cases, original, canary, seed, scratch, bool(only))
+    wanted = {i for hits in groups.values() for i, _ in hits[:50]} | set(only)
+    cases = {}
+    for i in wanted:
+      try:
+        cases[i] = fw.make_case(original, canary, seed, i)
+      except Exception as e:  # reported by the worker as a HARNESS BUG group
+        cases[i] = fw.Case(i, [f"make_case raised {type(e).__name__}: {e}"], b"", None, [])
+    report = _report(groups, cases, seed, scratch)
     if only:
       for i in only:
         c = cases[i]
         report += (f"\n\n--- case {i}: " + "; ".join(c.steps) + "\n" +
-                   (fw.render(c.obj, c.touched) if c.obj is not None else c.data.hex()))
+                   (fw.render(c.obj, [p for p, _ in fw._sites(c.obj)], width=10 ** 9)
+                    if c.obj is not None else c.data.hex()))
+  path = os.environ.get("FNCKPT_FUZZ_REPORT")
+  if path:
+    with open(path, "w") as f:
+      f.write("\n".join(summary + problems) + "\n\n" + report + "\n")
+  if only:
     print(report)
-    path = os.environ.get("FNCKPT_FUZZ_REPORT")
-    if path:
-      with open(path, "w") as f:
-        f.write("\n".join(summary) + "\n\n" + report + "\n")
   if groups or problems:
     pytest.fail("\n".join(summary + problems) + "\n\n" + report, pytrace=False)
 
@@ -406,9 +435,9 @@ def test_mutator_is_deterministic_and_always_mutates(source):
     original = f.read()
   with open(source / fw.CANARY / fw.MANIFEST, "rb") as f:
     canary = f.read()
-  first = [fw.make_case(original, canary, 7, i) for i in range(400)]
-  again = [fw.make_case(original, canary, 7, i) for i in range(400)]
+  first = [fw.make_case(original, canary, 7, i) for i in range(1000)]
+  again = [fw.make_case(original, canary, 7, i) for i in range(1000)]
   assert [c.data for c in first] == [c.data for c in again]
   assert [c.steps for c in first] == [c.steps for c in again]
   assert all(c.data != original and c.steps for c in first)
-  assert len({c.data for c in first}) > 350
+  assert len({c.data for c in first}) > 900
