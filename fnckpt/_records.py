@@ -197,8 +197,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     top = _keys(m, "the manifest", _TOP_V1 if version == 1 else _TOP_V2)
     _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
     created = top["created"]
-    _req(isinstance(created, (int, float)) and not isinstance(created, bool),
-         "'created' must be a number")
+    _req(isinstance(created, (int, float)) and not isinstance(created, bool)
+         and math.isfinite(created) and abs(created) < 1e11, "'created' must be a Unix time")
     nproc = _int(top["process_count"], "'process_count'", 1, 1 << 24)
     versions = top["versions"]
     _req(isinstance(versions, dict) and all(isinstance(k, str) and isinstance(v, str)
@@ -213,6 +213,9 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   for i, rec in enumerate(raw):
     try:
       leaves.append(_leaf(i, rec, version, packs))
+    except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
+      raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
+          from None
     except _Bad as e:
       where = keystr(rec["path"]) if _path_ok(rec) else f"leaf #{i}"
       raise _error(location, f"the record of {where} is invalid: {e}") from None
@@ -255,7 +258,7 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   _list(p, "'path'", 256)
   out = []
   for e in p:
-    _req(isinstance(e, list) and len(e) == 2 and e[0] in PATH_KINDS,
+    _req(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[0] in PATH_KINDS,
          f"key path entry {_short(e)} must be [kind, key] with kind one of {sorted(PATH_KINDS)}")
     kind, key = e
     if kind in ("seq", "flat"):
@@ -273,7 +276,7 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
 def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
   _req(isinstance(rec, dict), f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
-  _req(kind in LEAF_KINDS, f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
+  _req(isinstance(kind, str) and kind in LEAF_KINDS, f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
   path = _path(rec.get("path"))
   common = ("path", "kind")
   extra = ("process",) if version >= 2 else ()
@@ -312,7 +315,7 @@ def _dtype(v: Any) -> str:
 
 
 def _scalar(t: Any, v: Any) -> Any:
-  _req(t in SCALAR_TYPES, f"scalar type {_short(t)} is not one of {sorted(SCALAR_TYPES)}")
+  _req(isinstance(t, str) and t in SCALAR_TYPES, f"scalar type {_short(t)} is not one of {sorted(SCALAR_TYPES)}")
   if t == "complex":
     _req(isinstance(v, list) and len(v) == 2 and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
@@ -420,7 +423,8 @@ def _sharding(s: Any, ndim: int) -> Sharding | None:
 
 
 def _generator_state(v: Any) -> dict:
-  _req(isinstance(v, dict) and v.get("bit_generator") in BIT_GENERATORS,
+  _req(isinstance(v, dict) and isinstance(v.get("bit_generator"), str)
+       and v["bit_generator"] in BIT_GENERATORS,
        f"a Generator state needs 'bit_generator' in {sorted(BIT_GENERATORS)}")
   _plain_ok(v, 0)
   return v

@@ -17,7 +17,11 @@ Used by ``tests/test_fuzz.py``. Three parts:
   abstract target too) and the CLI's ``inspect`` and ``verify``. It reports on a private pipe
   (its fd 1 at start; fd 1 itself is pointed at stderr so nothing else can write into the
   protocol) one line per operation started (``OP <case> <op>``, so a crash or a hang is
-  attributed) and one ``RESULT <json>`` per case.
+  attributed) and one ``RESULT <json>`` per case. Besides case numbers it takes ``baseline``
+  (the unmutated manifest, plus self-tests of the canary detectors) and ``stats`` (memory and
+  CPU time). Per call it checks: only CheckpointError escapes (CLI: exit 0/1/2, on 2 one line
+  ``fnckpt CMD: error: ...``, never a traceback), ``np.random.get_state()`` unchanged, no
+  file of the canary opened (inotify), no canary value (MARK) in a restored array.
 
 This module imports only the standard library and msgpack at import time (the test imports it
 to regenerate reproducers); JAX, numpy and fnckpt are imported by the worker only.
@@ -544,7 +548,7 @@ def make_case(original: bytes, canary: bytes, seed: int | str, index: int) -> Ca
     _CACHE.clear()
     first = _unpack(original)
     _CACHE[key] = (first, _unpack(canary), *vocabulary(first), _sites(first))
-  original_obj, canary_obj, vocab_str, vocab_keys, original_sites = _CACHE[key]
+  _, canary_obj, vocab_str, vocab_keys, original_sites = _CACHE[key]
   m = _Mutator(_unpack(original), canary_obj, vocab_str, vocab_keys, original_sites, rng)
   raw_only = False
   if index % 2 == 0:
@@ -811,7 +815,6 @@ def worker_main(config: dict) -> None:
   import shutil
   import threading
   import time
-  import traceback
   import warnings
 
   os.environ["JAX_PLATFORMS"] = "cpu"
