@@ -153,6 +153,3 @@ class Session:
       except Exception:
         pass
 
-  def remaining(self) -> list[str]:
-    return [p for p in PHASES if p not in self.passed]
-

@@ -25,11 +25,16 @@ __all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_co
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
 
-def _client() -> Any:
-  # No public accessor exists for the coordination client (jax.distributed exposes only
-  # initialize/shutdown/is_initialized), so this is the one private import we allow.
+def _state() -> Any:
+  # No public accessor exists for the coordination client or the preemption sync manager
+  # (jax.distributed exposes only initialize/shutdown/is_initialized), so this is the one
+  # private import we allow; every other module goes through it.
   from jax._src import distributed
-  return distributed.global_state.client
+  return distributed.global_state
+
+
+def _client() -> Any:
+  return _state().client
 
 
 def _key(location: str) -> str:

@@ -29,14 +29,12 @@ def multi() -> bool:
 
 def client() -> Any:
   """The coordination service client (JAX has no public accessor for it)."""
-  from jax._src import distributed
-  return distributed.global_state.client
+  return _commit._client()
 
 
 def preemption_sync_manager() -> Any:
   """JAX's preemption sync manager (``None`` when its preemption service is off)."""
-  from jax._src import distributed
-  return distributed.global_state.preemption_sync_manager
+  return _commit._state().preemption_sync_manager
 
 
 def _key(location: str, name: str) -> str:

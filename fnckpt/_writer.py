@@ -152,7 +152,8 @@ class Writer:
     """Manifest, barrier, commit marker, barrier."""
     t0 = time.perf_counter()
     c = self._commit
-    assert c is not None
+    if c is None:  # close() sets it before the end marker; only abort() omits it
+      raise RuntimeError("internal: the writer reached commit without close()")
     if c.manifest is not None:
       self.phase = "writing the manifest"
       c.kv.write(_manifest.MANIFEST, c.manifest).result()
