@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES"]
+__all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
+           "PACK_CHUNK_BYTES"]
 
 # Arrays up to this size (that some process can see whole) are packed.
 PACK_LEAF_BYTES = 4 << 20
 # A pack's inner chunk (the unit of a partial read and of a crc32c checksum).
 PACK_INNER_BYTES = 1 << 20
+# A pack's chunk (one file, one write): bounds the host memory one pack write holds.
+PACK_CHUNK_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +34,13 @@ class PackItem:
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
   """Per leaf: (process, offset) in that process's pack; per process: the pack's size (padded
-  to whole inner chunks) and inner chunk size."""
+  to whole inner chunks), chunk size (a multiple of the inner size) and inner chunk size."""
   where: dict[int, tuple[int, int]]
-  sizes: dict[int, tuple[int, int]]
+  sizes: dict[int, tuple[int, int, int]]
 
 
-def assign(items: Sequence[PackItem], processes: int,
-           inner_bytes: int = PACK_INNER_BYTES) -> PackPlan:
+def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_INNER_BYTES,
+           chunk_bytes: int = PACK_CHUNK_BYTES) -> PackPlan:
   """Place each item in a pack: fixed writers first, then replicated items largest first on
   the process with the fewest bytes so far (ties: the lowest index), so bytes stay balanced.
   Within a pack, leaves lie in leaf order.
@@ -46,7 +49,7 @@ def assign(items: Sequence[PackItem], processes: int,
   >>> plan.where
   {0: (1, 0), 1: (0, 0), 2: (0, 50)}
   >>> plan.sizes
-  {0: (110, 110), 1: (100, 100)}
+  {0: (110, 110, 110), 1: (100, 100, 100)}
   """
   load = [0] * processes
   owner: dict[int, int] = {}
@@ -68,5 +71,6 @@ def assign(items: Sequence[PackItem], processes: int,
   for p, n in enumerate(used):
     if n:
       inner = min(inner_bytes, n)
-      sizes[p] = (-(-n // inner) * inner, inner)
+      padded = -(-n // inner) * inner
+      sizes[p] = (padded, min(padded, max(inner, chunk_bytes // inner * inner)), inner)
   return PackPlan(where, sizes)

@@ -126,9 +126,11 @@ class Stored:
 
 @dataclasses.dataclass(frozen=True)
 class Pack:
-  """A process's pack (format 2): a 1-D uint8 zarr3 array at ``dir`` of ``nbytes`` bytes."""
+  """A process's pack (format 2): a 1-D uint8 zarr3 array at ``dir`` of ``nbytes`` bytes,
+  ``chunk``-byte chunks of ``inner``-byte inner chunks."""
   dir: str
   nbytes: int
+  chunk: int
   inner: int
 
 
@@ -239,11 +241,13 @@ def _list(v: Any, what: str, limit: int = 1 << 26) -> list:
 
 
 def _pack(p: Any, i: int) -> Pack:
-  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "inner"))
+  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"))
   nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
-  inner = _int(p["inner"], f"'packs'[{i}].inner", 1, nbytes)
-  _req(nbytes % inner == 0, f"'packs'[{i}].inner must divide its nbytes")
-  return Pack(check_dir(p["dir"], f"'packs'[{i}].dir"), nbytes, inner)
+  chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, nbytes)
+  inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
+  _req(chunk % inner == 0 and nbytes % inner == 0,
+       f"'packs'[{i}].inner must divide its chunk and nbytes")
+  return Pack(check_dir(p["dir"], f"'packs'[{i}].dir"), nbytes, chunk, inner)
 
 
 def _path_ok(rec: Any) -> bool:

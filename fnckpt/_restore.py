@@ -575,7 +575,7 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
     if p.pack not in packs:
       pack = src.manifest.packs[p.pack]
       packs[p.pack] = _store.open_array(_store.pack_spec(
-          src.kv_spec, pack.dir, pack.nbytes, pack.inner), src.ctx, mode="read")
+          src.kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read")
     if window and held + p.nbytes > budget:
       land()
     store = packs[p.pack].result()

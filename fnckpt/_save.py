@@ -230,9 +230,9 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, zstd: int | N
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
   plan = _packing.assign([c[2] for c in candidates], nproc)
   packs, index_of = [], {}
-  for p, (nbytes, inner) in sorted(plan.sizes.items()):
+  for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
     index_of[p] = len(packs)
-    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "inner": inner})
+    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "chunk": chunk, "inner": inner})
   packed = []
   for i, data, _ in candidates:
     p, offset = plan.where[i]
@@ -286,16 +286,19 @@ def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
   return np.asarray(shard_data if whole else shard_data[local])
 
 
-def _start_copies(arrays: list[_Array], budget: _store.ByteBudget) -> None:
+def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
   """On accelerators: start every device-to-host copy of this save at once (when they fit in
   the budget), so the caller waits for about the total transfer time, not a sum of serial
   round trips. On CPU nothing is copied (staging takes views)."""
   shards = []
-  for a in arrays:
+  for a in plan.arrays:
     if isinstance(a.data, jax.Array) and a.units:
       writers = {u.device for u in a.units}
-      shards += [s.data for s in a.data.addressable_shards
-                 if s.device in writers and s.device.platform != "cpu"]
+      shards += [s.data for s in a.data.addressable_shards if s.device in writers]
+  for _, data in plan.packed:
+    if isinstance(data, jax.Array):
+      shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
+  shards = [s for s in shards if next(iter(s.devices())).platform != "cpu"]
   total = sum(s.nbytes for s in shards)
   if total and CHUNK_COST * total <= budget.limit:
     for s in shards:
@@ -403,7 +406,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays] if is_main \
       else []
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
-  _start_copies(plan.arrays, budget)
+  _start_copies(plan, budget)
   for a, fut in zip(plan.arrays, opened):
     shard_data = ({s.device: s.data for s in a.data.addressable_shards}
                   if isinstance(a.data, jax.Array) and a.units else {})
@@ -418,13 +421,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n))
       _count(handle, budget, n)
   if plan.my_pack is not None:
-    pack = plan.my_pack
-    spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["inner"])
-    fut = _store.open_array(spec, ctx, mode="create")
-    buf = _charge(budget, CHUNK_COST * pack["nbytes"], writer,
-                  lambda: _fill_pack(plan, pack["nbytes"]))
-    writer.put(Chunk(fut, ((0, pack["nbytes"]),), buf, CHUNK_COST * pack["nbytes"]))
-    _count(handle, budget, pack["nbytes"])
+    _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
   manifest = _manifest.encode(_manifest_dict(plan, metadata)) if is_main else None
   return Commit(kv, manifest, creating, is_main)
 
@@ -453,19 +450,64 @@ def _at(e: BaseException, path) -> BaseException:
   return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
 
 
-def _fill_pack(plan: _Plan, nbytes: int) -> np.ndarray:
-  """This process's pack: its packed leaves' bytes at their offsets (a copy, so the caller
-  may change or donate the arrays at once)."""
-  buf = np.zeros(nbytes, np.uint8)
-  for i, data in plan.packed:
-    offset = plan.records[i]["pack"]["offset"]
-    if isinstance(data, jax.Array):
-      host = np.asarray(data.addressable_data(0) if data.is_fully_replicated else data)
-    else:
-      host = data
-    raw = _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
-    buf[offset:offset + raw.size] = raw
-  return buf
+def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
+  """This process's pack, chunk by chunk. Each packed leaf is staged as a chunk is (a view on
+  CPU, the device-to-host copy on accelerators, a copy of numpy data); the writer thread then
+  assembles each chunk's bytes from those pieces, so the caller does not wait for that copy."""
+  pack = plan.my_pack
+  spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["chunk"], pack["inner"])
+  fut = _store.open_array(spec, ctx, mode="create")
+  todo = sorted((plan.records[i]["pack"]["offset"], i, data) for i, data in plan.packed)
+  staged: dict[int, np.ndarray] = {}
+
+  def pieces(start: int, end: int) -> list[tuple[int, np.ndarray]]:
+    out = []
+    for offset, i, data in todo:
+      if offset >= end or offset + _nbytes(data) <= start:
+        continue
+      try:
+        raw = staged[i] if i in staged else staged.setdefault(i, _pack_bytes(data))
+      except BaseException as e:
+        raise _at(e, plan.records[i]["path"])
+      lo, hi = max(offset, start), min(offset + raw.size, end)
+      out.append((lo - start, raw[lo - offset:hi - offset]))
+    return out
+
+  for start in range(0, pack["nbytes"], pack["chunk"]):
+    end = min(start + pack["chunk"], pack["nbytes"])
+    cost = CHUNK_COST * (end - start)
+    parts = _charge(budget, cost, writer, lambda: pieces(start, end))
+    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts), cost))
+    _count(handle, budget, end - start)
+    for _, i, data in todo:  # a leaf that ends in this chunk is not needed any more
+      if i in staged and plan.records[i]["pack"]["offset"] + staged[i].size <= end:
+        del staged[i]
+
+
+def _nbytes(data: Any) -> int:
+  return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
+
+
+def _pack_bytes(data: Any) -> np.ndarray:
+  """A packed leaf's C-order little-endian bytes (1-D ``uint8``), safe from the caller."""
+  if isinstance(data, np.ndarray):
+    host = np.array(data, copy=True, order="C")
+  else:
+    host = np.asarray(data.addressable_data(0) if data.is_fully_replicated else data)
+  return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+
+
+@dataclasses.dataclass
+class _Assemble:
+  """A pack chunk's bytes, built by the writer thread from staged pieces (offset, bytes)."""
+  nbytes: int
+  pieces: list[tuple[int, np.ndarray]]
+
+  def __call__(self) -> np.ndarray:
+    buf = np.zeros(self.nbytes, np.uint8)
+    for offset, raw in self.pieces:
+      buf[offset:offset + raw.size] = raw
+    return buf
 
 
 def _skeleton(rec: dict[str, Any]) -> bytes:

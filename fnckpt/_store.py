@@ -97,14 +97,15 @@ def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
   }
 
 
-def pack_spec(kv: dict[str, Any], dir_name: str, nbytes: int, inner: int) -> dict[str, Any]:
-  """A pack (format 2): a 1-D ``uint8`` zarr3 array of one chunk, ``inner``-byte inner chunks
-  each checked by crc32c.
+def pack_spec(kv: dict[str, Any], dir_name: str, nbytes: int, chunk: int,
+              inner: int) -> dict[str, Any]:
+  """A pack (format 2): a 1-D ``uint8`` zarr3 array of ``chunk``-byte chunks and
+  ``inner``-byte inner chunks, each checked by crc32c.
 
-  >>> pack_spec({"driver": "memory", "path": "c/"}, "data-0/p/0", 8, 4)["kvstore"]["path"]
+  >>> pack_spec({"driver": "memory", "path": "c/"}, "data-0/p/0", 8, 8, 4)["kvstore"]["path"]
   'c/data-0/p/0/'
   """
-  return zarr_spec(kv, {"dir": dir_name, "chunks": [nbytes], "inner": [inner], "zstd": None},
+  return zarr_spec(kv, {"dir": dir_name, "chunks": [chunk], "inner": [inner], "zstd": None},
                    "uint8", [nbytes])
 
 

@@ -23,7 +23,8 @@ __all__ = ["Writer", "Chunk", "Commit"]
 
 @dataclasses.dataclass
 class Chunk:
-  """A staged chunk: the opened array (a future), its index, host bytes, and budget held."""
+  """A staged chunk: the opened array (a future), its index, host bytes (or a callable that
+  builds them in the writer thread), and budget held."""
   store: ts.Future
   index: Any
   host: Any
@@ -106,7 +107,9 @@ class Writer:
         self.budget.release(item.cost)
         continue
       try:
-        fut = _store.write_chunk(item.store.result(), item.index, item.host)
+        host = item.host() if callable(item.host) else item.host
+        fut = _store.write_chunk(item.store.result(), item.index, host)
+        host = None
       except BaseException as e:
         self.budget.release(item.cost)
         self.error = e

@@ -106,7 +106,7 @@ def _spec(path: str, manifest: _records.Manifest, rec: _records.Leaf | int) -> d
   kv = _paths.kvstore_spec(path)
   if isinstance(rec, int):
     pack = manifest.packs[rec]
-    return _store.pack_spec(kv, pack.dir, pack.nbytes, pack.inner)
+    return _store.pack_spec(kv, pack.dir, pack.nbytes, pack.chunk, pack.inner)
   return _store.zarr_spec(kv, dataclasses.asdict(rec.stored), rec.dtype, rec.shape)
 
 
