@@ -85,7 +85,7 @@ class CheckpointMetadata:
   versions: dict[str, str]
   created: float
   process_count: int
-  leaves: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
+  leaves: tuple[_records.Leaf, ...] = dataclasses.field(repr=False, default=())
 
 
 def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:

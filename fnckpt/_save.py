@@ -198,7 +198,8 @@ def _visible(data: Any) -> bool:
   return isinstance(data, np.ndarray) or data.is_fully_addressable or data.is_fully_replicated
 
 
-def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, zstd: int | None) -> _Plan:
+def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
+          zstd: int | None) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
   queries)."""
   records, arrays, problems, candidates = [], [], [], []
@@ -220,7 +221,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, zstd: int | N
     size = _layout.nbytes(shape, dtype.itemsize)
     if size <= inline_bytes and _visible(data):
       rec["inline"] = _host_bytes(data) if me == 0 else b""
-    elif size <= _packing.PACK_LEAF_BYTES and _visible(data):
+    elif size <= pack_bytes and _visible(data):
       replicated = isinstance(data, jax.Array) and data.is_fully_replicated and nproc > 1
       candidates.append((len(records) - 1, data, _packing.PackItem(
           len(records) - 1, size, None if replicated else 0)))
@@ -307,7 +308,7 @@ def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
-         zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+         pack_bytes: int = _packing.PACK_LEAF_BYTES, zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
          storage_options: dict[str, Any] | None = None) -> SaveHandle:
   """Save a pytree to ``path``; return once its arrays are copied off the devices.
 
@@ -326,6 +327,8 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     budget_bytes: host bytes this process may hold for pending saves before ``save`` waits
       for the writes to drain (default: a quarter of available memory).
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
+    pack_bytes: larger arrays up to this size that this process sees whole share one packed
+      array per process (fewer, larger files); 0 gives each its own zarr array.
     zstd: compress chunks with zstd at this level (default: no compression).
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
@@ -354,7 +357,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     session = _collective.Session(location, barrier_timeout_s)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
     try:
-      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, zstd)
+      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
     except BaseException as e:
       session.fail(e)
       raise

@@ -134,7 +134,7 @@ def test_reshard_prng_keys(tmp_path, src, dst):
   keys = jax.random.wrap_key_data(
       np.arange(SHAPE[0] * SHAPE[1] * 2, dtype=np.uint32).reshape(*SHAPE, 2))
   k = jax.device_put(keys, SHARDINGS[src]())
-  fnckpt.save({"k": k}, tmp_path / "c", inline_bytes=0).wait()
+  fnckpt.save({"k": k}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   sharding = SHARDINGS[dst]()
   got = fnckpt.restore(tmp_path / "c", {"k": jax.ShapeDtypeStruct(SHAPE, k.dtype,
                                                                   sharding=sharding)})["k"]
@@ -144,7 +144,7 @@ def test_reshard_prng_keys(tmp_path, src, dst):
 
 def test_numpy_saved_restores_sharded(tmp_path):
   x = source("int8")
-  fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
+  fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   for name in ("2x4:xy", "3x2:yx", "single-device"):
     sharding = SHARDINGS[name]()
     got = fnckpt.restore(tmp_path / "c", {"x": jax.ShapeDtypeStruct(SHAPE, x.dtype,
@@ -157,7 +157,7 @@ def test_prefix_tree_of_shardings(tmp_path):
                      "b": jax.device_put(source("bfloat16", (24,)), SHARDINGS["8:x"]())},
           "opt": {"mu": jax.device_put(source("float32"), SHARDINGS["2x4:x"]())},
           "step": 4}
-  fnckpt.save(tree, tmp_path / "c", inline_bytes=0).wait()
+  fnckpt.save(tree, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   replicated, rows = SHARDINGS["4x2:xy"](), SHARDINGS["2x4:(xy)"]()
   rep = NamedSharding(replicated.mesh, P())
   got = fnckpt.restore(tmp_path / "c", {"params": rep, "opt": rows})
@@ -197,7 +197,7 @@ def _stored_bytes(path, under=""):
 ])
 def test_each_stored_byte_is_read_once(tmp_path, src, dst):
   x = source("float32", (64, 96))
-  fnckpt.save({"x": jax.device_put(x, SHARDINGS[src]())}, tmp_path / "c", inline_bytes=0).wait()
+  fnckpt.save({"x": jax.device_put(x, SHARDINGS[src]())}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   stored = _stored_bytes(tmp_path / "c")  # chunk files + manifest + COMMIT
   sharding = SHARDINGS[dst]()
   with CountIO() as io:
@@ -210,7 +210,7 @@ def test_each_stored_byte_is_read_once(tmp_path, src, dst):
 def test_identical_slices_are_read_once_even_one_read_at_a_time(tmp_path):
   x = source("float32", (64, 96))
   fnckpt.save({"x": jax.device_put(x, SHARDINGS["2x4:xy"]())}, tmp_path / "c",
-              inline_bytes=0).wait()
+              inline_bytes=0, pack_bytes=0).wait()
   stored = _stored_bytes(tmp_path / "c")
   # budget_bytes=1: one slice in flight at a time, so nothing is merged by TensorStore; the
   # read plan alone must make the 8 devices of a replicated target share one read
@@ -226,16 +226,18 @@ def test_identical_slices_are_read_once_even_one_read_at_a_time(tmp_path):
 def test_a_partial_restore_reads_only_the_leaves_asked_for(tmp_path):
   tree = {"a": jax.device_put(source("float32", (64, 96)), SHARDINGS["2x4:xy"]()),
           "b": jax.device_put(source("int8", (64, 96)), SHARDINGS["8:x"]())}
-  fnckpt.save(tree, tmp_path / "c", inline_bytes=0).wait()
-  recs = {r["path"][0][1]: r for r in fnckpt.metadata(tmp_path / "c").leaves}
-  header = _stored_bytes(tmp_path / "c") - _stored_bytes(tmp_path / "c", "d")
+  fnckpt.save(tree, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
+  meta = fnckpt.metadata(tmp_path / "c")
+  recs = {r.path[0][1]: r for r in meta.leaves}
+  data_dir = recs["b"].stored.dir.split("/")[0]
+  header = _stored_bytes(tmp_path / "c") - _stored_bytes(tmp_path / "c", data_dir)
   sharding = SHARDINGS["4x2:xy"]()
   with CountIO() as io:
     got = fnckpt.restore(tmp_path / "c", {"b": jax.ShapeDtypeStruct((64, 96), jnp.int8,
                                                                     sharding=sharding)},
                          partial=True)
   assert_placed(got["b"], sharding, source("int8", (64, 96)), "b")
-  assert io["bytes_read"] == header + _stored_bytes(tmp_path / "c", recs["b"]["store"]["dir"])
+  assert io["bytes_read"] == header + _stored_bytes(tmp_path / "c", recs["b"].stored.dir)
 
 
 @pytest.mark.parametrize("src", ["2x4:xy", "2x2x2:(xy)z", "2x2@4-7:x", "single-device"])
@@ -243,7 +245,7 @@ def test_saved_sharding_rebuilds_the_layout(tmp_path, src):
   """metadata(path).tree[...].sharding.to_sharding(): the saved mesh shape and spec on this
   job's devices (the first ones: device ids are not saved)."""
   x = source("float32")
-  fnckpt.save({"x": jax.device_put(x, SHARDINGS[src]())}, tmp_path / "c", inline_bytes=0).wait()
+  fnckpt.save({"x": jax.device_put(x, SHARDINGS[src]())}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   sharding = fnckpt.metadata(tmp_path / "c").tree["x"].sharding.to_sharding()
   saved = SHARDINGS[src]()
   if src == "single-device":
@@ -259,7 +261,7 @@ def test_saved_sharding_rebuilds_the_layout(tmp_path, src):
 def test_a_small_read_budget_gives_the_same_result(tmp_path, budget):
   x = source("float32", (64, 96))
   fnckpt.save({"x": jax.device_put(x, SHARDINGS["2x4:xy"]()), "y": x[:8]}, tmp_path / "c",
-              inline_bytes=0).wait()
+              inline_bytes=0, pack_bytes=0).wait()
   sharding = SHARDINGS["3x2:yx"]()
   got = fnckpt.restore(tmp_path / "c",
                        {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
