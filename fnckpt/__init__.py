@@ -5,13 +5,14 @@ background; ``restore(path, target)`` reads onto any mesh; ``metadata(path)`` de
 checkpoint without reading its arrays. See README.md for the format and the guarantees.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._manager import CheckpointManager as CheckpointManager
+from ._perprocess import PerProcess as PerProcess
 from ._restore import ArrayMetadata as ArrayMetadata
 from ._restore import CheckpointMetadata as CheckpointMetadata
 from ._restore import SavedSharding as SavedSharding
@@ -25,6 +26,7 @@ from ._target import target_from_metadata as target_from_metadata
 
 __all__ = [
     "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",
+    "PerProcess",
     "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
     "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
 ]

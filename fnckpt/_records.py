@@ -23,8 +23,8 @@ import numpy as np
 from ._errors import CheckpointError
 from ._tree import keystr
 
-__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "parse", "DTYPES",
-           "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir", "MAX_DIMS"]
+__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "parse", "parse_values",
+           "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir", "MAX_DIMS"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
 DTYPES = frozenset((
@@ -34,7 +34,8 @@ DTYPES = frozenset((
     "complex64 complex128").split())
 PRNG_IMPLS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}   # impl -> key data words
 BIT_GENERATORS = frozenset(("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"))
-LEAF_KINDS = frozenset(("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty"))
+LEAF_KINDS = frozenset(("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty",
+                        "perprocess"))
 SCALAR_TYPES = frozenset(("bool", "int", "float", "complex", "str", "bytes"))
 PATH_KINDS = frozenset(("dict", "seq", "attr", "flat"))
 MAX_DIMS = 64
@@ -160,7 +161,6 @@ class Leaf:
   type: str | None = None          # scalar type, or the empty container's type
   name: str | None = None          # an empty container's class
   value: Any = None
-  process: int | None = None       # format 2: PerProcess leaves: the saving process
 
   @property
   def where(self) -> str:
@@ -196,7 +196,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   try:
     version = _int(m.get("version") if isinstance(m, dict) else None, "'version'", 1,
                    reader_version)
-    top = _keys(m, "the manifest", _TOP_V1 if version == 1 else _TOP_V2)
+    top = _keys(m, "it", _TOP_V1 if version == 1 else _TOP_V2)
     _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
     created = top["created"]
     _req(isinstance(created, (int, float)) and not isinstance(created, bool)
@@ -209,8 +209,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     data = check_dir(top["data"], "'data'") if version >= 2 else None
     packs = tuple(_pack(p, i) for i, p in enumerate(_list(top.get("packs", []), "'packs'")))
     raw = _list(top["leaves"], "'leaves'")
-  except _Bad as e:
-    raise _error(location, f"its {e}") from None
+  except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
+    raise _error(location, str(e) if str(e).startswith("it ") else f"its {e}") from None
   leaves = []
   for i, rec in enumerate(raw):
     try:
@@ -222,11 +222,35 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
       where = keystr(rec["path"]) if _path_ok(rec) else f"leaf #{i}"
       raise _error(location, f"the record of {where} is invalid: {e}") from None
   try:
-    _check_tree([(l.path, l.process) for l in leaves])
+    _check_tree([l.path for l in leaves])
   except _Bad as e:
     raise _error(location, str(e)) from None
   return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
                   tuple(leaves), data, packs)
+
+
+def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
+  """Validate one process's per-process values (format 2, ``<data>/pp/<process>``): a map
+  ``{"leaves": [records]}`` whose arrays are all inline.
+
+  >>> [l.value for l in parse_values({"leaves": [
+  ...     {"path": [["dict", "a"]], "kind": "scalar", "type": "int", "value": 7}]}, "x")]
+  [7]
+  """
+  leaves = []
+  try:
+    raw = _list(_keys(m, "the per-process values", ("leaves",))["leaves"], "'leaves'")
+    for i, rec in enumerate(raw):
+      leaf = _leaf(i, rec, 2, ())
+      _req(leaf.kind != "perprocess" and leaf.stored is None,
+           f"leaf #{i} must hold its value inline")
+      leaves.append(leaf)
+    _check_tree([l.path for l in leaves])
+  except (_Bad, TypeError, ValueError, KeyError, OverflowError) as e:
+    raise CheckpointError(
+        f"The per-process values at {where!r} are invalid: {e}. The checkpoint is damaged; "
+        "restore an earlier one.") from None
+  return tuple(leaves)
 
 
 def _error(location: str, what: str) -> CheckpointError:
@@ -283,33 +307,33 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
   _req(isinstance(kind, str) and kind in LEAF_KINDS, f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
   path = _path(rec.get("path"))
   common = ("path", "kind")
-  extra = ("process",) if version >= 2 else ()
-  process = _int(rec["process"], "'process'", 0, 1 << 24) if "process" in rec else None
+  if kind == "perprocess":  # format 2: the values are in each process's own file
+    _req(version >= 2, "kind 'perprocess' needs format 2")
+    _keys(rec, "it", common)
+    return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs, process)
+    return _array(i, path, rec, version, packs)
   if kind == "empty":
-    _keys(rec, "it", common + ("type", "name"), extra)
+    _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
-    return Leaf(i, path, kind, type=rec["type"], name=_str(rec["name"], "'name'"),
-                process=process)
+    return Leaf(i, path, kind, type=rec["type"], name=_str(rec["name"], "'name'"))
   if kind == "scalar":
-    _keys(rec, "it", common + ("type", "value"), ("subtype",) + extra)
-    return Leaf(i, path, kind, type=rec["type"], value=_scalar(rec["type"], rec["value"]),
-                process=process)
+    _keys(rec, "it", common + ("type", "value"), ("subtype",))
+    return Leaf(i, path, kind, type=rec["type"], value=_scalar(rec["type"], rec["value"]))
   if kind == "bigint":
-    _keys(rec, "it", common + ("value",), extra)
+    _keys(rec, "it", common + ("value",))
     v = _str(rec["value"], "'value'", MAX_BIGINT_DIGITS + 1)
     _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,
          "'value' must be a decimal integer")
-    return Leaf(i, path, kind, value=int(v), process=process)
+    return Leaf(i, path, kind, value=int(v))
   if kind == "npscalar":
-    _keys(rec, "it", common + ("dtype", "value"), extra)
+    _keys(rec, "it", common + ("dtype", "value"))
     dtype = _dtype(rec["dtype"])
     _req(isinstance(rec["value"], bytes) and len(rec["value"]) == itemsize(dtype),
          f"'value' must be {itemsize(dtype)} bytes")
-    return Leaf(i, path, kind, dtype=dtype, value=rec["value"], process=process)
-  _keys(rec, "it", common + ("value",), extra)   # npgen
-  return Leaf(i, path, kind, value=_generator_state(rec["value"]), process=process)
+    return Leaf(i, path, kind, dtype=dtype, value=rec["value"])
+  _keys(rec, "it", common + ("value",))   # npgen
+  return Leaf(i, path, kind, value=_generator_state(rec["value"]))
 
 
 def _dtype(v: Any) -> str:
@@ -339,13 +363,12 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs, process) -> Leaf:
+def _array(i, path, rec, version, packs) -> Leaf:
   kind = rec["kind"]
   storage = ("inline", "store", "pack")
   optional = ("impl",) if kind == "key" else ()
-  extra = ("process",) if version >= 2 else ()
   _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
-        storage + optional + extra)
+        storage + optional)
   where = [k for k in storage if k in rec]
   _req(len(where) == 1, "exactly one of 'inline', 'store', 'pack' must be present")
   dtype, shape = _dtype(rec["dtype"]), _shape(rec["shape"])
@@ -359,7 +382,7 @@ def _array(i, path, rec, version, packs, process) -> Leaf:
          f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
   sharding = _sharding(rec["sharding"], len(shape))
   nbytes = math.prod(shape) * itemsize(dtype)
-  leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl, process=process)
+  leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl)
   if "inline" in rec:
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
          f"'inline' must hold {nbytes} bytes")
@@ -459,15 +482,15 @@ def _plain_ok(v: Any, depth: int) -> None:
       _plain_ok(x, depth + 1)
 
 
-def _check_tree(paths: Sequence[tuple[tuple[tuple[str, Any], ...], int | None]]) -> None:
-  """Key paths form a tree: unique (per saving process, for PerProcess leaves), no leaf above
-  another, one container type per node, sequence indices dense (0..n-1)."""
+def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
+  """Key paths form a tree: unique, no leaf above another, one container type per node,
+  sequence indices dense (0..n-1)."""
   leaves, seen_ids = set(), set()
   children: dict[tuple, dict[Any, str]] = {}
-  for path, process in paths:
+  for path in paths:
     keys = tuple((k if kind in ("dict", "attr") else ("#", k)) for kind, k in path)
-    _req((keys, process) not in seen_ids, f"key path {keystr(path)} appears twice")
-    seen_ids.add((keys, process))
+    _req(keys not in seen_ids, f"key path {keystr(path)} appears twice")
+    seen_ids.add(keys)
     leaves.add(keys)
     for depth, (kind, key) in enumerate(path):
       node = keys[:depth]
@@ -482,5 +505,5 @@ def _check_tree(paths: Sequence[tuple[tuple[tuple[str, Any], ...], int | None]])
     if seen and next(iter(seen.values())) == "seq":
       idx = sorted(k[1] for k in seen)
       _req(idx == list(range(len(idx))), "sequence indices must be 0..n-1 without gaps")
-  _req(len(leaves) <= 1 or all(p for p, _ in paths),
+  _req(len(leaves) <= 1 or all(paths),
        "the root is a leaf but there are other leaves")

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _manifest, _paths, _records, _store, _tree
+from . import (_commit, _layout, _leaves, _manifest, _paths, _perprocess, _records, _store,
+               _tree)
 from ._errors import CheckpointError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -154,7 +155,9 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
 
 def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
   leaves = manifest.leaves
-  values = [_array_metadata(r) if r.is_array else _leaves.decode_value(r) for r in leaves]
+  values = [_array_metadata(r) if r.is_array else
+            _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
+            for r in leaves]
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
   return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
                             dict(manifest.versions), manifest.created, manifest.process_count,
@@ -248,6 +251,13 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
     if rec is None:
       missing.append(where)
       continue
+    if isinstance(leaf, _perprocess.PerProcess) or rec.kind == "perprocess":
+      problem = _per_process_problem(leaf, rec)
+      if problem:
+        mismatched.append(f"{where}: {problem}")
+      else:
+        wants.append(_Want(rec, value=leaf.value, array_target=False))
+      continue
     kind, shape, dtype, sharding = _target_spec(leaf)
     saved_kind = rec.kind
     if kind in ("array", "host"):
@@ -305,6 +315,15 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
   return wants, treedef
 
 
+def _per_process_problem(leaf: Any, rec: _records.Leaf) -> str:
+  if not isinstance(leaf, _perprocess.PerProcess):
+    return ("the checkpoint holds per-process values (fnckpt.PerProcess) here; put "
+            "fnckpt.PerProcess(None) (or a template of the value) in the target")
+  if rec.kind != "perprocess":
+    return f"the target is fnckpt.PerProcess, the checkpoint holds {_saved_desc(rec)}"
+  return ""
+
+
 def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> str:
   """Why a saved scalar cannot fill a 0-d array target of ``dtype`` ('' if it can): it must
   be a number of the same kind (bool, integer in range, floating, complex) unless cast."""
@@ -335,6 +354,7 @@ def _saved_desc(rec: dict[str, Any]) -> str:
   if rec.kind == "empty":
     return "None" if rec.type == "none" else f"an empty {rec.get('type')}"
   return {"npgen": "a numpy Generator", "bigint": "an int value",
+          "perprocess": "per-process values (fnckpt.PerProcess)",
           "npscalar": f"a numpy {rec.get('dtype')} scalar"}[rec.kind]
 
 
@@ -356,7 +376,7 @@ def _data_sharding(want: _Want, rec: dict[str, Any]) -> jax.sharding.Sharding | 
 
 
 def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool = False,
-            budget_bytes: int | None = None,
+            budget_bytes: int | None = None, per_process_from: int | None = None,
             storage_options: dict[str, Any] | None = None) -> Any:
   """Restore a committed checkpoint.
 
@@ -375,6 +395,8 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
     cast: convert arrays whose saved dtype differs from the target's (else an error).
     budget_bytes: bytes of reads in flight (default: 128 MiB, enough to keep a disk or an
       object store busy; a slice larger than this is read alone).
+    per_process_from: the saved process whose :class:`fnckpt.PerProcess` values this process
+      takes (default: its own index; required when the process count changed).
     storage_options: settings for ``gs://``/``s3://``.
 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
@@ -396,6 +418,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
 
   budget = budget_bytes or READ_WINDOW_BYTES
   values = _read_all(src, wants, budget)
+  _fill_per_process(src, wants, values, per_process_from)
   if treedef is None:
     return _tree.unflatten_from_paths([w.rec.path for w in wants], values)
   return jax.tree_util.tree_unflatten(treedef, values)
@@ -417,6 +440,8 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
   opened: dict[int, ts.Future] = {}
   for i, w in enumerate(wants):
     rec = w.rec
+    if rec.kind == "perprocess":  # filled by _fill_per_process
+      continue
     if rec.kind not in ("array", "key"):
       keep_target = not w.array_target and rec.kind == "empty"
       values[i] = w.value if keep_target else _leaves.decode_value(rec)
@@ -500,8 +525,7 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
-      plan = _layout.read_plan({d: _layout.normalize_index(idx, r.shape) for d, idx in
-                                r.sharding.addressable_devices_indices_map(r.shape).items()})
+      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
     for index, devices in plan.items():
       n = _layout.nbytes([b - a for a, b in index], itemsize)
       _check_memory(n, rec, location)
@@ -526,6 +550,40 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
           r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
     values[i] = _finish_leaf(r.want, value)
   return values
+
+
+def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
+                      source: int | None) -> None:
+  """Each ``fnckpt.PerProcess`` leaf: this process's own saved value (or ``source``'s)."""
+  mine = [i for i, w in enumerate(wants) if w.rec.kind == "perprocess"]
+  if not mine:
+    return
+  saved, first = src.manifest.process_count, wants[mine[0]].rec.where
+  if source is None:
+    if saved != jax.process_count():
+      raise CheckpointError(
+          f"{first} holds fnckpt.PerProcess values of {saved} processes, but this job has "
+          f"{jax.process_count()}. Pass restore(..., per_process_from=<a saved process index>) "
+          "to choose whose values each process takes.")
+    source = jax.process_index()
+  if not isinstance(source, int) or not 0 <= source < saved:
+    raise CheckpointError(f"per_process_from={source!r}: the checkpoint at {src.location!r} "
+                          f"was saved by processes 0..{saved - 1}.")
+  key = _perprocess.values_key(src.manifest.data, source)
+  where = f"{src.location}/{key}"
+  try:
+    got = src.kv.read(key).result()
+    problem = "" if got.state == "value" else "missing"
+  except Exception as e:
+    got, problem = None, f"unreadable ({type(e).__name__}: {_paths.redact(str(e))})"
+  if problem:
+    if not _commit.unchanged(src.kv, src.commit):
+      raise _commit.changed_error(src.location)
+    raise CheckpointError(f"The per-process values of process {source} ({where}) are "
+                          f"{problem}: the checkpoint is damaged. Restore an earlier one.")
+  leaves = _perprocess.decode(got.value, where)
+  for i in mine:
+    values[i] = _perprocess.value_at(leaves, wants[i].rec.path, wants[i].value, where)
 
 
 def _convert(w: _Want, host: np.ndarray) -> np.ndarray:

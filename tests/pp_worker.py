@@ -1,0 +1,46 @@
+"""A child process for tests/test_perprocess.py: saves or restores a tree holding
+fnckpt.PerProcess values under jax.distributed; prints ``RESULT <json>``."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mp_worker  # noqa: E402
+
+
+def state(me: int):
+  import numpy as np
+  import fnckpt
+  return {"w": np.arange(6.0).reshape(2, 3),            # global: process 0's value is kept
+          "loader": fnckpt.PerProcess({"epoch": 3, "offset": 1000 * (me + 1),
+                                       "order": np.arange(4) + me,
+                                       "rng": np.random.default_rng(me)}),
+          "step": 5}
+
+
+def main(cfg):
+  mp_worker.setup(cfg)
+  import jax
+  import numpy as np
+  import fnckpt
+  me = jax.process_index()
+  if cfg["mode"] == "save":
+    fnckpt.save(state(me), cfg["path"], barrier_timeout_s=120).wait()
+    mp_worker.result({"saved": True})
+    return
+  kwargs = {} if cfg.get("from") is None else {"per_process_from": cfg["from"]}
+  try:
+    got = fnckpt.restore(cfg["path"], {"w": np.zeros((2, 3)), "loader": fnckpt.PerProcess(None),
+                                       "step": 0}, **kwargs)
+  except fnckpt.CheckpointError as e:
+    mp_worker.result({"error": str(e)})
+    return
+  v = got["loader"].value
+  mp_worker.result({"process": me, "offset": v["offset"], "order": v["order"].tolist(),
+                    "draw": float(v["rng"].random()), "w": got["w"].tolist(),
+                    "step": got["step"]})
+
+
+if __name__ == "__main__":
+  main(json.loads(sys.argv[1]))
