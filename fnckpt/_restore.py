@@ -241,7 +241,8 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
   return "value", None, None, None
 
 
-def _match(location: str, records: list[dict], target: Any, partial: bool, cast: bool):
+def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool,
+           cast: bool):
   pairs, treedef = _tree.flatten(target)
   by_key = {_tree.match_key(r.path): r for r in records}
   missing, mismatched, wants = [], [], []
@@ -251,56 +252,11 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
     if rec is None:
       missing.append(where)
       continue
-    if isinstance(leaf, _perprocess.PerProcess) or rec.kind == "perprocess":
-      problem = _per_process_problem(leaf, rec)
-      if problem:
-        mismatched.append(f"{where}: {problem}")
-      else:
-        wants.append(_Want(rec, value=leaf.value, array_target=False))
-      continue
-    kind, shape, dtype, sharding = _target_spec(leaf)
-    saved_kind = rec.kind
-    if kind in ("array", "host"):
-      if saved_kind in ("scalar", "npscalar") and shape in (None, ()):
-        # e.g. flax's TrainState.step: a Python int when saved, a 0-d array in
-        # jax.eval_shape(init) (or after a jitted step)
-        problem = _scalar_problem(rec, dtype, cast)
-        if problem:
-          mismatched.append(f"{where}: {problem}")
-        else:
-          wants.append(_Want(rec, host=kind == "host", sharding=sharding, dtype=dtype,
-                             from_scalar=True))
-        continue
-      if saved_kind != "array":
-        mismatched.append(f"{where}: the target is an array, the checkpoint holds "
-                          f"{_saved_desc(rec)}")
-        continue
-      saved_shape, saved_dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
-      if shape is not None and shape != saved_shape:
-        mismatched.append(f"{where}: shape {saved_shape} saved, {shape} in the target")
-        continue
-      if dtype is not None and dtype != saved_dtype and not cast:
-        mismatched.append(f"{where}: dtype {saved_dtype} saved, {dtype} in the target "
-                          "(pass cast=True to convert)")
-        continue
-      wants.append(_Want(rec, host=kind == "host", sharding=sharding, dtype=dtype))
-    elif kind == "key":
-      if saved_kind != "key":
-        mismatched.append(f"{where}: the target is a PRNG key array, the checkpoint holds "
-                          f"{_saved_desc(rec)}")
-        continue
-      meta = _array_metadata(rec)
-      if shape != meta.key_shape:
-        mismatched.append(f"{where}: key shape {meta.key_shape} saved, {shape} in the target")
-        continue
-      wants.append(_Want(rec, host=False, sharding=sharding))
+    want = _want(leaf, rec, cast)
+    if isinstance(want, str):
+      mismatched.append(f"{where}: {want}")
     else:
-      if saved_kind in ("array", "key") and not isinstance(leaf, (bool, int, float, complex)):
-        mismatched.append(f"{where}: the target is {type(leaf).__name__}, the checkpoint holds "
-                          f"{_saved_desc(rec)}")
-        continue
-      wants.append(_Want(rec, value=leaf, array_target=False,
-                         host=saved_kind in ("array", "key")))
+      wants.append(want)
   unexpected = []
   if not partial:
     wanted = {_tree.match_key(p) for p, _ in pairs}
@@ -313,6 +269,37 @@ def _match(location: str, records: list[dict], target: Any, partial: bool, cast:
     raise _tree.mismatch_error(location, missing=missing, unexpected=unexpected,
                                mismatched=mismatched, hint=hint)
   return wants, treedef
+
+
+def _want(leaf: Any, rec: _records.Leaf, cast: bool) -> _Want | str:
+  """What to read for one target leaf, or why the saved leaf cannot fill it."""
+  if isinstance(leaf, _perprocess.PerProcess) or rec.kind == "perprocess":
+    return _per_process_problem(leaf, rec) or _Want(rec, value=leaf.value, array_target=False)
+  kind, shape, dtype, sharding = _target_spec(leaf)
+  if kind == "key":
+    if rec.kind != "key":
+      return f"the target is a PRNG key array, the checkpoint holds {_saved_desc(rec)}"
+    key_shape = _array_metadata(rec).key_shape
+    if shape != key_shape:
+      return f"key shape {key_shape} saved, {shape} in the target"
+    return _Want(rec, host=False, sharding=sharding)
+  if kind == "value":
+    if rec.is_array and not isinstance(leaf, (bool, int, float, complex)):
+      return f"the target is {type(leaf).__name__}, the checkpoint holds {_saved_desc(rec)}"
+    return _Want(rec, value=leaf, array_target=False, host=rec.is_array)
+  if rec.kind in ("scalar", "npscalar") and shape in (None, ()):
+    # e.g. flax's TrainState.step: a Python int when saved, a 0-d array in
+    # jax.eval_shape(init) (or after a jitted step)
+    return _scalar_problem(rec, dtype, cast) or _Want(
+        rec, host=kind == "host", sharding=sharding, dtype=dtype, from_scalar=True)
+  if rec.kind != "array":
+    return f"the target is an array, the checkpoint holds {_saved_desc(rec)}"
+  saved_shape, saved_dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
+  if shape is not None and shape != saved_shape:
+    return f"shape {saved_shape} saved, {shape} in the target"
+  if dtype is not None and dtype != saved_dtype and not cast:
+    return f"dtype {saved_dtype} saved, {dtype} in the target (pass cast=True to convert)"
+  return _Want(rec, host=kind == "host", sharding=sharding, dtype=dtype)
 
 
 def _per_process_problem(leaf: Any, rec: _records.Leaf) -> str:
@@ -434,82 +421,20 @@ class _Read:
 
 
 def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
-  location, kv_spec, ctx = src.location, src.kv_spec, src.ctx
+  """Every wanted leaf's value: plain values decoded, arrays read (at most ``budget`` bytes in
+  flight) and placed with their shardings. PerProcess leaves are left for
+  :func:`_fill_per_process`."""
   values: list[Any] = [None] * len(wants)
   reads: dict[int, _Read] = {}
-  opened: dict[int, ts.Future] = {}
   for i, w in enumerate(wants):
-    rec = w.rec
-    if rec.kind == "perprocess":  # filled by _fill_per_process
+    if w.rec.kind == "perprocess":
       continue
-    if rec.kind not in ("array", "key"):
-      keep_target = not w.array_target and rec.kind == "empty"
-      values[i] = w.value if keep_target else _leaves.decode_value(rec)
-      if w.from_scalar:
-        host = np.asarray(values[i])
-        host = host if w.dtype is None else host.astype(w.dtype)
-        values[i] = host if w.host else jax.device_put(
-            host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
-      continue
-    sharding = None if w.host else _data_sharding(w, rec)
-    if sharding is None and not w.host:
-      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    reads[i] = _Read(w, tuple(rec.shape), sharding)
-    if rec.stored is not None:  # open every array at once (no I/O: the manifest has the metadata)
-      opened[i] = _store.open_array(
-          _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape), ctx,
-          mode="read")
-  _read_packed(src, {i: r for i, r in reads.items() if r.want.rec.packed is not None}, budget)
-
-  # Stream the reads: keep at most `budget` bytes in flight, place each slice as it lands.
-  # Reads go out in batches (one per budget's worth): TensorStore then fetches each inner
-  # chunk that several slices overlap once, not once per slice.
-  pending: collections.deque = collections.deque()
-  held = 0
-  batch: list[ts.Batch | None] = [None]
-
-  def land() -> None:
-    nonlocal held
-    if batch[0] is not None:
-      batch[0].submit()
-      batch[0] = None
-    i, fut, devices, n = pending.popleft()
-    r = reads[i]
-    try:
-      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec.dtype))
-    except Exception as e:
-      raise _read_error(src, r.want.rec, e) from None
-    if devices is None:
-      r.parts[None] = host
-      held -= n
+    if w.rec.is_array:
+      reads[i] = _start_read(w)
     else:
-      # ``host`` is ours: one device may alias it (zero-copy on CPU); the others get copies,
-      # so donating one restored shard can never change another. Puts go out in batches.
-      for k, d in enumerate(devices):
-        to_put.append((i, d, host, k == 0))
-      put_bytes.append(n)
-      if len(to_put) >= 256 or pending_empty():
-        flush()
-
-  to_put: list = []
-  put_bytes: list[int] = []
-
-  def pending_empty() -> bool:
-    return not pending
-
-  def flush() -> None:
-    nonlocal held
-    if not to_put:
-      return
-    hosts = [h for _, _, h, _ in to_put]
-    puts = jax.device_put(hosts, [d for _, d, _, _ in to_put],
-                          may_alias=[alias for *_, alias in to_put])
-    for (i, d, _, _), arr in zip(to_put, puts):
-      reads[i].parts[d] = arr
-    held -= sum(put_bytes)
-    to_put.clear()
-    put_bytes.clear()
-
+      values[i] = _plain_value(w)
+  _read_packed(src, {i: r for i, r in reads.items() if r.want.rec.packed is not None}, budget)
+  stream = _Stream(src, reads, budget)
   for i, r in reads.items():
     rec = r.want.rec
     if rec.inline is not None:
@@ -517,30 +442,9 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
       host = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype)).reshape(
           r.shape).copy()
       r.parts[None] = _convert(r.want, host)
-      continue
-    if rec.packed is not None:  # read by _read_packed
-      continue
-    store = opened[i].result()
-    itemsize = _leaves.dtype_of(rec.dtype).itemsize
-    if r.sharding is None:
-      plan = {tuple((0, n) for n in r.shape): None}
-    else:
-      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
-    for index, devices in plan.items():
-      n = _layout.nbytes([b - a for a, b in index], itemsize)
-      _check_memory(n, rec, location)
-      while pending and held + n > budget:
-        land()
-      if held + n > budget:
-        flush()
-      if batch[0] is None:
-        batch[0] = ts.Batch()
-      pending.append((i, _store.read_slice(store, index, batch[0]), devices, n))
-      held += n
-  while pending:
-    land()
-  flush()
-
+    elif rec.stored is not None:
+      stream.read_array(i)
+  stream.finish()
   for i, r in reads.items():
     if None in r.parts:  # one host array (inline, or read whole for a host target)
       host = r.parts[None]
@@ -550,6 +454,101 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
           r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
     values[i] = _finish_leaf(r.want, value)
   return values
+
+
+def _plain_value(w: _Want) -> Any:
+  """A non-array leaf's value (or, for a 0-d array target, the saved number as an array)."""
+  rec = w.rec
+  keep_target = not w.array_target and rec.kind == "empty"
+  value = w.value if keep_target else _leaves.decode_value(rec)
+  if not w.from_scalar:
+    return value
+  host = np.asarray(value)
+  host = host if w.dtype is None else host.astype(w.dtype)
+  return host if w.host else jax.device_put(
+      host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _start_read(w: _Want) -> "_Read":
+  sharding = None if w.host else _data_sharding(w, w.rec)
+  if sharding is None and not w.host:
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return _Read(w, tuple(w.rec.shape), sharding)
+
+
+class _Stream:
+  """Reads of stored arrays with at most ``budget`` bytes in flight; each slice is placed on
+  its devices as it lands. Reads go out in batches (one per budget's worth): TensorStore then
+  fetches each inner chunk that several slices overlap once, not once per slice."""
+
+  def __init__(self, src: Source, reads: dict[int, "_Read"], budget: int):
+    self.src, self.reads, self.budget = src, reads, budget
+    self.pending: collections.deque = collections.deque()
+    self.held = 0
+    self.batch: ts.Batch | None = None
+    self.to_put: list = []
+    self.put_bytes: list[int] = []
+
+  def read_array(self, i: int) -> None:
+    """Queue every distinct slice this process's devices need of stored leaf ``i``."""
+    r = self.reads[i]
+    rec = r.want.rec
+    store = _store.open_array(  # no I/O: the manifest has the metadata
+        _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
+                         rec.shape), self.src.ctx, mode="read").result()
+    itemsize = _leaves.dtype_of(rec.dtype).itemsize
+    if r.sharding is None:
+      plan = {tuple((0, n) for n in r.shape): None}
+    else:
+      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
+    for index, devices in plan.items():
+      n = _layout.nbytes([b - a for a, b in index], itemsize)
+      _check_memory(n, rec, self.src.location)
+      while self.pending and self.held + n > self.budget:
+        self._land()
+      if self.held + n > self.budget:
+        self._flush()
+      if self.batch is None:
+        self.batch = ts.Batch()
+      self.pending.append((i, _store.read_slice(store, index, self.batch), devices, n))
+      self.held += n
+
+  def finish(self) -> None:
+    while self.pending:
+      self._land()
+    self._flush()
+
+  def _land(self) -> None:
+    if self.batch is not None:
+      self.batch.submit()
+      self.batch = None
+    i, fut, devices, n = self.pending.popleft()
+    r = self.reads[i]
+    try:
+      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec.dtype))
+    except Exception as e:
+      raise _read_error(self.src, r.want.rec, e) from None
+    if devices is None:
+      r.parts[None] = host
+      self.held -= n
+      return
+    # ``host`` is ours: one device may alias it (zero-copy on CPU); the others get copies, so
+    # donating one restored shard can never change another. Puts go out in batches.
+    self.to_put += [(i, d, host, k == 0) for k, d in enumerate(devices)]
+    self.put_bytes.append(n)
+    if len(self.to_put) >= 256 or not self.pending:
+      self._flush()
+
+  def _flush(self) -> None:
+    if not self.to_put:
+      return
+    puts = jax.device_put([h for _, _, h, _ in self.to_put], [d for _, d, _, _ in self.to_put],
+                          may_alias=[alias for *_, alias in self.to_put])
+    for (i, d, _, _), arr in zip(self.to_put, puts):
+      self.reads[i].parts[d] = arr
+    self.held -= sum(self.put_bytes)
+    self.to_put.clear()
+    self.put_bytes.clear()
 
 
 def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
