@@ -239,7 +239,7 @@ def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
   """
   leaves = []
   try:
-    raw = _list(_keys(m, "the per-process values", ("leaves",))["leaves"], "'leaves'")
+    raw = _list(_keys(m, "it", ("leaves",))["leaves"], "'leaves'")
     for i, rec in enumerate(raw):
       leaf = _leaf(i, rec, 2, ())
       _req(leaf.kind != "perprocess" and leaf.stored is None,

@@ -234,8 +234,8 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       return "key", tuple(leaf.shape), None, sharding
     return "array", tuple(leaf.shape), np.dtype(leaf.dtype), sharding
-  if isinstance(leaf, np.ndarray):
-    return "host", tuple(leaf.shape), leaf.dtype, None
+  if isinstance(leaf, np.ndarray):  # byte order is not part of the dtype asked for
+    return "host", tuple(leaf.shape), leaf.dtype.newbyteorder("="), None
   if isinstance(leaf, jax.sharding.Sharding):
     return "array", None, None, leaf
   return "value", None, None, None
@@ -339,10 +339,10 @@ def _saved_desc(rec: dict[str, Any]) -> str:
   if rec.kind == "scalar":
     return f"a{'n' if rec.type == 'int' else ''} {rec.type} value"
   if rec.kind == "empty":
-    return "None" if rec.type == "none" else f"an empty {rec.get('type')}"
+    return "None" if rec.type == "none" else f"an empty {rec.type}"
   return {"npgen": "a numpy Generator", "bigint": "an int value",
           "perprocess": "per-process values (fnckpt.PerProcess)",
-          "npscalar": f"a numpy {rec.get('dtype')} scalar"}[rec.kind]
+          "npscalar": f"a numpy {rec.dtype} scalar"}[rec.kind]
 
 
 # --- reading -----------------------------------------------------------------------------
@@ -665,7 +665,10 @@ def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointErro
   if not _commit.unchanged(src.kv, src.commit):
     return _commit.changed_error(location)
   where = rec.where
-  store = f"{location}/{_storage_of(rec)}" if rec.inline is None else location
+  if rec.packed is not None:
+    store = f"{location}/{src.manifest.packs[rec.packed.pack].dir}"
+  else:
+    store = f"{location}/{rec.stored.dir}" if rec.stored is not None else location
   text = str(e)
   low = text.lower()
   if any(w in low for w in ("checksum", "crc", "digest mismatch")):  # TS: "Digest mismatch"

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -19,16 +20,34 @@ from tree_utils import assert_trees_all_equal
 
 
 def _big(n=8192, dtype=np.float32):
-  """An array above the inline limit: stored in its own zarr3 array."""
+  """An array above the inline limit (16 KiB): packed, or in its own zarr3 array with
+  pack_bytes=0."""
   return np.arange(n, dtype=dtype)
+
+
+def _tree():
+  return {"params": {"w": _big(), "b": np.ones(3, np.float32)}, "step": 5,
+          "rng": jax.random.key(0), "name": "run"}
 
 
 @pytest.fixture
 def ckpt(tmp_path):
-  tree = {"params": {"w": _big(), "b": np.ones(3, np.float32)}, "step": 5,
-          "rng": jax.random.key(0), "name": "run"}
+  """['params']['w'] packed (the default for a 32 KiB array), the rest inline."""
+  tree = _tree()
   path = tmp_path / "ckpt"
   fnckpt.save(tree, path).wait()
+  return str(path), tree
+
+
+@pytest.fixture(params=["array", "pack"])
+def damageable(request, tmp_path):
+  """The ckpt tree with ['params']['w'] in its own zarr3 array, or in a pack."""
+  tree = _tree()
+  path = tmp_path / "ckpt"
+  fnckpt.save(tree, path, **({"pack_bytes": 0} if request.param == "array" else {})).wait()
+  leaf = _leaf_of(str(path))
+  assert (leaf.stored is not None, leaf.packed is not None) == (
+      request.param == "array", request.param == "pack")
   return str(path), tree
 
 
@@ -62,8 +81,9 @@ def test_unsupported_leaf_says_which_where_and_what_to_do(tmp_path, leaf, what):
 ])
 def test_unsupported_numpy_dtypes(tmp_path, array, dtype):
   with pytest.raises(CheckpointError, match=(
-      rf"Unsupported numpy dtype {dtype}.* at \['x'\]: only numeric and bool arrays are "
-      r"stored\. Convert it")):
+      rf"Unsupported numpy dtype {dtype}.* at \['x'\]: only bool, integer, float16/32/64, "
+      r"complex64/128 and ml_dtypes' types \(bfloat16, int4, float8_\*\) are stored\. Convert "
+      r"it before saving \(e\.g\. ")):
     fnckpt.save({"x": array}, tmp_path / "c")
 
 
@@ -107,11 +127,19 @@ def test_existing_checkpoint_is_refused_unless_overwrite(ckpt):
       r"save to a new path\.")):
     fnckpt.save({"other": 1}, path)
   assert_trees_all_equal(fnckpt.restore(path, tree), tree)  # untouched
+  old = _manifest_of(path).data
   # overwrite replaces it entirely: no leaf or file of the old one is left
-  fnckpt.save({"other": np.full(9000, 2.0)}, path, overwrite=True).wait()
+  fnckpt.save({"other": np.full(9000, 2.0), "big": np.zeros(1 << 20)}, path,
+              overwrite=True).wait()
   back = fnckpt.restore(path)
-  assert list(back) == ["other"] and back["other"][0] == 2.0
-  assert len(os.listdir(os.path.join(path, _manifest.DATA_DIR))) == 1
+  assert list(back) == ["big", "other"] and back["other"][0] == 2.0
+  m = _manifest_of(path)
+  assert m.data != old  # new data never lands in the old directory
+  assert sorted(os.listdir(path)) == sorted([_manifest.COMMIT, _manifest.MANIFEST, m.data])
+  # under it, exactly the arrays and packs the new manifest names (one of each here)
+  wanted = {l.stored.dir for l in m.leaves if l.stored} | {p.dir for p in m.packs}
+  assert len(wanted) == 2
+  assert {os.path.relpath(d, path) for d, _, fs in os.walk(path) if "zarr.json" in fs} == wanted
 
 
 def test_interrupted_save_is_refused_unless_overwrite(ckpt):
@@ -147,9 +175,16 @@ def test_a_file_where_the_checkpoint_should_be(tmp_path):
   with pytest.raises(CheckpointError, match=(
       rf"Cannot (read a checkpoint at|access) {_loc(f)} \(.*Not a directory")):
     fnckpt.restore(f)
+
+
+def test_saving_where_a_file_is_says_nothing_was_committed(tmp_path):
+  f = tmp_path / "file"
+  f.write_text("x")
   with pytest.raises(CheckpointError, match=rf"Saving to {_loc(f)} failed while checking the "
-                                            r"location: .*Nothing was committed"):
+                                            r"location: .*Nothing was committed; earlier "
+                                            r"checkpoints are intact\."):
     fnckpt.save({"x": 1}, f)
+  assert f.read_text() == "x"
 
 
 def test_an_interrupted_save_is_not_a_checkpoint(ckpt):
@@ -186,13 +221,24 @@ def _rewrite(path, manifest):
 
 
 def _manifest_of(path):
+  """The validated records (``_records.Manifest``)."""
   with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
     return _manifest.decode(f.read(), path)
 
 
+def _raw_manifest_of(path):
+  """The manifest's msgpack map, to edit as another writer would."""
+  with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
+    return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+
+
+def _leaf_of(path, key=("params", "w")):
+  return next(l for l in _manifest_of(path).leaves if tuple(k for _, k in l.path) == key)
+
+
 def test_a_checkpoint_from_a_newer_format_version(ckpt):
   path, tree = ckpt
-  manifest = _manifest_of(path)
+  manifest = _raw_manifest_of(path)
   manifest["version"] = _manifest.FORMAT_VERSION + 1
   manifest["leaves"].append({"path": [["dict", "new"]], "kind": "array", "future": True})
   _rewrite(path, manifest)
@@ -246,22 +292,34 @@ def test_a_corrupt_commit_marker(ckpt):
     fnckpt.restore(path)
 
 
+def _storage_dir(path, key=("params", "w")):
+  """Where a leaf's bytes are: its zarr3 array's directory, or its pack's; and whether packed."""
+  leaf = _leaf_of(path, key)
+  if leaf.stored is not None:
+    return leaf.stored.dir, False
+  return _manifest_of(path).packs[leaf.packed.pack].dir, True
+
+
 def _chunk_file(path, key=("params", "w")):
-  rec = next(r for r in _manifest_of(path)["leaves"]
-             if tuple(k for _, k in r["path"]) == key)
-  root = os.path.join(path, rec["store"]["dir"], "c")
-  (chunk,) = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
-  return chunk, rec["store"]["dir"]
+  d, packed = _storage_dir(path, key)
+  root = os.path.join(path, d, "c")
+  (chunk,) = [os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs]
+  return chunk, d, packed
 
 
-@pytest.mark.parametrize("where", ["data", "index", "truncated", "appended"])
-def test_a_damaged_chunk_is_detected_and_names_the_leaf(ckpt, where):
-  path, tree = ckpt
-  chunk, d = _chunk_file(path)
+def _from(path, d, packed):
+  """The storage a read error names: the leaf's zarr3 array. For a packed leaf, some place in
+  the checkpoint (which one: test_a_pack_read_error_names_the_pack_directory)."""
+  if packed:
+    return re.escape(repr(path + "/"))[:-1] + r"[^']+'"
+  return re.escape(repr(path + "/" + d))
+
+
+def _damage(chunk, where, at=100):
   with open(chunk, "rb") as f:
     data = bytearray(f.read())
   if where == "data":
-    data[100] ^= 0x10
+    data[at] ^= 0x10
   elif where == "index":
     data[-8] ^= 0x10
   elif where == "truncated":
@@ -270,8 +328,15 @@ def test_a_damaged_chunk_is_detected_and_names_the_leaf(ckpt, where):
     data += b"junk"
   with open(chunk, "wb") as f:
     f.write(data)
+
+
+@pytest.mark.parametrize("where", ["data", "index", "truncated", "appended"])
+def test_a_damaged_chunk_is_detected_and_names_the_leaf(damageable, where):
+  path, tree = damageable
+  chunk, d, packed = _chunk_file(path)
+  _damage(chunk, where)
   with pytest.raises(CheckpointError, match=(
-      rf"Cannot restore \['params'\]\['w'\] from {re.escape(repr(path + '/' + d))}: its data is "
+      rf"Cannot restore \['params'\]\['w'\] from {_from(path, d, packed)}: its data is "
       r"corrupt .*The checkpoint is damaged; restore an earlier one")):
     fnckpt.restore(path, tree)
   with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\].*corrupt"):
@@ -281,12 +346,50 @@ def test_a_damaged_chunk_is_detected_and_names_the_leaf(ckpt, where):
   assert got == {"step": 5, "name": "run"}
 
 
-def test_a_deleted_chunk_is_an_error_never_zeros(ckpt):
+def test_a_damaged_pack_names_the_leaf_it_hits_and_spares_the_others(tmp_path):
+  """Two leaves of 1 MiB share a pack of two 1 MiB inner chunks (one checksum each): a flipped
+  byte damages one leaf, named with a checksum error; the other restores intact."""
+  tree = {"a": np.full(1 << 18, 1.0, np.float32), "b": np.full(1 << 18, 2.0, np.float32)}
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  m = _manifest_of(path)
+  assert [l.packed.pack for l in m.leaves] == [0, 0] and len(m.packs) == 1
+  assert m.packs[0].inner == 1 << 20 and m.packs[0].nbytes == 2 << 20
+  chunk, d, _ = _chunk_file(path, ("a",))
+  _damage(chunk, "data", at=12345)
+  outcomes = {}
+  for key in ("a", "b"):
+    try:
+      got = fnckpt.restore(path, {key: tree[key]}, partial=True)
+    except CheckpointError as e:
+      outcomes[key] = str(e)
+    else:
+      np.testing.assert_array_equal(got[key], tree[key])
+  (hit,) = outcomes  # exactly one leaf lies in the damaged inner chunk
+  assert re.match(rf"Cannot restore \[{hit!r}\] from {_from(path, d, True)}: its data is "
+                  r"corrupt \(crc32c checksum mismatch\)\. The checkpoint is damaged; restore "
+                  r"an earlier one", outcomes[hit]), outcomes[hit]
+  with pytest.raises(CheckpointError, match=rf"Cannot restore \[{hit!r}\] .*corrupt"):
+    fnckpt.restore(path)
+
+
+def test_a_pack_read_error_names_the_pack_directory(ckpt):
   path, tree = ckpt
-  chunk, d = _chunk_file(path)
+  chunk, d, packed = _chunk_file(path)
+  assert packed and d.startswith(_manifest_of(path).data + "/p/")
+  _damage(chunk, "data")
+  with pytest.raises(CheckpointError, match=(
+      rf"Cannot restore \['params'\]\['w'\] from {re.escape(repr(path + '/' + d))}: its data "
+      r"is corrupt \(crc32c checksum mismatch\)")):
+    fnckpt.restore(path, tree)
+
+
+def test_a_deleted_chunk_is_an_error_never_zeros(damageable):
+  path, tree = damageable
+  chunk, d, packed = _chunk_file(path)
   os.remove(chunk)
   with pytest.raises(CheckpointError, match=(
-      rf"Cannot restore \['params'\]\['w'\] from {re.escape(repr(path + '/' + d))}: a chunk of "
+      rf"Cannot restore \['params'\]\['w'\] from {_from(path, d, packed)}: a chunk of "
       r"its data is missing\. The checkpoint is damaged")):
     fnckpt.restore(path, tree)
 
@@ -294,12 +397,14 @@ def test_a_deleted_chunk_is_an_error_never_zeros(ckpt):
 def test_a_deleted_shard_of_a_sharded_array(tmp_path):
   mesh = jax.make_mesh((2, 4), ("a", "b"))
   x = jax.device_put(jnp.arange(64 * 64.0).reshape(64, 64), NamedSharding(mesh, P("a", "b")))
-  fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
-  rec = _manifest_of(str(tmp_path / "c"))["leaves"][0]
-  os.remove(tmp_path / "c" / rec["store"]["dir"] / "c" / "1" / "2")
+  fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
+  (leaf,) = _manifest_of(str(tmp_path / "c")).leaves
+  assert leaf.stored.chunks == (32, 16)  # one chunk per device shard
+  os.remove(tmp_path / "c" / leaf.stored.dir / "c" / "1" / "2")
   target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
-  with pytest.raises(CheckpointError, match=r"Cannot restore \['x'\] .*a chunk of its data is "
-                                            r"missing"):
+  store = re.escape(repr(f"{tmp_path / 'c'}/{leaf.stored.dir}"))
+  with pytest.raises(CheckpointError, match=(
+      rf"Cannot restore \['x'\] from {store}: a chunk of its data is missing")):
     fnckpt.restore(tmp_path / "c", target)
 
 
@@ -354,6 +459,17 @@ def test_kind_mismatches_name_both_sides(ckpt, target_leaf, saved, match):
     target[saved] = target_leaf
   with pytest.raises(TreeMismatchError, match=match):
     fnckpt.restore(path, target)
+
+
+@pytest.mark.parametrize("saved, match", [
+    ({}, r"\['x'\]: the target is an array, the checkpoint holds an empty dict"),
+    (np.float32(1), r"\['x'\]: the target is an array, the checkpoint holds a numpy float32 "
+                    r"scalar"),
+])
+def test_kind_mismatches_name_empty_containers_and_numpy_scalars(tmp_path, saved, match):
+  fnckpt.save({"x": saved}, tmp_path / "c").wait()
+  with pytest.raises(TreeMismatchError, match=match):
+    fnckpt.restore(tmp_path / "c", {"x": np.zeros(3)})
 
 
 def test_only_unexpected_keys_suggests_partial(ckpt):

@@ -1,22 +1,26 @@
-"""fnckpt._layout (pure: chunk shapes, write plan, read plan) and the layout it gives on disk:
-zarr3 + sharding_indexed + crc32c, one writer per chunk, no reads while saving, small leaves
-inline in a versioned msgpack manifest; and the storage locations (local, file://, memory://).
+"""fnckpt._layout (pure: chunk shapes, write plan, read plan) and the layout it gives on disk
+(format 2): zarr3 + sharding_indexed + crc32c under data-<hex>/, one writer per chunk, no
+reads while saving, small leaves inline in a versioned msgpack manifest, medium arrays in a
+pack; and the storage locations (local, file://, memory://).
 """
 
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
+import tensorstore as ts
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _layout, _manifest
+from fnckpt import _layout, _manifest, _records
 
 from tree_utils import CountIO, assert_trees_all_equal
 
@@ -275,41 +279,121 @@ def _read_manifest(path):
     return _manifest.decode(f.read(), path)
 
 
-def _records(path):
-  return {tuple(x for e in r["path"] for x in e): r for r in _read_manifest(path)["leaves"]}
+def _leaves(path):
+  """The validated leaf records (``_records.Leaf``) by flattened key path."""
+  return {tuple(x for e in l.path for x in e): l for l in _read_manifest(path).leaves}
+
+
+def _zarr_json(path, d):
+  with open(os.path.join(path, d, "zarr.json")) as f:
+    return json.load(f)
 
 
 def test_zarr3_sharding_indexed_with_crc32c_for_data_and_index(tmp_path):
   mesh = _mesh((2, 4))
   x = jax.device_put(jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64),
                      NamedSharding(mesh, P("a", "b")))
-  fnckpt.save({"w": x}, tmp_path / "c", inline_bytes=0).wait()
-  rec = _records(tmp_path / "c")[("dict", "w")]
-  with open(tmp_path / "c" / rec["store"]["dir"] / "zarr.json") as f:
-    meta = json.load(f)
+  fnckpt.save({"w": x}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
+  rec = _leaves(tmp_path / "c")[("dict", "w")]
+  assert rec.stored.dir == f"{_read_manifest(tmp_path / 'c').data}/a/0"  # data-<hex>/a/<n>
+  meta = _zarr_json(tmp_path / "c", rec.stored.dir)
   assert meta["zarr_format"] == 3 and meta["node_type"] == "array"
   assert meta["shape"] == [32, 64] and meta["data_type"] == "float32"
+  assert meta["fill_value"] == 0 and meta["chunk_key_encoding"]["name"] == "default"
+  assert meta["chunk_grid"]["name"] == "regular"
   assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [16, 16]  # the device shard
+  assert rec.stored.chunks == (16, 16)
   (codec,) = meta["codecs"]
   assert codec["name"] == "sharding_indexed"
   conf = codec["configuration"]
-  assert conf["chunk_shape"] == rec["store"]["inner"]
+  assert tuple(conf["chunk_shape"]) == rec.stored.inner
   assert [c["name"] for c in conf["codecs"]] == ["bytes", "crc32c"]
+  assert conf["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
   assert [c["name"] for c in conf["index_codecs"]] == ["bytes", "crc32c"]
   assert conf.get("index_location", "end") == "end"
   # one file per device shard, named by its chunk-grid position
-  chunk_files = [f for f in _files(tmp_path / "c" / rec["store"]["dir"]) if f != "zarr.json"]
+  chunk_files = [f for f in _files(tmp_path / "c" / rec.stored.dir) if f != "zarr.json"]
   assert sorted(chunk_files) == sorted(f"c/{i}/{j}" for i in range(2) for j in range(4))
+
+
+def test_medium_arrays_share_a_pack_of_byte_ranges(tmp_path):
+  """Arrays over inline_bytes and up to pack_bytes go into this process's pack: a 1-D uint8
+  zarr3 array at data-<hex>/p/<process>, each leaf its C-order little-endian bytes at its
+  offset; sharding_indexed with bytes + crc32c for data and index."""
+  mesh = _mesh((2, 4))
+  tree = {"a": jax.device_put(jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128),
+                              NamedSharding(mesh, P("a", "b"))),   # sharded, fully addressable
+          "b": np.arange(5000, dtype=">i4"),                       # big-endian numpy
+          "c": jax.device_put(jnp.arange(9000, dtype=jnp.bfloat16), NamedSharding(mesh, P())),
+          "small": np.ones(3, np.float32)}
+  fnckpt.save(tree, tmp_path / "c").wait()
+  m = _read_manifest(tmp_path / "c")
+  assert re.fullmatch(r"data-[0-9a-f]{32}", m.data)
+  (pack,) = m.packs
+  recs = _leaves(tmp_path / "c")
+  assert recs[("dict", "small")].inline is not None
+  packed = {k[-1]: r.packed for k, r in recs.items() if r.packed is not None}
+  assert set(packed) == {"a", "b", "c"} and all(p.pack == 0 for p in packed.values())
+  assert pack.dir == f"{m.data}/p/0"
+  # the byte ranges: in leaf order, disjoint, inside the pack, of each array's size
+  ranges = [(packed[k].offset, packed[k].offset + packed[k].nbytes) for k in "abc"]
+  assert ranges == sorted(ranges) and all(b <= c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+  assert ranges[-1][1] <= pack.nbytes
+  assert [packed[k].nbytes for k in "abc"] == [64 * 128 * 4, 5000 * 4, 9000 * 2]
+  assert pack.nbytes % pack.inner == 0 and pack.chunk % pack.inner == 0
+  meta = _zarr_json(tmp_path / "c", pack.dir)
+  assert meta["shape"] == [pack.nbytes] and meta["data_type"] == "uint8"
+  assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [pack.chunk]
+  (codec,) = meta["codecs"]
+  assert codec["name"] == "sharding_indexed"
+  conf = codec["configuration"]
+  assert conf["chunk_shape"] == [pack.inner]
+  assert [c["name"] for c in conf["codecs"]] == ["bytes", "crc32c"]
+  assert [c["name"] for c in conf["index_codecs"]] == ["bytes", "crc32c"]
+  assert conf.get("index_location", "end") == "end"
+  # a reader that knows only the README finds each leaf's bytes at its offset
+  raw = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(
+      tmp_path / "c" / pack.dir)}}, open=True).result().read().result().tobytes()
+  for k in "abc":
+    p = packed[k]
+    want = np.asarray(tree[k]).astype(np.asarray(tree[k]).dtype.newbyteorder("<"))
+    assert raw[p.offset:p.offset + p.nbytes] == want.tobytes(), k
+  back = fnckpt.restore(tmp_path / "c")
+  for k in tree:
+    np.testing.assert_array_equal(back[k], np.asarray(tree[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("nbytes, where", [
+    (16384, "inline"), (16385, "pack"), (4 << 20, "pack"), ((4 << 20) + 1, "store")])
+def test_size_decides_inline_pack_or_own_array(tmp_path, nbytes, where):
+  """inline up to inline_bytes (16 KiB), packed up to pack_bytes (4 MiB), else a zarr3 array
+  of its own; inline_bytes=0 packs even a small array, pack_bytes=0 packs nothing."""
+  x = np.arange(nbytes, dtype=np.uint8)
+  for kwargs, expected in [({}, where), ({"inline_bytes": 0}, "store" if where == "store"
+                                         else "pack"),
+                           ({"inline_bytes": 0, "pack_bytes": 0}, "store")]:
+    path = tmp_path / f"c{len(kwargs)}"
+    fnckpt.save({"x": x, "tiny": np.ones(2, np.uint8)}, path, **kwargs).wait()
+    recs = _leaves(path)
+    got = {k: [w for w in ("inline", "stored", "packed") if getattr(r, w) is not None]
+           for k, r in recs.items()}
+    name = {"inline": "inline", "pack": "packed", "store": "stored"}
+    assert got[("dict", "x")] == [name[expected]], kwargs
+    assert got[("dict", "tiny")] == (["inline"] if not kwargs else
+                                     ["packed"] if len(kwargs) == 1 else ["stored"]), kwargs
+    # one process: one pack at most, holding every packed leaf
+    assert len(_read_manifest(path).packs) == any(r.packed for r in recs.values())
+    assert all(r.packed is None or r.packed.pack == 0 for r in recs.values())
+    np.testing.assert_array_equal(fnckpt.restore(path)["x"], x)
 
 
 def test_zstd_is_an_inner_codec_before_crc32c(tmp_path):
   fnckpt.save({"w": np.zeros((64, 64), np.float32)}, tmp_path / "c", zstd=3,
-              inline_bytes=0).wait()
-  rec = _records(tmp_path / "c")[("dict", "w")]
-  with open(tmp_path / "c" / rec["store"]["dir"] / "zarr.json") as f:
-    conf = json.load(f)["codecs"][0]["configuration"]
+              inline_bytes=0, pack_bytes=0).wait()
+  rec = _leaves(tmp_path / "c")[("dict", "w")]
+  conf = _zarr_json(tmp_path / "c", rec.stored.dir)["codecs"][0]["configuration"]
   assert [c["name"] for c in conf["codecs"]] == ["bytes", "zstd", "crc32c"]
-  assert rec["store"]["zstd"] == 3
+  assert rec.stored.zstd == 3
   assert np.array_equal(fnckpt.restore(tmp_path / "c")["w"], np.zeros((64, 64), np.float32))
 
 
@@ -322,12 +406,25 @@ def test_zstd_is_an_inner_codec_before_crc32c(tmp_path):
 def test_each_chunk_is_written_once_whatever_the_replication(tmp_path, spec, n_chunks):
   x = jax.device_put(jnp.arange(64 * 64, dtype=jnp.int32).reshape(64, 64),
                      NamedSharding(_mesh((2, 4)), spec))
-  stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
+  stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0, pack_bytes=0).wait()
   assert stats.chunks_written == n_chunks
   assert stats.bytes_written == x.nbytes  # no replica wrote twice
-  rec = _records(tmp_path / "c")[("dict", "x")]
-  files = [f for f in _files(tmp_path / "c" / rec["store"]["dir"]) if f.startswith("c/")]
+  rec = _leaves(tmp_path / "c")[("dict", "x")]
+  files = [f for f in _files(tmp_path / "c" / rec.stored.dir) if f.startswith("c/")]
   assert len(files) == n_chunks
+  assert np.array_equal(fnckpt.restore(tmp_path / "c")["x"], np.asarray(x))
+
+
+def test_a_packed_leaf_is_written_once_whatever_the_replication(tmp_path):
+  """The same array replicated on 8 devices, packed: its bytes land once, in one pack."""
+  x = jax.device_put(jnp.arange(64 * 64, dtype=jnp.int32).reshape(64, 64),
+                     NamedSharding(_mesh((2, 4)), P()))
+  stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
+  (pack,) = _read_manifest(tmp_path / "c").packs
+  assert _leaves(tmp_path / "c")[("dict", "x")].packed.nbytes == x.nbytes
+  assert stats.bytes_written == pack.nbytes and pack.nbytes < 2 * x.nbytes
+  files = [f for f in _files(tmp_path / "c" / pack.dir) if f.startswith("c/")]
+  assert len(files) == stats.chunks_written == pack.nbytes // pack.chunk
   assert np.array_equal(fnckpt.restore(tmp_path / "c")["x"], np.asarray(x))
 
 
@@ -336,36 +433,42 @@ def test_large_replicated_arrays_are_written_in_pieces_by_different_replicas(tmp
   assert n * n >= _layout.SPLIT_REPLICATED_BYTES == 2 * _layout.MIN_SPLIT_CHUNK_BYTES
   x = jax.device_put(jnp.arange(n * n, dtype=jnp.uint8).reshape(n, n),
                      NamedSharding(_mesh((8,)), P()))
-  stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()
-  rec = _records(tmp_path / "c")[("dict", "x")]
-  assert rec["store"]["chunks"] == [n // 2, n]
+  stats = fnckpt.save({"x": x}, tmp_path / "c", inline_bytes=0).wait()  # > 4 MiB: not packed
+  rec = _leaves(tmp_path / "c")[("dict", "x")]
+  assert rec.stored.chunks == (n // 2, n)
   assert stats.chunks_written == 2 and stats.bytes_written == n * n
   shards = _shards(x.sharding, x.shape)
-  units = _layout.write_plan(shards, shards, rec["store"]["chunks"])
+  units = _layout.write_plan(shards, shards, rec.stored.chunks)
   assert len({u.device for u in units}) == 2  # two replicas write one piece each
   back = fnckpt.restore(tmp_path / "c")["x"]
   assert np.array_equal(back, np.asarray(x))
 
 
-def test_a_save_reads_no_chunk_only_the_commit_marker_and_zarr_json(tmp_path):
+@pytest.mark.parametrize("layout", ["array", "pack"])
+def test_a_save_reads_no_chunk_only_the_commit_marker_and_zarr_json(tmp_path, layout):
   mesh = _mesh((2, 4))
   tree = {"a": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("a", "b"))),
           "b": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("a"))),
           "c": np.ones((1000,), np.int64), "small": jnp.ones(3), "step": 3}
-  n_stored = 3  # a, b, c; "small" and "step" go inline
+  # a, b, c ("small" and "step" go inline): each its own zarr array, or all in one pack
+  kwargs = {"inline_bytes": 1024, **({"pack_bytes": 0} if layout == "array" else {})}
+  n_arrays, n_chunks = (3, 8 + 2 + 1) if layout == "array" else (1, 1)
   with CountIO() as io:
-    fnckpt.save(tree, tmp_path / "c", inline_bytes=1024).wait()
+    fnckpt.save(tree, tmp_path / "c", **kwargs).wait()
+  m = _read_manifest(tmp_path / "c")
+  assert len({l.stored.dir for l in m.leaves if l.stored} | {p.dir for p in m.packs}) == n_arrays
   # The reads of a save: one of COMMIT (is a checkpoint there?) and, by process 0 creating
   # the arrays, one of each array's zarr.json (open-or-create). None of a chunk: nothing
   # was there to read, so no bytes at all, and no read-modify-write of a chunk.
-  assert io["read"] == 1 + n_stored
+  assert io["read"] == 1 + n_arrays
   assert io["bytes_read"] == 0
-  assert io["write"] == 8 + 2 + 1 + n_stored + 2  # chunks, zarr.json files, manifest, COMMIT
+  assert io["write"] == n_chunks + n_arrays + 2  # chunks, zarr.json files, manifest, COMMIT
   # overwriting reads the old COMMIT (it is a checkpoint), clears it, then reads no chunk
   commit = (tmp_path / "c" / _manifest.COMMIT).read_bytes()
   with CountIO() as io:
-    fnckpt.save(tree, tmp_path / "c", overwrite=True, inline_bytes=1024).wait()
-  assert io["read"] == 1 + n_stored and io["bytes_read"] == len(commit)
+    fnckpt.save(tree, tmp_path / "c", overwrite=True, **kwargs).wait()
+  assert io["read"] == 1 + n_arrays and io["bytes_read"] == len(commit)
+  assert io["write"] == n_chunks + n_arrays + 2
   # all-inline: only COMMIT is read
   with CountIO() as io:
     fnckpt.save({"small": jnp.ones(3), "step": 3}, tmp_path / "d").wait()
@@ -376,40 +479,68 @@ def test_small_leaves_are_inline_in_the_manifest(tmp_path):
   tree = {"bias": jnp.arange(4.0), "step": 7, "big": np.arange(5000, dtype=np.float32),
           "name": "run", "rng": jax.random.key(1)}
   fnckpt.save(tree, tmp_path / "c").wait()
-  recs = _records(tmp_path / "c")
-  assert recs[("dict", "bias")]["inline"] == np.arange(4.0, dtype=np.float32).tobytes()
-  assert recs[("dict", "step")]["value"] == 7
-  assert recs[("dict", "name")]["value"] == "run"
-  assert "inline" in recs[("dict", "rng")] and recs[("dict", "rng")]["kind"] == "key"
-  assert "inline" not in recs[("dict", "big")]
-  stored = {r["store"]["dir"] for r in recs.values() if "store" in r}
-  assert stored == {recs[("dict", "big")]["store"]["dir"]}
-  assert set(os.listdir(tmp_path / "c" / _manifest.DATA_DIR)) == {
-      d.split("/", 1)[1] for d in stored}
-  # inline_bytes=0: every array gets its own zarr array
+  recs = _leaves(tmp_path / "c")
+  assert recs[("dict", "bias")].inline == np.arange(4.0, dtype=np.float32).tobytes()
+  assert recs[("dict", "step")].value == 7
+  assert recs[("dict", "name")].value == "run"
+  assert recs[("dict", "rng")].inline is not None and recs[("dict", "rng")].kind == "key"
+  assert recs[("dict", "rng")].inline == np.asarray(jax.random.key_data(tree["rng"])).tobytes()
+  big = recs[("dict", "big")]  # 20,000 bytes: over inline_bytes, packed
+  assert big.inline is None and big.stored is None and big.packed is not None
+  assert [k for k, r in recs.items() if r.stored or r.packed] == [("dict", "big")]
+  # on disk: the manifest, COMMIT and this save's data: one pack, nothing else
+  m = _read_manifest(tmp_path / "c")
+  assert sorted(os.listdir(tmp_path / "c")) == sorted(
+      [_manifest.COMMIT, _manifest.MANIFEST, m.data])
+  assert [p.dir for p in m.packs] == [f"{m.data}/p/0"]
+  files = _files(tmp_path / "c" / m.data)
+  assert "p/0/zarr.json" in files and all(f.startswith("p/0/") for f in files), files
+  # inline_bytes=0: no array is inline (packed, as they are small); pack_bytes=0 too: every
+  # array gets its own zarr array
   fnckpt.save(tree, tmp_path / "d", inline_bytes=0).wait()
-  recs = _records(tmp_path / "d")
-  assert all("store" in r for r in recs.values() if r["kind"] in ("array", "key"))
+  recs = _leaves(tmp_path / "d")
+  assert all(r.packed for r in recs.values() if r.is_array)
+  fnckpt.save(tree, tmp_path / "e", inline_bytes=0, pack_bytes=0).wait()
+  recs = _leaves(tmp_path / "e")
+  assert all(r.stored for r in recs.values() if r.is_array)
+  assert sum(r.is_array for r in recs.values()) == 3
 
 
 def test_manifest_is_versioned_and_describes_each_leaf(tmp_path):
   mesh = _mesh((2, 4))
   x = jax.device_put(jnp.zeros((16, 64), jnp.bfloat16), NamedSharding(mesh, P(("b", "a"))))
-  fnckpt.save({"p": {"w": x}}, tmp_path / "c", metadata={"run": "r1"}, inline_bytes=0).wait()
+  fnckpt.save({"p": {"w": x}}, tmp_path / "c", metadata={"run": "r1"}, inline_bytes=0,
+              pack_bytes=0).wait()
   m = _read_manifest(tmp_path / "c")
-  assert m["format"] == "fnckpt" and m["version"] == _manifest.FORMAT_VERSION
-  assert set(m["versions"]) >= {"fnckpt", "jax", "tensorstore"}
-  assert m["versions"]["jax"] == jax.__version__
-  assert m["metadata"] == {"run": "r1"} and m["process_count"] == 1
-  (rec,) = m["leaves"]
-  assert rec["path"] == [["dict", "p"], ["dict", "w"]]
-  assert rec["kind"] == "array" and rec["dtype"] == "bfloat16" and rec["shape"] == [16, 64]
-  assert rec["sharding"] == {"type": "named", "axes": ["a", "b"], "sizes": [2, 4],
-                             "spec": [["b", "a"]]}
-  assert rec["store"] == {"dir": "d/0", "chunks": [2, 64], "inner": [2, 64], "zstd": None}
+  assert isinstance(m, _records.Manifest) and m.version == _manifest.FORMAT_VERSION == 2
+  assert set(m.versions) >= {"fnckpt", "jax", "tensorstore"}
+  assert m.versions["jax"] == jax.__version__ and m.versions["fnckpt"] == fnckpt.__version__
+  assert m.metadata == {"run": "r1"} and m.process_count == 1
+  assert re.fullmatch(r"data-[0-9a-f]{32}", m.data) and m.packs == ()
+  (rec,) = m.leaves
+  assert rec.path == (("dict", "p"), ("dict", "w"))
+  assert rec.kind == "array" and rec.dtype == "bfloat16" and rec.shape == (16, 64)
+  assert rec.source == "jax"
+  assert rec.sharding == _records.Sharding("named", ("a", "b"), (2, 4), (("b", "a"),), 8)
+  assert rec.stored == _records.Stored(f"{m.data}/a/0", (2, 64), (2, 64), None)
+  assert rec.inline is None and rec.packed is None
+  # the bytes on disk: exactly the README's keys and record fields
+  with open(tmp_path / "c" / _manifest.MANIFEST, "rb") as f:
+    raw = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+  assert set(raw) == {"format", "version", "created", "process_count", "versions",
+                      "metadata", "data", "packs", "leaves"}
+  assert raw["format"] == "fnckpt" and raw["version"] == 2 and raw["data"] == m.data
+  assert isinstance(raw["created"], float) and raw["packs"] == []
+  assert raw["leaves"] == [{
+      "path": [["dict", "p"], ["dict", "w"]], "kind": "array", "dtype": "bfloat16",
+      "shape": [16, 64], "source": "jax",
+      "sharding": {"type": "named", "axes": ["a", "b"], "sizes": [2, 4], "spec": [["b", "a"]]},
+      "store": {"dir": f"{m.data}/a/0", "chunks": [2, 64], "inner": [2, 64], "zstd": None}}]
   # the commit marker names this manifest
   with open(tmp_path / "c" / _manifest.COMMIT, "rb") as f:
     commit = _manifest.decode_commit(f.read(), "c")
+  assert set(commit) == {"format", "version", "manifest_sha256", "committed"}
+  assert commit["version"] == 2
   with open(tmp_path / "c" / _manifest.MANIFEST, "rb") as f:
     assert commit["manifest_sha256"] == _manifest.digest(f.read())
 
@@ -437,12 +568,15 @@ def test_local_locations(tmp_path, monkeypatch, form):
   assert fnckpt.metadata(path).location == str(target)
 
 
-def test_memory_locations_survive_across_save_and_restore(tmp_path):
+@pytest.mark.parametrize("pack_bytes", [0, 4 << 20], ids=["arrays", "pack"])
+def test_memory_locations_survive_across_save_and_restore(tmp_path, pack_bytes):
   tree = _tree()
   path = f"memory://{tmp_path.name}/run/1"
   with CountIO() as io:
-    fnckpt.save(tree, path, inline_bytes=0).wait()
+    fnckpt.save(tree, path, inline_bytes=0, pack_bytes=pack_bytes).wait()
   assert io["write"] == 0  # no file written
+  assert [l.stored is not None for l in fnckpt.metadata(path).leaves if l.is_array] == [
+      pack_bytes == 0] * 2
   assert_trees_all_equal(fnckpt.restore(path, tree), tree)
   assert fnckpt.metadata(path).location == path
   with pytest.raises(fnckpt.CheckpointError, match="already exists"):

@@ -1,27 +1,128 @@
-"""fnckpt._manifest: manifest and commit marker <-> msgpack bytes, versioning, validation. Pure:
-no files, no devices (leaf records come from fnckpt._leaves.encode_leaf)."""
+"""fnckpt._manifest and fnckpt._records: manifest and commit marker <-> msgpack bytes,
+versioning, validation into frozen records. No files: leaf records come from
+fnckpt._leaves.encode_leaf, manifests are built here as a writer would (README "Format")."""
 
+import collections
 import hashlib
 import math
+import struct
 
+import jax
+import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fnckpt import CheckpointError
-from fnckpt import _leaves, _manifest
+from fnckpt import _leaves, _manifest, _records, _tree
 
 LOC = "/ckpt/7"
+DATA = "data-" + "0123456789abcdef" * 2
+VERSIONS = {"fnckpt": "0.2.0", "jax": jax.__version__, "tensorstore": "0.1"}
 
 
-def _manifest_dict(leaves=(), **extra):
+def _manifest_dict(leaves=(), packs=(), **extra):
+  """A format-2 manifest with every top-level key the README lists."""
   return {"format": _manifest.FORMAT_NAME, "version": _manifest.FORMAT_VERSION,
-          "leaves": list(leaves), **extra}
+          "created": 1.5, "process_count": 1, "versions": dict(VERSIONS), "metadata": None,
+          "data": DATA, "packs": list(packs), "leaves": list(leaves), **extra}
 
 
-# --- round trips -------------------------------------------------------------------------
+def _v1_dict(leaves=(), **extra):
+  """A format-1 manifest: no 'data', no 'packs', arrays at d/<n>."""
+  m = _manifest_dict(leaves, version=1, **extra)
+  del m["data"], m["packs"]
+  return m
+
+
+def _scalar(key, value):
+  return {"path": [["dict", key]], "kind": "scalar", "type": type(value).__name__,
+          "value": value}
+
+
+def _array(key, **storage):
+  """A float32[4] record (16 bytes) stored as ``storage`` says."""
+  return {"path": [["dict", key]], "kind": "array", "dtype": "float32", "shape": [4],
+          "source": "numpy", "sharding": None, **storage}
+
+
+# --- records back to the wire format ------------------------------------------------------
+
+def _wire_sharding(s):
+  if s is None:
+    return None
+  if s.type == "named":
+    return {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
+            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]}
+  if s.type == "single":
+    return {"type": "single"}
+  return {"type": s.type, "devices": s.devices}
+
+
+def _wire_leaf(leaf):
+  """A validated :class:`_records.Leaf` as the record a writer puts in the manifest (the
+  inverse of parsing; README "Format (version 2)")."""
+  rec = {"path": [list(e) for e in leaf.path], "kind": leaf.kind}
+  if leaf.is_array:
+    rec.update(dtype=leaf.dtype, shape=list(leaf.shape), source=leaf.source,
+               sharding=_wire_sharding(leaf.sharding))
+    if leaf.kind == "key":
+      rec["impl"] = leaf.impl
+    assert [leaf.inline, leaf.stored, leaf.packed].count(None) == 2  # exactly one
+    if leaf.inline is not None:
+      rec["inline"] = leaf.inline
+    elif leaf.stored is not None:
+      s = leaf.stored
+      rec["store"] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
+                      "zstd": s.zstd}
+    else:
+      rec["pack"] = {"index": leaf.packed.pack, "offset": leaf.packed.offset}
+      assert leaf.packed.nbytes == leaf.nbytes
+  elif leaf.kind == "perprocess":
+    pass  # the values are in each process's pp/<process> file
+  elif leaf.kind == "empty":
+    rec.update(type=leaf.type, name=leaf.name)
+  elif leaf.kind == "scalar":
+    v = leaf.value
+    rec.update(type=leaf.type, value=[v.real, v.imag] if leaf.type == "complex" else v)
+  elif leaf.kind == "bigint":
+    rec["value"] = str(leaf.value)
+  elif leaf.kind == "npscalar":
+    rec.update(dtype=leaf.dtype, value=leaf.value)
+  else:
+    assert leaf.kind == "npgen", leaf.kind
+    rec["value"] = leaf.value
+  return rec
+
+
+def _wire(m):
+  """A :class:`_records.Manifest` as the msgpack map it was parsed from."""
+  out = {"format": _manifest.FORMAT_NAME, "version": m.version, "created": m.created,
+         "process_count": m.process_count, "versions": dict(m.versions),
+         "metadata": m.metadata, "leaves": [_wire_leaf(l) for l in m.leaves]}
+  if m.version >= 2:
+    out["data"] = m.data
+    out["packs"] = [{"dir": p.dir, "nbytes": p.nbytes, "chunk": p.chunk, "inner": p.inner}
+                    for p in m.packs]
+  return out
+
+
+def _canonical(obj):
+  """msgpack bytes independent of map key order: equal iff the data is equal *and* of the
+  same msgpack types (1 vs 1.0 vs True, -0.0 vs 0.0, str vs bytes all differ)."""
+  def sort(x):
+    if isinstance(x, dict):
+      return {k: sort(x[k]) for k in sorted(x, key=lambda k: (type(k).__name__, k))}
+    if isinstance(x, (list, tuple)):
+      return [sort(v) for v in x]
+    return x
+  return msgpack.packb(sort(obj), use_bin_type=True)
+
+
+# --- strategies ---------------------------------------------------------------------------
 
 _ints = st.integers(-(1 << 63), (1 << 64) - 1)
 _scalars = st.one_of(st.none(), st.booleans(), _ints, st.floats(allow_nan=False),
@@ -31,57 +132,188 @@ _data = st.recursive(
     lambda c: st.one_of(st.lists(c, max_size=4),
                         st.dictionaries(st.one_of(st.text(max_size=4), _ints), c, max_size=4)),
     max_leaves=12)
-_paths = st.lists(st.one_of(st.tuples(st.sampled_from(["dict", "attr"]), st.text(max_size=4)),
-                            st.tuples(st.sampled_from(["seq", "flat", "dict"]),
-                                      st.integers(0, 99))).map(list), max_size=4)
-_records = st.fixed_dictionaries(
-    {"path": _paths, "kind": st.sampled_from(_manifest.LEAF_KINDS)},
-    optional={"value": _data, "dtype": st.sampled_from(["float32", "bfloat16", "int4"]),
-              "shape": st.lists(st.integers(0, 9), max_size=3), "inline": st.binary(max_size=16)})
 
+Pair = collections.namedtuple("Pair", "x y")  # attribute keys ("attr")
+
+_ARRAY_DTYPES = ["bool", "int4", "uint8", "int16", "float32", "bfloat16", "float8_e4m3fn",
+                 "complex64", "float64"]
+_NP_SCALARS = [np.float32(1.5), np.int8(-3), np.uint64(2**64 - 1), np.bool_(True),
+               np.float16(-0.0), np.complex64(1 - 2j), np.int64(-(1 << 63))]
+
+
+def _jax_arrays():
+  """Arrays with each kind of saved sharding, and typed PRNG keys (built once)."""
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  x = np.arange(32, dtype=np.float32).reshape(8, 4)
+  return [jax.device_put(x, NamedSharding(mesh, P("a", "b"))),
+          jax.device_put(x, NamedSharding(mesh, P(("b", "a")))),
+          jax.device_put(x, NamedSharding(mesh, P(None, "b"))),
+          jax.device_put(x, NamedSharding(mesh, P())),
+          jnp.ones((2, 3), jnp.bfloat16),
+          jax.random.key(0), jax.random.key(1, impl="rbg"),
+          jax.random.split(jax.random.key(2), 3)]
+
+
+_JAX_ARRAYS = _jax_arrays()
+
+
+@st.composite
+def _np_arrays(draw):
+  dtype = np.dtype(jnp.dtype(draw(st.sampled_from(_ARRAY_DTYPES))))
+  shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+  n = math.prod(shape) * dtype.itemsize
+  return np.frombuffer(draw(st.binary(min_size=n, max_size=n)), dtype).reshape(shape)
+
+
+_generators = st.sampled_from(sorted(_records.BIT_GENERATORS)).flatmap(
+    lambda name: st.integers(0, 1 << 32).map(
+        lambda seed: np.random.Generator(getattr(np.random, name)(seed))))
+
+_arrays = st.one_of(_np_arrays(), st.sampled_from(_JAX_ARRAYS))
+_leaf_values = st.one_of(
+    _arrays, _arrays, _arrays, _arrays,  # weighted: arrays carry the most fields
+    st.none(), st.booleans(), _ints, st.floats(allow_nan=False),
+    st.complex_numbers(allow_nan=False), st.text(max_size=8), st.binary(max_size=8),
+    st.integers().filter(lambda v: not -(1 << 63) <= v < (1 << 64)),  # bigint kind
+    st.sampled_from(_NP_SCALARS), _generators,
+    st.sampled_from(["dict", "list", "tuple"]).map(lambda t: {"dict": {}, "list": [],
+                                                              "tuple": ()}[t]))
+
+_trees = st.recursive(
+    _leaf_values,
+    lambda c: st.one_of(st.lists(c, max_size=3), st.lists(c, max_size=3).map(tuple),
+                        st.dictionaries(st.text(max_size=4), c, max_size=3),
+                        st.dictionaries(st.integers(-3, 3), c, max_size=3),
+                        st.builds(Pair, c, c)),
+    max_leaves=8)
+
+
+def _divisors(n):
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def _manifests(draw):
+  """A valid format-2 manifest of a random pytree, as a writer would build it: every leaf
+  record from encode_leaf, each array inline, in its own zarr array, or in one of the packs."""
+  records, used = [], {}
+  turn = draw(st.integers(0, 2))  # storages in turn: every manifest with arrays mixes them
+  for i, (path, leaf) in enumerate(_tree.flatten(draw(_trees))[0]):
+    rec, data = _leaves.encode_leaf(path, leaf)
+    if data is None and draw(st.integers(0, 9)) == 0:  # an fnckpt.PerProcess leaf
+      rec = {"path": rec["path"], "kind": "perprocess"}
+    if data is not None:
+      raw = _leaves.to_little_endian(np.asarray(data)).tobytes()
+      where = ("inline", "store", "pack")[(turn + i) % 3]
+      if where == "inline":
+        rec["inline"] = raw
+      elif where == "store":
+        chunks = [draw(st.integers(1, max(n, 1))) for n in rec["shape"]]
+        rec["store"] = {"dir": f"{DATA}/a/{i}", "chunks": chunks,
+                        "inner": [draw(st.sampled_from(_divisors(c))) for c in chunks],
+                        "zstd": draw(st.sampled_from([None, 0, 3, -5]))}
+      else:
+        k = draw(st.integers(0, 2))
+        offset = used.get(k, 0) + draw(st.integers(0, 3))  # leaves may have gaps between
+        used[k] = offset + len(raw)
+        rec["pack"] = {"index": k, "offset": offset}
+    records.append(rec)
+  packs = []
+  for k in range(max(used, default=-1) + 1):
+    nbytes = max(1, used.get(k, 0) + draw(st.integers(0, 5)))  # padded to whole inner chunks
+    inner = draw(st.sampled_from(_divisors(nbytes)))
+    chunk = inner * draw(st.integers(1, nbytes // inner))
+    packs.append({"dir": f"{DATA}/p/{k}", "nbytes": nbytes, "chunk": chunk, "inner": inner})
+  return _manifest_dict(records, packs, created=draw(st.floats(0, 1e10)),
+                        process_count=draw(st.integers(1, 4096)), metadata=draw(_data))
+
+
+# --- round trips -------------------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(_records, max_size=6), _data)
-def test_property_encode_decode_round_trip(records, user_metadata):
-  manifest = _manifest_dict(records, metadata=user_metadata, created=1.5)
+@given(_manifests())
+def test_property_encode_decode_round_trip(manifest):
   _manifest.check_msgpackable(manifest, "manifest")
   data = _manifest.encode(manifest)
   assert isinstance(data, bytes)
-  assert _manifest.decode(data, LOC) == manifest
+  decoded = _manifest.decode(data, LOC)
+  assert isinstance(decoded, _records.Manifest)
+  assert [l.index for l in decoded.leaves] == list(range(len(manifest["leaves"])))
+  # the records say exactly what the manifest said: same values, same msgpack types
+  assert _canonical(_wire(decoded)) == _canonical(manifest)
+  # frozen: what a reader validated cannot change under it
+  with pytest.raises(AttributeError):
+    decoded.version = 1
+  for leaf in decoded.leaves:
+    with pytest.raises(AttributeError):
+      leaf.kind = "array"
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(
     _scalars.filter(lambda v: v is not None),
     st.integers().filter(lambda v: not -(1 << 63) <= v < (1 << 64)),  # bigint kind
-    st.complex_numbers(allow_nan=False),
-    st.sampled_from([np.float32(1.5), np.int8(-3), np.uint64(2**64 - 1), np.bool_(True),
-                     np.float16(-0.0), np.complex64(1 - 2j)])))
+    st.complex_numbers(allow_nan=True),
+    st.floats(allow_nan=True),
+    st.sampled_from(_NP_SCALARS + [np.float64("nan")])))
 def test_property_leaf_values_survive_the_manifest(value):
   rec, data = _leaves.encode_leaf((("dict", "v"),), value)
   assert data is None  # values go inline, no array data
-  back = _manifest.decode(_manifest.encode(_manifest_dict([rec])), LOC)["leaves"][0]
+  back = _manifest.decode(_manifest.encode(_manifest_dict([rec])), LOC).leaves[0]
+  assert isinstance(back, _records.Leaf) and back.path == (("dict", "v"),)
   restored = _leaves.decode_value(back)
   assert type(restored) is type(value)
-  if isinstance(value, float) and math.isnan(value):
-    assert math.isnan(restored)
-  else:
-    assert restored == value
+  assert _bits(restored) == _bits(value)  # bit-exact: -0.0, NaN payloads, numpy dtypes
+
+
+def _bits(v):
+  if isinstance(v, np.generic):
+    return v.dtype.name, v.tobytes()
+  if isinstance(v, (float, complex)):
+    return struct.pack("<dd", v.real, v.imag)
+  return v
+
+
+def test_numpy_generators_survive_the_manifest():
+  for name in sorted(_records.BIT_GENERATORS):
+    gen = np.random.Generator(getattr(np.random, name)(7))
+    gen.random(3)  # a state past the seed
+    rec, _ = _leaves.encode_leaf((("seq", 0),), gen)
+    back = _manifest.decode(_manifest.encode(_manifest_dict([rec])), LOC).leaves[0]
+    restored = _leaves.decode_value(back)
+    assert type(restored.bit_generator).__name__ == name
+    np.testing.assert_array_equal(restored.random(5), gen.random(5))
 
 
 def test_manifest_bytes_are_plain_msgpack():
-  manifest = _manifest_dict([{"path": [["dict", "a"]], "kind": "scalar", "type": "int",
-                              "value": 1}])
+  manifest = _manifest_dict([_scalar("a", 1)])
   assert msgpack.unpackb(_manifest.encode(manifest), raw=False) == manifest
 
 
 def test_constants_name_the_files():
-  assert (_manifest.MANIFEST, _manifest.COMMIT, _manifest.DATA_DIR) == (
-      "manifest.msgpack", "COMMIT", "d")
-  assert isinstance(_manifest.FORMAT_VERSION, int) and _manifest.FORMAT_VERSION >= 1
+  assert (_manifest.MANIFEST, _manifest.COMMIT) == ("manifest.msgpack", "COMMIT")
+  assert (_manifest.DATA_DIR, _manifest.DATA_PREFIX) == ("d", "data-")  # format 1, format 2
+  assert _manifest.FORMAT_VERSION == 2
+  # the leaf kinds and path kinds the README lists (a reader refuses any other)
+  assert _records.LEAF_KINDS == {"array", "key", "scalar", "bigint", "npscalar", "npgen",
+                                 "empty", "perprocess"}
+  assert _records.PATH_KINDS == {"dict", "seq", "attr", "flat"}
 
 
-# --- decode: bad bytes -------------------------------------------------------------------
+# --- decode: bad bytes and invalid manifests ---------------------------------------------
+
+def _packed(m):
+  return msgpack.packb(m, use_bin_type=True)
+
+
+def _without(m, key):
+  return {k: v for k, v in m.items() if k != key}
+
+
+_INVALID = r"The manifest of '/ckpt/7' is invalid: "
+_RESTORE = r"\. The checkpoint cannot be read safely; restore an earlier one"
+_ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
+
 
 @pytest.mark.parametrize("data, match", [
     (b"", r"The manifest of '/ckpt/7' is corrupt \(.*\)\. The checkpoint cannot be read; "
@@ -95,16 +327,71 @@ def test_constants_name_the_files():
     (msgpack.packb({"format": "fnckpt", "leaves": []}),
      r"manifest of '/ckpt/7' is corrupt: no format version"),
     (msgpack.packb({"format": "fnckpt", "version": "1", "leaves": []}), r"no format version"),
-    (msgpack.packb({"format": "fnckpt", "version": 1}),
-     r"manifest of '/ckpt/7' is corrupt: its leaf records are malformed\. Restore an earlier"),
-    (msgpack.packb({"format": "fnckpt", "version": 1, "leaves": [{"path": [], "kind": "x"}]}),
-     r"leaf records are malformed"),
-    (msgpack.packb({"format": "fnckpt", "version": 1, "leaves": [{"kind": "array"}]}),
-     r"leaf records are malformed"),
-    (msgpack.packb({"format": "fnckpt", "version": 1, "leaves": [3]}),
-     r"leaf records are malformed"),
+    (_packed({**_manifest_dict(), "version": 0}), r"corrupt: no format version"),
+    (_packed(_without(_manifest_dict(), "leaves")), _INVALID + r"it lacks 'leaves'" + _RESTORE),
+    (_packed(_without(_manifest_dict(), "data")), _INVALID + r"it lacks 'data'" + _RESTORE),
+    (_packed(_manifest_dict(extra=1)),
+     _INVALID + r"it has an unknown field 'extra' \(written by a newer fnckpt\?\)"),
+    (_packed({**_manifest_dict(), "leaves": 3}),
+     _INVALID + r"its 'leaves' must be a list, found 3"),
+    (_packed(_manifest_dict(created="now")), _INVALID + r"its 'created' must be a Unix time"),
+    (_packed(_manifest_dict(data="/etc")),
+     _INVALID + r"its 'data' must be a relative path of plain names inside the checkpoint, "
+                r"found '/etc'"),
+    (_packed(_manifest_dict(data="data-1/../..")), r"its 'data' must be a relative path"),
+    (_packed(_manifest_dict(packs=[{**_ONE_PACK[0], "inner": 5}])),
+     _INVALID + r"its 'packs'\[0\]\.inner must divide its chunk and nbytes"),
+    (_packed(_manifest_dict(packs=[{**_ONE_PACK[0], "dir": "../x"}])),
+     r"its 'packs'\[0\]\.dir must be a relative path of plain names"),
+    (_packed(_manifest_dict([{"path": [], "kind": "x"}])),
+     _INVALID + r"the record of <root> is invalid: unknown leaf kind 'x' \(known: \[.*'array'"),
+    (_packed(_manifest_dict([{"kind": "array"}])),
+     _INVALID + r"the record of leaf #0 is invalid: 'path' must be a list, found None"),
+    (_packed(_manifest_dict([3])), _INVALID + r"the record of leaf #0 is invalid: it must be a "
+                                              r"map, found 3"),
+    (_packed(_manifest_dict([{**_scalar("a", 1), "future": True}])),
+     r"the record of \['a'\] is invalid: it has an unknown field 'future'"),
+    (_packed(_manifest_dict([_array("a", inline=b"\0" * 15)])),
+     r"the record of \['a'\] is invalid: 'inline' must hold 16 bytes"),
+    (_packed(_manifest_dict([{**_array("a", inline=b"\0" * 16), "dtype": "object"}])),
+     r"the record of \['a'\] is invalid: dtype 'object' is not one fnckpt stores"),
+    (_packed(_manifest_dict([_array("a", inline=b"\0" * 16, pack={"index": 0, "offset": 0})],
+                            _ONE_PACK)),
+     r"the record of \['a'\] is invalid: exactly one of 'inline', 'store', 'pack' must be "
+     r"present"),
+    (_packed(_manifest_dict([_array("a", pack={"index": 0, "offset": 17})], _ONE_PACK)),
+     r"the record of \['a'\] is invalid: 'pack' bytes \[17, 33\) lie outside pack 0 \(32 "
+     r"bytes\)"),
+    (_packed(_manifest_dict([_array("a", pack={"index": 1, "offset": 0})], _ONE_PACK)),
+     r"the record of \['a'\] is invalid: 'pack'\.index must be an integer in \[0, 0\], found 1"),
+    (_packed(_manifest_dict([_array("a", pack={"index": 0, "offset": 0})])),
+     r"the record of \['a'\] is invalid: 'pack'\.index names no pack"),
+    (_packed(_manifest_dict([_array("a", store={"dir": "/abs", "chunks": [4], "inner": [4],
+                                                "zstd": None})])),
+     r"the record of \['a'\] is invalid: 'store'\.dir must be a relative path of plain names"),
+    (_packed(_manifest_dict([_array("a", store={"dir": f"{DATA}/a/0", "chunks": [8],
+                                                "inner": [8], "zstd": None})])),
+     r"the record of \['a'\] is invalid: a chunk is larger than the array"),
+    (_packed(_manifest_dict([_array("a", store={"dir": f"{DATA}/a/0", "chunks": [4],
+                                                "inner": [3], "zstd": None})])),
+     r"the record of \['a'\] is invalid: inner chunks must divide chunks"),
+    (_packed(_manifest_dict([{"path": [["dict", "a"]], "kind": "perprocess", "value": 1}])),
+     r"the record of \['a'\] is invalid: it has an unknown field 'value'"),
+    (_packed(_manifest_dict([_scalar("a", 1), _scalar("a", 2)])),
+     _INVALID + r"key path \['a'\] appears twice"),
+    (_packed(_manifest_dict([_scalar("a", 1), {**_scalar("a", 2),
+                                               "path": [["dict", "a"], ["seq", 0]]}])),
+     _INVALID + r"a leaf is also a parent of other leaves"),
+    (_packed(_manifest_dict([{**_scalar("a", 1), "path": [["seq", 1]]}])),
+     _INVALID + r"sequence indices must be 0\.\.n-1 without gaps"),
+    (_packed(_manifest_dict([{**_scalar("a", 1), "path": [["seq", 0]]}, _scalar("b", 1)])),
+     _INVALID + r"<root> mixes sequence and mapping children"),
 ], ids=["empty", "reserved-byte", "trailing", "list", "foreign", "no-version", "str-version",
-        "no-leaves", "bad-kind", "no-path", "not-a-record"])
+        "zero-version", "no-leaves", "no-data", "unknown-key", "leaves-not-a-list", "created",
+        "absolute-data", "dotdot-data", "pack-inner", "pack-dir", "bad-kind", "no-path",
+        "not-a-record", "unknown-record-key", "inline-size", "dtype", "two-storages",
+        "pack-range", "pack-index", "no-pack", "store-dir", "chunk-too-large", "inner-chunk",
+        "perprocess-value", "duplicate-path", "leaf-and-parent", "sequence-gap", "mixed-children"])
 def test_decode_rejects_bad_manifests_with_a_clear_error(data, match):
   with pytest.raises(CheckpointError, match=match):
     _manifest.decode(data, LOC)
@@ -120,20 +407,75 @@ def test_decode_rejects_a_newer_format_version_and_says_to_upgrade():
 
 
 def test_decode_reads_older_format_versions():
-  manifest = {**_manifest_dict(), "version": 0}
-  assert _manifest.decode(_manifest.encode(manifest), LOC)["version"] == 0
+  """Format 1 (fnckpt 0.1.0): no 'data' or 'packs', arrays at d/<n>."""
+  store = {"dir": "d/1", "chunks": [4], "inner": [2], "zstd": None}
+  manifest = _v1_dict([_scalar("step", 3), _array("w", store=store)])
+  decoded = _manifest.decode(_manifest.encode(manifest), LOC)
+  assert decoded.version == 1 and decoded.data is None and decoded.packs == ()
+  assert decoded.leaves[1].stored == _records.Stored("d/1", (4,), (2,), None)
+  assert _canonical(_wire(decoded)) == _canonical(manifest)
+  # ... and only format 1: format-2 keys and records are refused in it
+  for bad, match in [
+      ({**manifest, "data": DATA}, r"it has an unknown field 'data'"),
+      (_v1_dict([_array("w", pack={"index": 0, "offset": 0})]),
+       r"the record of \['w'\] is invalid: 'pack' needs format 2"),
+      (_v1_dict([_array("w", store={**store, "dir": f"{DATA}/a/1"})]),
+       r"the record of \['w'\] is invalid: 'store'\.dir must be d/<n>"),
+      (_v1_dict([{"path": [["dict", "w"]], "kind": "perprocess"}]),
+       r"the record of \['w'\] is invalid: kind 'perprocess' needs format 2")]:
+    with pytest.raises(CheckpointError, match=_INVALID + match):
+      _manifest.decode(_manifest.encode(bad), LOC)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.one_of(st.binary(max_size=64), _data.map(lambda d: msgpack.packb(d))))
-def test_property_decode_of_any_bytes_is_a_manifest_or_a_checkpoint_error(data):
+_loose_records = st.fixed_dictionaries(
+    {"path": st.lists(st.one_of(st.tuples(st.sampled_from(["dict", "attr"]),
+                                          st.text(max_size=4)),
+                                st.tuples(st.sampled_from(["seq", "flat", "dict", "other"]),
+                                          st.integers(-1, 99))).map(list), max_size=4),
+     "kind": st.sampled_from(sorted(_records.LEAF_KINDS) + ["pickle"])},
+    optional={"value": _data, "dtype": st.sampled_from(["float32", "bfloat16", "int4", "<U1"]),
+              "shape": st.lists(st.integers(-1, 9), max_size=3), "inline": st.binary(max_size=16),
+              "source": st.sampled_from(["jax", "numpy", "torch"]), "sharding": _data,
+              "type": st.sampled_from(["int", "str", "none", "dict", "set"]), "name": _data,
+              "impl": st.sampled_from(["threefry2x32", "rbg", "x"]), "store": _data,
+              "pack": st.fixed_dictionaries({"index": _ints, "offset": _ints})})
+
+
+def _is_decoded_or_refused(data):
   try:
     manifest = _manifest.decode(data, LOC)
   except CheckpointError as e:
     assert LOC in str(e)
+    return False
+  assert isinstance(manifest, _records.Manifest)
+  assert manifest.version in (1, _manifest.FORMAT_VERSION)
+  assert isinstance(manifest.leaves, tuple)
+  assert all(isinstance(l, _records.Leaf) for l in manifest.leaves)
+  return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64), _data.map(lambda d: msgpack.packb(d)),
+                 st.lists(_loose_records, max_size=6).map(
+                     lambda r: _manifest.encode(_manifest_dict(r)))))
+def test_property_decode_of_any_bytes_is_a_manifest_or_a_checkpoint_error(data):
+  _is_decoded_or_refused(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_manifests(), st.data())
+def test_property_a_changed_field_is_valid_or_a_checkpoint_error(manifest, data):
+  """A valid manifest with one field replaced, added or removed (top level, a leaf record,
+  or a record's storage) decodes to records or raises a CheckpointError, nothing else."""
+  where = [manifest] + manifest["leaves"] + [r[k] for r in manifest["leaves"]
+                                             for k in ("store", "pack") if k in r]
+  target = data.draw(st.sampled_from(where))
+  key = data.draw(st.sampled_from(sorted(target) + ["extra"]))
+  if data.draw(st.booleans()):
+    target.pop(key, None)
   else:
-    assert manifest["format"] == _manifest.FORMAT_NAME
-    assert isinstance(manifest["leaves"], list)
+    target[key] = data.draw(_data)
+  _is_decoded_or_refused(_manifest.encode(manifest))
 
 
 # --- the commit marker -------------------------------------------------------------------
