@@ -448,7 +448,7 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
   for i, r in reads.items():
     if None in r.parts:  # one host array (inline, or read whole for a host target)
       host = r.parts[None]
-      value = host if r.sharding is None else jax.device_put(host, r.sharding)
+      value = host if r.sharding is None else _place(host, r.sharding)
     else:
       value = jax.make_array_from_single_device_arrays(
           r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
@@ -465,8 +465,18 @@ def _plain_value(w: _Want) -> Any:
     return value
   host = np.asarray(value)
   host = host if w.dtype is None else host.astype(w.dtype)
-  return host if w.host else jax.device_put(
+  return host if w.host else _place(
       host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A whole host array placed with ``sharding``, from this process's slices alone:
+  ``jax.device_put`` onto a sharding spanning processes would run a cross-process check
+  (a collective), and restore makes none."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(host, sharding)
+  return jax.make_array_from_callback(host.shape, sharding,
+                                     lambda index: np.array(host[index]))  # own buffers
 
 
 def _start_read(w: _Want) -> "_Read":

@@ -25,6 +25,9 @@ def main(cfg):
   import numpy as np
   import fnckpt
   me = jax.process_index()
+  if cfg["mode"] == "apart":
+    apart(cfg["path"], me)
+    return
   if cfg["mode"] == "save":
     fnckpt.save(state(me), cfg["path"], barrier_timeout_s=120).wait()
     mp_worker.result({"saved": True})
@@ -40,6 +43,28 @@ def main(cfg):
   mp_worker.result({"process": me, "offset": v["offset"], "order": v["order"].tolist(),
                     "draw": float(v["rng"].random()), "w": got["w"].tolist(),
                     "step": got["step"]})
+
+
+def apart(path, me):
+  """Save a packed and an inline leaf with a sharding over both processes, then restore a
+  different one on each process: restore must make no cross-process call (a collective
+  here would hang or fail, as the processes ask for different things)."""
+  import jax
+  import numpy as np
+  import fnckpt
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices())
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  values = {"b": np.arange(128 * 64, dtype=np.float32).reshape(128, 64),   # 32 KiB: packed
+            "f": np.arange(8, dtype=np.float32)}                           # inline
+  tree = {k: jax.make_array_from_callback(v.shape, rep, lambda i, v=v: v[i])
+          for k, v in values.items()}
+  fnckpt.save(tree, path, barrier_timeout_s=120).wait()
+  name = "b" if me == 0 else "f"
+  got = fnckpt.restore(path, {name: rep}, partial=True)[name]
+  local = [np.asarray(s.data).tobytes() == values[name].tobytes()
+           for s in got.addressable_shards]
+  mp_worker.result({"name": name, "sharding": str(got.sharding.spec), "ok": all(local),
+                    "shards": len(local)})
 
 
 if __name__ == "__main__":

@@ -114,10 +114,10 @@ def test_per_process_from_must_name_a_saved_process(tmp_path):
     fnckpt.restore(tmp_path / "c", per_process_from=1)
 
 
-def _run(cfg, n, timeout=180):
+def _run(cfg, n, timeout=180, devices=1):
   port = hp.free_port()
   procs = [hp.start([hp.sys.executable, PP_WORKER, json.dumps(
-      {**cfg, "num_processes": n, "process_id": i, "port": port, "devices": 1})])
+      {**cfg, "num_processes": n, "process_id": i, "port": port, "devices": devices})])
       for i in range(n)]
   results = hp.finish(procs, timeout)
   for r in results:
@@ -141,3 +141,11 @@ def test_two_processes_each_get_their_own_value_back(tmp_path):
       in alone["error"] and "per_process_from" in alone["error"]
   (chosen,) = _run({"mode": "restore", "path": path, "from": 1}, 1)
   assert chosen["offset"] == 2000 and chosen["draw"] == np.random.default_rng(1).random()
+
+
+def test_processes_restoring_different_leaves_need_no_collective(tmp_path):
+  """Restore is per process: process 0 restores one leaf, process 1 another, both onto a
+  sharding spanning the two processes (small leaves: placed from this process's slices, not
+  by jax.device_put, which would run a cross-process check)."""
+  got = _run({"mode": "apart", "path": str(tmp_path / "c")}, 2, devices=2)
+  assert [(r["name"], r["ok"], r["shards"]) for r in got] == [("b", True, 2), ("f", True, 2)]
