@@ -6,8 +6,14 @@ gives each attempt a random id agreed through the coordination service's key-val
 every process). Barrier ids and the data directory come from that id, so a retry after any
 failure starts clean. When a process fails, it publishes its error and then *arrives* at every
 remaining barrier of the attempt; every process checks for published errors after each
-barrier, so all of them learn of the failure at the next barrier (not at its deadline) and walk
-the remaining barriers too: nobody is left waiting. With one process all of this is a no-op.
+barrier (and while waiting for process 0's shared data), so all of them learn of the failure
+at the next barrier (not at its deadline) and walk the remaining barriers too: nobody is left
+waiting. With one process all of this is a no-op.
+
+Keys of attempt k live under ``fnckpt/<location hash>/<k>/``. Process 0 deletes the nonce and
+the shared data once every process has passed the first barrier (all have read them then), and
+the keys of attempt k-1 (its published errors) at the same point: every process has finished
+attempt k-1 by the time it reaches attempt k's first barrier.
 """
 
 from __future__ import annotations
@@ -15,16 +21,22 @@ from __future__ import annotations
 import collections
 import secrets
 import threading
+import time
 
 import jax
 
 from . import _commit
-from ._errors import CheckpointError
+from ._errors import BarrierTimeoutError, CheckpointError
 
 __all__ = ["Session", "PHASES", "PeerFailedError"]
 
 # Every attempt passes these barriers, in this order (also when it fails: see abort()).
 PHASES = ("agreed", "checked", "cleared", "written", "committed")
+
+# How long one wait for process 0's shared data lasts before looking for published errors.
+_POLL_S = 0.5
+# The most characters of an error published to the other processes.
+_MAX_ERROR_CHARS = 4000
 
 _attempts_lock = threading.Lock()
 # The k-th attempt per location (hash); bounded, and evicted alike on every process (which all
@@ -59,85 +71,146 @@ class Session:
     self.timeout_s = timeout_s
     self.multi = jax.process_count() > 1
     self.passed: list[str] = []
+    self.broken = False   # a barrier failed (deadline, lost process): walking on is pointless
     self._lock = threading.Lock()
     if not self.multi:
       self.nonce = secrets.token_hex(16)
       return
     self.client = _commit._client()
-    self.prefix = f"fnckpt/{_commit._key(location)}/{_next_attempt(_commit._key(location))}"
+    self.base = f"fnckpt/{_commit._key(location)}"
+    self.attempt = _next_attempt(self.base)
+    self.prefix = f"{self.base}/{self.attempt}"
     if jax.process_index() == 0:
       self.client.key_value_set(f"{self.prefix}/nonce", secrets.token_hex(16),
                                 allow_overwrite=True)
     try:
       self.nonce = self.client.blocking_key_value_get(f"{self.prefix}/nonce", self._ms())
     except Exception as e:
-      raise CheckpointError(
-          f"Saving to {location!r}: process 0 did not start this save within "
-          f"{timeout_s:g}s ({e}). Every process must call save for the same location.") from None
+      raise BarrierTimeoutError(
+          f"Saving to {location!r}: process 0 did not start this save within {timeout_s:g}s "
+          f"(this is process {jax.process_index()}; {str(e).splitlines()[0] if str(e) else e!r})"
+          ". Every process must call save for the same location, in the same order; raise "
+          "barrier_timeout_s if process 0 is merely slow.") from None
 
-  def _ms(self) -> int:
-    return max(1, int(self.timeout_s * 1000))
+  def _ms(self, seconds: float | None = None) -> int:
+    return max(1, int((self.timeout_s if seconds is None else seconds) * 1000))
 
   def share(self, name: str, data: bytes) -> bytes:
-    """Process 0 publishes ``data`` under ``name``; every process returns process 0's."""
+    """Process 0 publishes ``data`` under ``name``; every process returns process 0's. While
+    waiting, a published failure of another process raises :class:`PeerFailedError` at once."""
     if not self.multi:
       return data
-    key = f"{self.prefix}/{self.nonce}/{name}"
+    key = f"{self.prefix}/{self.nonce}/share/{name}"
     if jax.process_index() == 0:
       self.client.key_value_set_bytes(key, data, allow_overwrite=True)
       return data
-    return self.client.blocking_key_value_get_bytes(key, self._ms())
+    deadline = time.monotonic() + self.timeout_s
+    while True:
+      start = time.monotonic()
+      try:
+        return self.client.blocking_key_value_get_bytes(
+            key, self._ms(min(_POLL_S, deadline - start)))
+      except Exception:  # the wait's deadline (or a lost service): look for a reason
+        self.raise_peer_error(f"while waiting for process 0's {name!r}")
+        if time.monotonic() >= deadline:
+          raise BarrierTimeoutError(
+              f"Saving to {self.location!r}: process {jax.process_index()} waited "
+              f"{self.timeout_s:g}s (barrier_timeout_s) for process 0's {name!r} and it never "
+              "came. Every process must call save for the same location, in the same order; "
+              "raise barrier_timeout_s if process 0 is merely slow.") from None
+        time.sleep(max(0.0, _POLL_S - (time.monotonic() - start)))  # (an error at once)
 
   def barrier(self, phase: str) -> None:
     """Wait for every process at ``phase``; then raise if any process has failed."""
     if not self.multi:
       return
     with self._lock:
-      self._arrive(phase)
-    self.raise_peer_error()
+      try:
+        self._arrive(phase)
+      except CheckpointError:
+        # A failure another process published explains a failed barrier better (say this
+        # process came late to a barrier whose deadline had passed for process 0).
+        if phase != PHASES[-1]:
+          self.raise_peer_error(f"at barrier '{phase}', which failed")
+        raise
+    if phase == PHASES[0] and jax.process_index() == 0:
+      self._tidy()
+    self.raise_peer_error(f"at barrier '{phase}'", phase)
 
   def _arrive(self, phase: str) -> None:
-    _commit.barrier_id(f"{self.prefix}/{self.nonce}/{phase}", self.location, phase,
-                       self.timeout_s)
+    try:
+      _commit.barrier_id(f"{self.prefix}/{self.nonce}/{phase}", self.location, phase,
+                         self.timeout_s)
+    except BaseException:
+      self.broken = True
+      raise
     self.passed.append(phase)
 
-  def peer_error(self) -> str | None:
-    """The first published error of another process, as 'process N: text' (None if none)."""
+  def _tidy(self) -> None:
+    """(Process 0, past the first barrier.) Every process has read the nonce and the shared
+    data, and has finished the previous attempt: drop those keys."""
+    stale = [f"{self.prefix}/nonce", f"{self.prefix}/{self.nonce}/share"]
+    if self.attempt > 0:
+      stale.append(f"{self.base}/{self.attempt - 1}")
+    for key in stale:
+      try:
+        self.client.key_value_delete(key)
+      except Exception:  # tidiness only
+        pass
+
+  def peer_error(self) -> tuple[int, str] | None:
+    """The first published error of another process, as (process, text) (None if none)."""
     if not self.multi:
       return None
     try:
       entries = self.client.key_value_dir_get(f"{self.prefix}/{self.nonce}/error/")
     except Exception:
       return None
-    me = str(jax.process_index())
+    me = jax.process_index()
     found = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries
-                   if k.rsplit("/", 1)[-1] != me)
-    return f"process {found[0][0]}: {found[0][1]}" if found else None
+                   if k.rsplit("/", 1)[-1].isdigit() and int(k.rsplit("/", 1)[-1]) != me)
+    return found[0] if found else None
 
-  def raise_peer_error(self) -> None:
-    text = self.peer_error()
-    if text is not None:
-      raise PeerFailedError(
-          f"Saving to {self.location!r} failed on {text} Nothing was committed; earlier "
-          "checkpoints are intact.")
+  def raise_peer_error(self, when: str, phase: str | None = None) -> None:
+    """Raise :class:`PeerFailedError` if another process published a failure (``when``: what
+    this process was doing; ``phase``: the barrier it just passed)."""
+    found = self.peer_error()
+    if found is None:
+      return
+    who, text = found
+    if phase == PHASES[-1] and who != 0:  # (an error from before 'written' was seen there)
+      after = (" The checkpoint itself is committed: process 0 wrote its commit marker after "
+               "every process had made its data durable; only this last step failed.")
+    else:
+      after = "" if "earlier checkpoints are intact" in text else (
+          " Nothing was committed; earlier checkpoints are intact.")
+    raise PeerFailedError(
+        f"Saving to {self.location!r} failed on process {who} (process "
+        f"{jax.process_index()} learned of it {when}): {text.rstrip()}{after}")
 
   def fail(self, error: BaseException) -> None:
     """Publish this process's failure (before arriving at the remaining barriers)."""
     if not self.multi or isinstance(error, PeerFailedError):
       return
+    text = str(error) or type(error).__name__
+    if not isinstance(error, CheckpointError):
+      text = f"{type(error).__name__}: {text}"
     try:
       self.client.key_value_set(f"{self.prefix}/{self.nonce}/error/{jax.process_index()}",
-                                str(error).splitlines()[0][:2000], allow_overwrite=True)
+                                text[:_MAX_ERROR_CHARS], allow_overwrite=True)
     except Exception:
       pass
 
   def abort(self) -> None:
     """Arrive at every barrier not yet passed, so no other process waits for this one. A
-    barrier that fails (a process is gone) ends the walk."""
+    barrier that fails (a deadline, a lost process) ends the walk, and a walk after one has
+    failed does not start: the service has already failed it for every process."""
     if not self.multi:
       return
     with self._lock:
       for phase in PHASES:
+        if self.broken:
+          return
         if phase in self.passed:
           continue
         try:
@@ -146,10 +219,8 @@ class Session:
           return
 
   def close(self) -> None:
-    """After the last barrier: process 0 drops this attempt's keys."""
-    if self.multi and jax.process_index() == 0:
-      try:
-        self.client.key_value_delete(self.prefix)
-      except Exception:
-        pass
-
+    """After the attempt (committed, or every barrier walked): drop this process's progress
+    entry, so that a later timeout at this location does not quote this attempt. (Published
+    errors stay until the next attempt to this location drops them.)"""
+    if self.multi:
+      _commit.forget(self.location)

@@ -1,9 +1,11 @@
 """Barriers with deadlines, the commit marker, and reading a checkpoint's header safely.
 
-Barriers go through the ``jax.distributed`` coordination service. Their ids come from the
-checkpoint location and the phase (the service counts repeated uses of an id itself), never
-from a process-global counter, so a process that skipped a save cannot shift every later
-barrier. A timeout names the phase, the location and the processes that did not arrive.
+Barriers go through the ``jax.distributed`` coordination service. A save's barrier ids come
+from its attempt's random id (:class:`fnckpt._collective.Session`); the manager's come from the
+location and a name (the service counts repeated uses of an id itself). Never from a
+process-global counter, so a process that skipped a save cannot shift every later barrier. A
+timeout names the phase, the location and the processes that did not arrive, with the phase
+each of them last reported (:func:`report`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import tensorstore as ts
 from . import _manifest, _paths, _records
 from ._errors import BarrierTimeoutError, CheckpointError, NotCommittedError
 
-__all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit", "is_committed",
-           "unchanged", "changed_error"]
+__all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit",
+           "is_committed", "unchanged", "changed_error"]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -131,8 +133,7 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
     manifest_r = kv.read(_manifest.MANIFEST)
     commit_raw, manifest_raw = commit_r.result(), manifest_r.result()
     leftovers = commit_raw.state != "value" and (
-        manifest_raw.state == "value" or bool(kv.list(range=ts.KvStore.KeyRange(
-            _manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0")).result()))
+        manifest_raw.state == "value" or _has_data(kv))
   except Exception as e:
     raise _paths.io_error(e, location, "reading its commit marker and manifest") from e
   if commit_raw.state != "value":
@@ -154,6 +155,14 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
         "modified after the commit). The checkpoint cannot be trusted; restore an earlier one.")
   return (_manifest.decode(manifest_bytes, location), manifest_bytes,
           bytes(commit_raw.value))
+
+
+def _has_data(kv: ts.KvStore) -> bool:
+  """Whether any save's data is there: format 1's ``d/``, format 2's ``data-<hex>/``."""
+  ranges = [(_manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0"),       # '0' follows '/'
+            (_manifest.DATA_PREFIX, _manifest.DATA_PREFIX[:-1] + ".")]  # '.' follows '-'
+  lists = [kv.list(range=ts.KvStore.KeyRange(lo, hi)) for lo, hi in ranges]
+  return any(bool(f.result()) for f in lists)
 
 
 def unchanged(kv: ts.KvStore, commit_bytes: bytes) -> bool:

@@ -54,7 +54,6 @@ from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionRunner, delete_unclaimed
-from ._steps import scan  # noqa: F401  (the CLI lists run directories with it)
 
 __all__ = ["CheckpointManager"]
 

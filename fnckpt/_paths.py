@@ -11,6 +11,7 @@ contents live as long as the process (that is what an in-memory checkpoint is).
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
@@ -20,7 +21,7 @@ from ._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
            "delete_prefix", "clear", "io_error", "io_hint", "location_of",
-           "redact"]
+           "redact", "error_text", "read_failure"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
@@ -158,6 +159,32 @@ def redact(text: str) -> str:
     if len(value) >= 4:
       text = text.replace(value, "<redacted>")
   return text
+
+
+_TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')   # a quoted path or URL (may hold any word)
+
+
+def error_text(e: BaseException) -> str:
+  """An error's message without TensorStore's appended spec (and never a secret)."""
+  return redact(_TS_SPEC.sub("", str(e)).strip())
+
+
+def read_failure(e: BaseException) -> str:
+  """What a failed TensorStore open or read means: ``"checksum"`` (crc32c mismatch),
+  ``"missing"``, ``"corrupt"`` (cannot be decoded), ``"metadata"`` (zarr.json differs from
+  the manifest) or ``""``. Decided from the status code and TensorStore's own words, never
+  from a path or the spec (either may contain "crc", "missing", ...).
+
+  >>> read_failure(ValueError('NOT_FOUND: "gs://crc-bucket/c" ...'))
+  'missing'
+  """
+  text = error_text(e)
+  code = text.partition(":")[0] if isinstance(e, ValueError) else ""
+  if "digest mismatch" in _QUOTED.sub('""', text).lower():  # the crc32c codec's check
+    return "checksum"
+  return {"NOT_FOUND": "missing", "DATA_LOSS": "corrupt",
+          "FAILED_PRECONDITION": "metadata"}.get(code, "")
 
 
 def io_error(e: BaseException, path: str, doing: str) -> CheckpointError:

@@ -106,7 +106,8 @@ def _array_metadata(rec: _records.Leaf) -> ArrayMetadata:
 
 
 def _storage_of(rec: _records.Leaf) -> str:
-  """Where a leaf's bytes are: "inline", a zarr array's directory, or "pack <dir>"."""
+  """Where a leaf's bytes are: "inline", a zarr array's directory, or "pack <k>" (``k``: the
+  index in the manifest's ``packs``)."""
   if rec.stored is not None:
     return rec.stored.dir
   if rec.packed is not None:
@@ -679,16 +680,12 @@ def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointErro
     store = f"{location}/{src.manifest.packs[rec.packed.pack].dir}"
   else:
     store = f"{location}/{rec.stored.dir}" if rec.stored is not None else location
-  text = str(e)
-  low = text.lower()
-  if any(w in low for w in ("checksum", "crc", "digest mismatch")):  # TS: "Digest mismatch"
-    cause = "its data is corrupt (crc32c checksum mismatch)"
-  elif "DATA_LOSS" in text:
-    cause = "its data is corrupt or truncated"
-  elif "missing" in text.lower() or "NOT_FOUND" in text:
-    cause = "a chunk of its data is missing"
-  else:
-    cause = f"reading failed ({type(e).__name__}: {text})"
+  text = _paths.error_text(e)
+  cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
+           "corrupt": "its data is corrupt or truncated",
+           "missing": "a chunk of its data is missing",
+           "metadata": "its zarr.json does not match the manifest"}.get(
+               _paths.read_failure(e), f"reading failed ({type(e).__name__}: {text})")
   return CheckpointError(
       f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
       f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")

@@ -13,6 +13,7 @@ import re
 import sys
 import threading
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -20,7 +21,8 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from . import _collective, _commit, _layout, _leaves, _manifest, _packing, _paths, _store, _tree
+from . import (_collective, _commit, _layout, _leaves, _manifest, _packing, _paths, _perprocess,
+               _store, _tree)
 from ._errors import CheckpointError
 from ._writer import Chunk, Commit, Writer
 
@@ -192,6 +194,7 @@ class _Plan:
   packs: list[dict[str, Any]]    # every process's pack, for the manifest
   my_pack: dict[str, Any] | None
   data_dir: str
+  values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
 
 
 def _visible(data: Any) -> bool:
@@ -202,9 +205,13 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
           zstd: int | None) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
   queries)."""
-  records, arrays, problems, candidates = [], [], [], []
+  records, arrays, problems, candidates, per_process = [], [], [], [], []
   me, nproc = jax.process_index(), jax.process_count()
   for path, leaf in leaves:
+    if isinstance(leaf, _perprocess.PerProcess):
+      records.append({"path": [list(e) for e in path], "kind": "perprocess"})
+      per_process.append((path, leaf))
+      continue
     try:
       rec, data = _leaves.encode_leaf(path, leaf)
     except CheckpointError as e:
@@ -227,6 +234,11 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
           len(records) - 1, size, None if replicated else 0)))
     else:
       arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, zstd))
+  values = None
+  try:
+    values = _perprocess.encode(per_process) if per_process else None
+  except CheckpointError as e:
+    problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
   plan = _packing.assign([c[2] for c in candidates], nproc)
@@ -241,25 +253,23 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     if p == me:
       packed.append((i, data))
   return _Plan(records, arrays, packed, packs, packs[index_of[me]] if me in index_of else None,
-               data_dir)
+               data_dir, values)
 
 
 def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
+  """A large leaf's zarr array and the chunks this process writes: planned from the
+  sharding's structure (O(local devices), cached), ``salt=i`` spreading replicated leaves'
+  writes over processes."""
   dtype, shape = np.dtype(data.dtype), tuple(data.shape)
   if isinstance(data, np.ndarray):
-    shards = {"host": tuple((0, n) for n in shape)}
-    local = ["host"] if jax.process_index() == 0 else []
-    shard_shape, replicas = shape, 1
+    whole = tuple((0, n) for n in shape)
+    chunks = _layout.chunk_shape(shape, 1, dtype.itemsize)
+    units = [_layout.WriteUnit(whole, "host", whole)] if jax.process_index() == 0 else []
   else:
-    shards = {d: _layout.normalize_index(idx, shape)
-              for d, idx in data.sharding.devices_indices_map(shape).items()}
-    local = data.sharding.addressable_devices
-    shard_shape = data.sharding.shard_shape(shape)
-    replicas = _layout.replica_count(shards)
-  chunks = _layout.chunk_shape(shard_shape, replicas, dtype.itemsize)
+    chunks, units = _layout.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
   inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
   rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, zstd)
-  units = _layout.write_plan(shards, local, chunks) if _layout.nbytes(shape, 1) else []
+  units = units if _layout.nbytes(shape, 1) else []
   return _Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
 
 
@@ -351,16 +361,14 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
   session, writer, where = None, None, "planning"
   try:
+    # The session first: from here on any failure is published to the other processes (and
+    # every process counts this attempt, so the next one pairs up again).
+    session = _collective.Session(location, barrier_timeout_s)
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
-    session = _collective.Session(location, barrier_timeout_s)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
-    try:
-      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
-    except BaseException as e:
-      session.fail(e)
-      raise
+    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
     _agree(session, plan.records)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session)
@@ -368,8 +376,8 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     writer = Writer(location, session, budget, lambda p: _reached(location, p),
                     lambda err: _done(handle, writer, err, t0))
     writer.start()
-    _reached(location, "staging")
     where = "staging the arrays"
+    _reached(location, "staging")
     commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata)
   except BaseException as e:
     err = _wrap(e, location, where)
@@ -390,8 +398,12 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
 
 def _walk_in_background(session: _collective.Session) -> None:
   """A save that failed before its writer started still arrives at its remaining barriers."""
+  def walk() -> None:
+    session.abort()
+    session.close()
+
   if session.multi:
-    threading.Thread(target=session.abort, name="fnckpt-abort").start()
+    threading.Thread(target=walk, name="fnckpt-abort").start()
 
 
 def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: float) -> None:
@@ -426,6 +438,9 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   if plan.my_pack is not None:
     _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
   manifest = _manifest.encode(_manifest_dict(plan, metadata)) if is_main else None
+  if plan.values is not None:
+    creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
+                             plan.values))
   return Commit(kv, manifest, creating, is_main)
 
 
@@ -459,7 +474,9 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
   assembles each chunk's bytes from those pieces, so the caller does not wait for that copy."""
   pack = plan.my_pack
   spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["chunk"], pack["inner"])
-  fut = _store.open_array(spec, ctx, mode="create")
+  # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
+  # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
+  fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
   todo = sorted((plan.records[i]["pack"]["offset"], i, data) for i, data in plan.packed)
   staged: dict[int, np.ndarray] = {}
 
@@ -481,6 +498,7 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
     cost = CHUNK_COST * (end - start)
     parts = _charge(budget, cost, writer, lambda: pieces(start, end))
     writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts), cost))
+    del parts  # (while staging the next chunk) the writer frees them once assembled
     _count(handle, budget, end - start)
     for _, i, data in todo:  # a leaf that ends in this chunk is not needed any more
       if i in staged and plan.records[i]["pack"]["offset"] + staged[i].size <= end:
@@ -495,9 +513,25 @@ def _pack_bytes(data: Any) -> np.ndarray:
   """A packed leaf's C-order little-endian bytes (1-D ``uint8``), safe from the caller."""
   if isinstance(data, np.ndarray):
     host = np.array(data, copy=True, order="C")
+  elif data.is_fully_replicated:
+    host = np.asarray(data.addressable_data(0))  # a view on CPU, else the device-to-host copy
   else:
-    host = np.asarray(data.addressable_data(0) if data.is_fully_replicated else data)
+    host = _from_shards(data)
   return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+
+
+def _from_shards(data: jax.Array) -> np.ndarray:
+  """A fully addressable array's value in a new host buffer, each distinct shard copied once.
+  Not ``np.asarray(data)``: JAX keeps that copy on the caller's array (its cached host value)
+  as long as the caller holds the array, host memory outside the budget."""
+  host = np.empty(data.shape, data.dtype)
+  done = set()
+  for s in data.addressable_shards:
+    where = _layout.normalize_index(s.index, data.shape)
+    if where not in done:
+      done.add(where)
+      host[s.index] = np.asarray(s.data)
+  return host
 
 
 @dataclasses.dataclass
@@ -524,34 +558,61 @@ def _skeleton(rec: dict[str, Any]) -> bytes:
 def _agree(session: _collective.Session, records: list[dict[str, Any]]) -> None:
   """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
   inline): compare each leaf's digest with process 0's; a difference fails every process,
-  naming the first differing key path."""
+  naming the first differing key path (save() publishes the error; the others raise it at the
+  'agreed' barrier)."""
   if not session.multi:
     return
-  mine = [(_tree.keystr(r["path"]), hashlib.sha256(_skeleton(r)).hexdigest()[:32])
+  mine = [(_tree.keystr(r["path"]), hashlib.sha256(_skeleton(r)).hexdigest()[:16], _brief(r))
           for r in records]
-  theirs = msgpack.unpackb(session.share("tree", msgpack.packb(mine)), use_list=False)
-  theirs = [tuple(x) for x in theirs]
-  if theirs != mine:
-    error = CheckpointError(_disagreement(mine, theirs))
-    session.fail(error)
-    raise error
+  shared = session.share("tree", zlib.compress(msgpack.packb(mine), 1))
+  theirs = [tuple(x) for x in msgpack.unpackb(zlib.decompress(shared), use_list=False)]
+  if [m[:2] for m in mine] != [t[:2] for t in theirs]:
+    raise CheckpointError(_disagreement(session.location, mine, theirs))
   session.barrier("agreed")
 
 
-def _disagreement(mine, theirs) -> str:
+def _brief(rec: dict[str, Any]) -> str:
+  """A leaf as a disagreement shows it, e.g. ``jax float32[64, 128] P('x', None) on mesh
+  {'x': 2, 'y': 4}``."""
+  parts = [rec.get("source", rec["kind"])] + ([rec["type"]] if "type" in rec else [])
+  if "dtype" in rec:
+    parts.append(f"{rec['dtype']}{list(rec['shape'])}" if "shape" in rec else rec["dtype"])
+  sharding = rec.get("sharding")
+  if isinstance(sharding, dict) and sharding.get("type") == "named":
+    spec = ", ".join(repr(tuple(e)) if isinstance(e, list) else repr(e)
+                     for e in sharding["spec"])
+    parts.append(f"P({spec}) on mesh {dict(zip(sharding['axes'], sharding['sizes']))}")
+  elif isinstance(sharding, dict):
+    parts.append(f"{sharding['type']} sharding")
+  return " ".join(map(str, parts))
+
+
+def _disagreement(location: str, mine, theirs) -> str:
+  """The first difference between this process's leaves and process 0's, each a (key path,
+  digest, brief)."""
   me = jax.process_index()
-  first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+  first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a[:2] != b[:2]),
                min(len(mine), len(theirs)))
-  if first < len(mine) and first < len(theirs) and mine[first][0] == theirs[first][0]:
-    what = f"the leaf at {mine[first][0]} differs (shape, dtype, kind or sharding)"
+  a = mine[first] if first < len(mine) else None
+  b = theirs[first] if first < len(theirs) else None
+  if a is not None and b is not None and a[0] == b[0]:
+    what = (f"the leaf at {a[0]} is {a[2]} on process {me} but {b[2]} on process 0"
+            if a[2] != b[2] else f"the leaf at {a[0]} ({a[2]}) is stored differently on "
+            f"process {me} than on process 0 (what is inline, or the chunk layout)")
+  elif b is not None and b[0] not in {m[0] for m in mine}:
+    what = (f"process 0 has a leaf at {b[0]} ({b[2]}) that process {me} lacks"
+            + (f" (it has {a[0]} there)" if a is not None else ""))
+  elif a is not None and a[0] not in {t[0] for t in theirs}:
+    what = (f"process {me} has a leaf at {a[0]} ({a[2]}) that process 0 lacks"
+            + (f" (it has {b[0]} there)" if b is not None else ""))
   else:
-    a = mine[first][0] if first < len(mine) else "<end of tree>"
-    b = theirs[first][0] if first < len(theirs) else "<end of tree>"
-    what = f"leaf #{first} is {a} on process {me} but {b} on process 0"
-  return (f"Processes {me} and 0 save different trees: {what}. Every process must pass the "
-          "same tree structure, shapes, dtypes and shardings to save (values of non-global "
-          "leaves may differ; process 0's are kept; wrap per-process values in "
-          "fnckpt.PerProcess).")
+    what = (f"leaf #{first} is {a[0] if a else '<none>'} on process {me} but "
+            f"{b[0] if b else '<none>'} on process 0 (the same keys in another order)")
+  return (f"Saving to {location!r}: processes {me} and 0 passed different trees: {what}. "
+          "Every process must pass the same tree structure, shapes, dtypes and shardings to "
+          "save (values of non-global leaves may differ; process 0's are kept; wrap "
+          "per-process values in fnckpt.PerProcess). Nothing was written or committed; earlier "
+          "checkpoints are intact.")
 
 
 def _manifest_dict(plan: _Plan, metadata) -> dict[str, Any]:
@@ -580,11 +641,9 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
                       session: _collective.Session) -> None:
   """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
   it before any new byte lands (new data goes to this save's own directory anyway)."""
-  try:
-    committed = _commit.is_committed(kv)
-    keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
-  except Exception as e:
-    raise _paths.io_error(e, location, "checking the location") from e
+  # an I/O error here is wrapped by save(): "Saving to ... failed while checking the location"
+  committed = _commit.is_committed(kv)
+  keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
   foreign = [k for k in keys if not _is_ours(k)]
   if foreign:
     raise CheckpointError(

@@ -147,7 +147,7 @@ class StepIndex:
     try:
       with os.scandir(self._local) as it:
         entries = [e for e in it if _STEP_NAME.fullmatch(e.name) and e.is_dir()]
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:  # no run yet (a file in the way is an error: NotADirectoryError)
       return committed, leftovers
     for entry in entries:
       try:

@@ -108,6 +108,7 @@ class Writer:
         continue
       try:
         host = item.host() if callable(item.host) else item.host
+        item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
         fut = _store.write_chunk(item.store.result(), item.index, host)
         host = None
       except BaseException as e:

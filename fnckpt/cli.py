@@ -8,9 +8,10 @@
 Exit status: 0 all is well; 1 damage found (verify), differences found (diff) or nothing to
 list (ls); 2 a usage error or a location that cannot be read.
 
-Only the manifest, the commit marker and the zarr3 chunks are read (through TensorStore), so
-any location fnckpt writes works: local paths, ``memory://`` (same process only), ``gs://``,
-``s3://``. No JAX backend is started.
+Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
+``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
+works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
+is started.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import _records, _commit, _layout, _leaves, _manifest, _paths, _store, _tree
+from . import (_records, _commit, _layout, _leaves, _manifest, _paths, _perprocess, _steps,
+               _store, _tree)
 from ._errors import CheckpointError
 
 __all__ = ["main"]
@@ -91,14 +93,41 @@ def _nbytes(rec: _records.Leaf) -> int:
   return rec.nbytes
 
 
-def _regions(shape: Sequence[int], inner: Sequence[int]) -> list[_layout.Index]:
-  """The read units of a stored array: its inner chunks (each checked by its own crc32c)."""
+def _read_per_process(path: str, manifest: _records.Manifest, process: int
+                      ) -> tuple[_records.Leaf, ...]:
+  """Process ``process``'s ``fnckpt.PerProcess`` values (validated records, nothing decoded:
+  a key would need a JAX backend); CheckpointError naming the file if missing or invalid."""
+  key = _perprocess.values_key(manifest.data, process)
+  where = f"{_paths.display(path)}/{key}"
+  got = _paths.open_kvstore(path).read(key).result()
+  if got.state != "value":
+    raise CheckpointError(f"missing data [{where} does not exist]")
+  return _perprocess.decode(got.value, where)
+
+
+def _values_under(leaves: Sequence[_records.Leaf], path: _tree.Path) -> list[tuple]:
+  """The saved leaves below key path ``path``, comparable (floats by repr: -0.0 differs from
+  0.0, NaN equals NaN)."""
+  n, key = len(path), _tree.match_key(path)
+  return [(_tree.match_key(l.path[n:]), l.kind, l.dtype, l.shape, l.impl, l.inline, l.type,
+           repr(l.value)) for l in leaves if _tree.match_key(l.path[:n]) == key]
+
+
+def _regions(shape: Sequence[int], inner: Sequence[int]) -> Iterator[_layout.Index]:
+  """The read units of a stored array, lazily: its inner chunks (each checked by its own
+  crc32c). Lazy, because an (untrusted) manifest may claim billions of them.
+
+  >>> list(_regions((3, 2), (2, 2)))
+  [((0, 2), (0, 2)), ((2, 3), (0, 2))]
+  """
   if any(n == 0 for n in shape):
-    return []
-  cells: list[_layout.Index] = [()]
-  for n, c in zip(shape, inner):
-    cells = [cell + ((a, min(a + c, n)),) for cell in cells for a in range(0, n, c)]
-  return cells
+    return
+  if not shape:
+    yield ()
+    return
+  for a in range(0, shape[0], inner[0]):
+    for rest in _regions(shape[1:], inner[1:]):
+      yield ((a, min(a + inner[0], shape[0])),) + rest
 
 
 def _spec(path: str, manifest: _records.Manifest, rec: _records.Leaf | int) -> dict[str, Any]:
@@ -119,7 +148,7 @@ def _open_stored(spec: dict[str, Any], *, check_metadata: bool) -> ts.TensorStor
                  context=_paths.context()).result()
 
 
-def _read_regions(store: ts.TensorStore, regions: list[_layout.Index], itemsize: int
+def _read_regions(store: ts.TensorStore, regions: Iterator[_layout.Index], itemsize: int
                   ) -> Iterator[tuple[_layout.Index, Any]]:
   """Yield ``(region, np.ndarray or Exception)`` in order, a bounded number of bytes in flight."""
   pending: list[tuple[_layout.Index, ts.Future, int]] = []
@@ -143,14 +172,15 @@ def _result(fut: ts.Future) -> Any:
     return e
 
 
+# TensorStore appends the spec of the array to some errors; the spec names the codecs
+# (crc32c included) and paths, so no word in it says what went wrong.
 def _cause(e: BaseException) -> str:
-  text = str(e)
-  low = text.lower()
-  if any(w in low for w in ("checksum", "crc", "digest mismatch", "data_loss")):
-    return f"checksum mismatch (corrupt data) [{text}]"
-  if "missing" in low or "not_found" in low or "not found" in low:
-    return f"missing data [{text}]"
-  return f"{type(e).__name__}: {text}"
+  """What a failed open or read means (:func:`_paths.read_failure`), with TensorStore's text."""
+  text = _paths.error_text(e)
+  what = {"checksum": "checksum mismatch (corrupt data)", "missing": "missing data",
+          "corrupt": "corrupt data (cannot be decoded)",
+          "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
+  return f"{what} [{text}]" if what else f"{type(e).__name__}: {text}"
 
 
 def _region_str(region: _layout.Index) -> str:
@@ -160,7 +190,6 @@ def _region_str(region: _layout.Index) -> str:
 # --- ls --------------------------------------------------------------------------------------
 
 def _ls(args: argparse.Namespace) -> int:
-  from ._manager import scan
   root = args.dir
   keys = _paths.list_keys(root)
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys:
@@ -168,7 +197,7 @@ def _ls(args: argparse.Namespace) -> int:
     steps: list[tuple[str, str]] = [(".", root)]
     uncommitted: list[int] = []
   else:
-    committed, uncommitted = scan(root)
+    committed, uncommitted = _steps.scan(root)
     steps = [(str(s), _paths.join(root, str(s))) for s in committed]
   if not steps and not uncommitted:
     print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
@@ -202,7 +231,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 # --- inspect ---------------------------------------------------------------------------------
 
-def _value_text(rec: dict[str, Any]) -> str:
+def _value_text(rec: _records.Leaf) -> str:
   kind = rec.kind
   if kind in ("array", "key"):
     if rec.inline is not None:
@@ -219,6 +248,8 @@ def _value_text(rec: dict[str, Any]) -> str:
     return f"numpy Generator ({rec.value['bit_generator']})"
   if kind == "empty":
     return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec.type]
+  if kind == "perprocess":
+    return "fnckpt.PerProcess: one value per saving process (in pp/<process>)"
   return _compact(_leaves.decode_value(rec))
 
 
@@ -266,9 +297,9 @@ class _Progress:
     self.last_draw = 0.0
     self.last_decile = -1
 
-  def advance(self, n: int) -> None:
+  def advance(self, n: int, chunks: int = 1) -> None:
     self.done_bytes += n
-    self.done_chunks += 1
+    self.done_chunks += chunks
     self.draw()
 
   def draw(self, final: bool = False) -> None:
@@ -292,20 +323,38 @@ class _Progress:
     sys.stderr.flush()
 
 
-def _units(path: str, manifest: _records.Manifest) -> list[tuple[str, str, Any, Any, int]]:
-  """What verify reads: (label, storage path, spec, regions, itemsize) per stored array and
-  per pack (a pack's label names the leaves in it)."""
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+  """What verify reads: a stored array, or a pack (labelled with the leaves in it)."""
+  label: str
+  here: str                        # its storage path
+  spec: dict[str, Any]
+  shape: tuple[int, ...]
+  inner: tuple[int, ...]
+  itemsize: int
+
+  @property
+  def nbytes(self) -> int:
+    return _layout.nbytes(self.shape, self.itemsize)
+
+  @property
+  def chunks(self) -> int:
+    return 0 if 0 in self.shape else math.prod(-(-n // c) for n, c in zip(self.shape,
+                                                                         self.inner))
+
+
+def _units(path: str, manifest: _records.Manifest) -> list[_Unit]:
   location = _paths.display(path)
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
-      units.append((rec.where, f"{location}/{rec.stored.dir}", _spec(path, manifest, rec),
-                    _regions(rec.shape, rec.stored.inner), _leaves.dtype_of(rec.dtype).itemsize))
+      units.append(_Unit(rec.where, f"{location}/{rec.stored.dir}", _spec(path, manifest, rec),
+                         rec.shape, rec.stored.inner, _leaves.dtype_of(rec.dtype).itemsize))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    units.append((label, f"{location}/{pack.dir}", _spec(path, manifest, k),
-                  _regions((pack.nbytes,), (pack.inner,)), 1))
+    units.append(_Unit(label, f"{location}/{pack.dir}", _spec(path, manifest, k),
+                       (pack.nbytes,), (pack.inner,), 1))
   return units
 
 
@@ -319,37 +368,58 @@ def _verify_one(path: str, quiet: bool) -> list[str]:
     return [f"{_paths.display(path)}: {e}"]
   problems = []
   units = _units(path, manifest)
-  total = sum(_layout.nbytes([b - a for a, b in r], size) for *_, regions, size in units
-              for r in regions)
-  progress = _Progress(total, sum(len(u[3]) for u in units), location, quiet)
-  for where, here, spec, regions, itemsize in units:
+  progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units), location,
+                       quiet)
+  for u in units:
     try:
-      store = _open_stored(spec, check_metadata=True)
+      store = _open_stored(u.spec, check_metadata=True)
     except Exception as e:
-      problems.append(f"{where} ({here}): cannot open its array: {_cause(e)}")
-      for region in regions:
-        progress.advance(_layout.nbytes([b - a for a, b in region], itemsize))
+      problems.append(f"{u.label} ({u.here}): cannot open its array: {_cause(e)}")
+      progress.advance(u.nbytes, u.chunks)
       continue
-    bad = []
-    for region, value in _read_regions(store, regions, itemsize):
-      progress.advance(_layout.nbytes([b - a for a, b in region], itemsize))
+    bad, first = 0, None
+    for region, value in _read_regions(store, _regions(u.shape, u.inner), u.itemsize):
+      progress.advance(_layout.nbytes([b - a for a, b in region], u.itemsize))
       if isinstance(value, Exception):
-        bad.append((region, value))
-    if bad:
-      region, e = bad[0]
-      more = f" (and {len(bad) - 1} more damaged chunk(s))" if len(bad) > 1 else ""
-      problems.append(f"{where} ({here}): chunk {_region_str(region)}: {_cause(e)}{more}")
+        bad, first = bad + 1, first or (region, value)
+    if first is not None:
+      more = f" (and {bad - 1} more damaged chunk(s))" if bad > 1 else ""
+      problems.append(f"{u.label} ({u.here}): chunk {_region_str(first[0])}: "
+                      f"{_cause(first[1])}{more}")
   progress.draw(final=True)
+  return problems + _verify_per_process(path, manifest)
+
+
+def _verify_per_process(path: str, manifest: _records.Manifest) -> list[str]:
+  """Each saving process's ``pp/<process>`` file: there, valid, and holding a value for every
+  ``fnckpt.PerProcess`` leaf."""
+  wanted = [r for r in manifest.leaves if r.kind == "perprocess"]
+  if not wanted:
+    return []
+  names = ", ".join(r.where for r in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
+  problems = []
+  for p in range(manifest.process_count):
+    here = f"{_paths.display(path)}/{_perprocess.values_key(manifest.data, p)}"
+    try:
+      leaves = _read_per_process(path, manifest, p)
+    except CheckpointError as e:
+      problems.append(f"per-process values of process {p} ({names}) ({here}): {e}")
+      continue
+    except Exception as e:  # TensorStore I/O errors are ValueErrors
+      problems.append(f"per-process values of process {p} ({names}) ({here}): {_cause(e)}")
+      continue
+    for rec in wanted:
+      if not _values_under(leaves, rec.path):
+        problems.append(f"{rec.where} ({here}): missing data [process {p} saved no value]")
   return problems
 
 
 def _verify(args: argparse.Namespace) -> int:
-  from ._manager import scan
   keys = _paths.list_keys(args.path)
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys or not keys:
     targets = [args.path]
   else:  # a run directory: verify every committed step
-    committed, uncommitted = scan(args.path)
+    committed, uncommitted = _steps.scan(args.path)
     if not committed and not uncommitted:
       targets = [args.path]
     else:
@@ -375,12 +445,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 # --- diff ------------------------------------------------------------------------------------
 
-def _desc(rec: dict[str, Any]) -> str:
+def _desc(rec: _records.Leaf) -> str:
   if rec.kind in ("array", "key"):
     what = "key" if rec.kind == "key" else "array"
     return f"{what} {rec.dtype}{list(rec.shape)}"
   if rec.kind == "scalar":
     return rec.type
+  if rec.kind == "perprocess":
+    return "fnckpt.PerProcess"
   return rec.kind if rec.kind != "empty" else f"empty {rec.type}"
 
 
@@ -408,8 +480,21 @@ def _count_different(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.any(a8 != b8, axis=1).sum())
 
 
+def _per_process_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
+                        rec_b: _records.Leaf) -> str | None:
+  """Per-process values compared process by process (by saved records, bitwise)."""
+  if man_a.process_count != man_b.process_count:
+    return f"saved by {man_a.process_count} -> {man_b.process_count} processes"
+  differ = [p for p in range(man_a.process_count)
+            if _values_under(_read_per_process(path_a, man_a, p), rec_a.path)
+            != _values_under(_read_per_process(path_b, man_b, p), rec_b.path)]
+  return f"the values of process(es) {differ} differ" if differ else None
+
+
 def _values_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
                    rec_b: _records.Leaf) -> str | None:
+  if rec_a.kind == "perprocess":
+    return _per_process_differ(path_a, man_a, rec_a, path_b, man_b, rec_b)
   if rec_a.kind not in ("array", "key"):
     va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
     if rec_a.kind == "npgen":

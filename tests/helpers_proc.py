@@ -35,8 +35,10 @@ class Result:
   @property
   def result(self) -> Any:
     for line in reversed(self.stdout.splitlines()):
-      if line.startswith("RESULT "):
-        return json.loads(line[len("RESULT "):])
+      # (Gloo prints to stdout from C++ without a newline: its text may share the line.)
+      at = line.find("RESULT ")
+      if at >= 0:
+        return json.JSONDecoder().raw_decode(line, at + len("RESULT "))[0]
     return None
 
   def describe(self) -> str:

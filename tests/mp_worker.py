@@ -394,6 +394,107 @@ def mode_read_only(cfg):
   result(out)
 
 
+# --- collective save attempts (tests/test_collective_mp.py) -----------------------------
+
+def _attempt_state(cfg, attempt, mesh):
+  """This process's tree for one attempt: ``cfg["leaves"]`` at the attempt's ``seed`` plus
+  ``step``, with this process's changes (``attempt["change"][str(process)]``): ``leaves``
+  (added or replaced leaf specs), ``drop`` (names) and ``unsupported`` (a name whose value
+  becomes an ``object()``, which save refuses)."""
+  import jax
+  change = attempt.get("change", {}).get(str(jax.process_index()), {})
+  leaves = {k: v for k, v in cfg["leaves"].items() if k not in change.get("drop", ())}
+  leaves.update(change.get("leaves", {}))
+  state = make_state(leaves, mesh, seed=attempt.get("seed", 0))
+  state["step"] = 7
+  if change.get("unsupported"):
+    state[change["unsupported"]] = object()
+  return state
+
+
+def _restore_and_check(cfg, attempt, mesh) -> int:
+  """Restore ``attempt["path"]`` onto ``mesh`` (PartitionSpecs from ``attempt["target"]``,
+  else the saved ones) and compare every addressable shard bitwise; the shards checked."""
+  import jax
+  import fnckpt
+  target, checked = {"step": 0}, 0
+  for name, leaf in cfg["leaves"].items():
+    if leaf.get("kind", "jax") == "numpy":
+      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
+    else:
+      spec = attempt.get("target", {}).get(name, leaf.get("spec"))
+      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(
+          leaf.get("dtype", "float32")), sharding=sharding_of(mesh, spec))
+  got = fnckpt.restore(attempt["path"], target)
+  for name, leaf in cfg["leaves"].items():
+    value = expected(name, leaf["shape"], leaf.get("dtype", "float32"), attempt.get("seed", 0))
+    if leaf.get("kind", "jax") == "numpy":
+      assert got[name].tobytes() == value.tobytes(), name
+      checked += 1
+    else:
+      assert got[name].sharding == target[name].sharding, name
+      checked += check_addressable(name, got[name], value)
+  assert got["step"] == 7
+  return checked
+
+
+def _listing(path: str) -> list[str] | None:
+  """What a local checkpoint directory holds now (None: it does not exist)."""
+  return sorted(os.listdir(path)) if os.path.isdir(path) else None
+
+
+def _outcome(fn) -> dict[str, Any]:
+  try:
+    return {"ok": fn()}
+  except Exception as e:
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+def mode_attempts(cfg):
+  """Save attempts in order, each (``cfg["attempts"]``): ``path``, ``overwrite``,
+  ``pack_bytes``, ``barrier_s``, ``seed``, ``change`` (see :func:`_attempt_state`), ``fault``
+  ({process, phase, action}: :func:`install_fault` for this attempt only), ``delay_s``
+  ({process: seconds} to sleep before calling save), ``wait`` (False: leave it pending,
+  waited for after the last attempt) and ``restore`` (restore it on every process and check
+  the shards). Reports one outcome per attempt: ``ok`` (stats) or ``error``, and on process 0
+  for waited attempts ``left``: the directory's entries right after the attempt."""
+  import jax
+  import fnckpt
+  import fnckpt._save as save_mod
+  mesh = make_mesh(*cfg["mesh"])
+  outcomes: list[Any] = []
+  pending: list[tuple[int, Any]] = []
+
+  def stats_of(h):
+    s = h.wait()
+    return {"bytes_written": s.bytes_written, "chunks_written": s.chunks_written}
+
+  for i, attempt in enumerate(cfg["attempts"]):
+    state = _attempt_state(cfg, attempt, mesh)
+    real_phase, fault = save_mod._phase, attempt.get("fault")
+    if fault and fault["process"] == jax.process_index():
+      install_fault(fault["phase"], fault["action"])
+    kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes") if k in attempt}
+    time.sleep(attempt.get("delay_s", {}).get(str(jax.process_index()), 0))
+    barrier_s = attempt.get("barrier_s", cfg.get("barrier_s", 120))
+    started = _outcome(lambda: fnckpt.save(state, attempt["path"], barrier_timeout_s=barrier_s,
+                                           **kwargs))
+    if "ok" in started and not attempt.get("wait", True):  # (faults: waited attempts only)
+      pending.append((i, started["ok"]))
+      outcomes.append(None)
+    else:
+      outcomes.append(_outcome(lambda: stats_of(started["ok"])) if "ok" in started else started)
+    save_mod._phase = real_phase
+    if outcomes[-1] is not None and jax.process_index() == 0:
+      outcomes[-1]["left"] = _listing(attempt["path"])
+  for i, h in pending:
+    outcomes[i] = _outcome(lambda: stats_of(h))
+  for attempt, outcome in zip(cfg["attempts"], outcomes):
+    if attempt.get("restore") and "ok" in outcome:
+      outcome["checked_shards"] = _restore_and_check(cfg, attempt, mesh)
+  result({"process": jax.process_index(), "outcomes": outcomes})
+
+
 def main() -> None:
   cfg = json.loads(sys.argv[1])
   setup(cfg)

@@ -3,9 +3,9 @@ donate, delete or mutate right away), writing and commit go on in the background
 reports errors, pending saves survive interpreter exit, host memory stays under the budget,
 and nothing grows across saves.
 
-Deterministic gates (a replaced ``fnckpt._save._phase`` hook or ``fnckpt._store.write_chunk``)
-hold the background writer at a chosen point, so each test knows which side of the race it
-is on; no test depends on timing thresholds.
+Deterministic gates (a replaced ``fnckpt._save._phase`` hook, ``fnckpt._store.write_chunk`` or
+the writer's pack assembly) hold the background writer at a chosen point, so each test knows
+which side of the race it is on; no test depends on timing thresholds.
 """
 
 import os
@@ -19,7 +19,7 @@ import pytest
 import tensorstore as ts
 
 import fnckpt
-from fnckpt import _save, _store
+from fnckpt import _packing, _save, _store
 import helpers_proc as hp
 import mp_worker
 
@@ -46,8 +46,30 @@ def make_state(seed=0):
           "s": jnp.asarray(v["s"]), "step": 10 + seed}
 
 
-CHUNK_BYTES = 256 * 512 * 4 + 1024 * 1024 * 4 + 100 * 300 * 8
-N_CHUNKS = 10
+# What a save of make_state() writes, from the format's rules (README "Format (version 2)").
+# "w", "r" and "n" are over inline_bytes; "s" is inline.
+ARRAY_BYTES = 256 * 512 * 4 + 1024 * 1024 * 4 + 100 * 300 * 8
+# Default: all three are at most pack_bytes (4 MiB) and this (only) process sees them whole,
+# so they lie end to end in its pack, padded to whole inner chunks (1 MiB here, as the pack
+# is larger) and written in chunks of at most PACK_CHUNK_BYTES.
+PACK_NBYTES = -(-ARRAY_BYTES // _packing.PACK_INNER_BYTES) * _packing.PACK_INNER_BYTES
+# pack_bytes=0: each its own zarr array, in chunks of its saved shard shape: "w" (P(x, y) on
+# the 2x4 mesh) in 8, "r" (replicated, not split: 4 MiB) and "n" (numpy) in 1 each.
+LAYOUTS = {
+    "packed": {"kwargs": {}, "where": "packed", "bytes": PACK_NBYTES,
+               "chunks": -(-PACK_NBYTES // _packing.PACK_CHUNK_BYTES)},
+    "per-array": {"kwargs": {"pack_bytes": 0}, "where": "stored", "bytes": ARRAY_BYTES,
+                  "chunks": 8 + 1 + 1},
+}
+
+
+def assert_layout(path, layout):
+  """The leaves are stored as LAYOUTS[layout] assumes (so its counts are the right ones)."""
+  recs = {l.path[0][1]: l for l in fnckpt.metadata(path).leaves if l.is_array}
+  where = {k: "inline" if l.inline is not None else "packed" if l.packed else "stored"
+           for k, l in recs.items()}
+  big = LAYOUTS[layout]["where"]
+  assert where == {"w": big, "r": big, "n": big, "s": "inline"}, where
 
 
 def assert_restores(path, seed=0):
@@ -58,15 +80,28 @@ def assert_restores(path, seed=0):
 
 
 class GatedWrites:
-  """Replaces ``_store.write_chunk``: each chunk is handed to TensorStore only once ``open``
-  is set (``hold_issue``), or is issued at once but reported durable only then."""
+  """Replaces ``_store.write_chunk``: each chunk is handed to TensorStore only once ``gate``
+  is set (``hold_issue``), or is issued at once but reported durable only then.
+
+  With ``hold_issue`` the writer thread's assembly of pack chunks from their staged pieces
+  (``_save._Assemble``, which runs before ``write_chunk``) waits for the gate too: until
+  then the background writer has read no byte of any leaf."""
 
   def __init__(self, monkeypatch, hold_issue: bool):
     self.gate = threading.Event()
     self.issued = []
+    self.assembled = []
     self.hold_issue = hold_issue
     self.real = _store.write_chunk
     monkeypatch.setattr(_store, "write_chunk", self)
+    if hold_issue:
+      assemble = _save._Assemble.__call__
+
+      def gated_assemble(chunk):
+        assert self.gate.wait(60)
+        self.assembled.append(chunk.nbytes)
+        return assemble(chunk)
+      monkeypatch.setattr(_save._Assemble, "__call__", gated_assemble)
 
   def __call__(self, store, index, data):
     if self.hold_issue:
@@ -99,15 +134,18 @@ def _no_leftover_saves():
 
 # --- donation safety -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("how", ["donate", "delete", "mutate_numpy"])
-def test_caller_may_reuse_its_arrays_once_save_returns(tmp_path, monkeypatch, how):
-  """No chunk reaches TensorStore before the caller has destroyed its arrays (the writer is
-  gated), so the checkpoint can only hold the old values if save() copied them."""
+def test_caller_may_reuse_its_arrays_once_save_returns(tmp_path, monkeypatch, how, layout):
+  """No chunk reaches TensorStore, and no pack chunk is assembled from its staged pieces,
+  before the caller has destroyed its arrays (the writer is gated), so the checkpoint can
+  only hold the old values if save() staged bytes the caller cannot touch: for chunks of
+  their own zarr arrays and for packed leaves alike."""
   gated = GatedWrites(monkeypatch, hold_issue=True)
   state = make_state()
   path = str(tmp_path / "c")
-  h = fnckpt.save(state, path)
-  assert gated.issued == [] and not h.done()
+  h = fnckpt.save(state, path, **LAYOUTS[layout]["kwargs"])
+  assert gated.issued == [] and gated.assembled == [] and not h.done()
 
   if how == "donate":
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
@@ -128,7 +166,10 @@ def test_caller_may_reuse_its_arrays_once_save_returns(tmp_path, monkeypatch, ho
     state["n"][...] = -5.0
   gated.gate.set()
   h.wait()
-  assert len(gated.issued) == N_CHUNKS
+  want = LAYOUTS[layout]
+  assert len(gated.issued) == want["chunks"]
+  assert len(gated.assembled) == (want["chunks"] if want["where"] == "packed" else 0)
+  assert_layout(path, layout)
   assert_restores(path)
 
 
@@ -235,15 +276,20 @@ def test_second_save_to_same_location_waits_for_the_first(tmp_path, monkeypatch)
   assert_restores(path, 1)
 
 
-def test_stats(tmp_path):
-  h = fnckpt.save(make_state(), str(tmp_path / "c"))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stats(tmp_path, layout):
+  """Bytes and chunks as the layout's rules give them (a pack's bytes include its padding:
+  they are written too)."""
+  want = LAYOUTS[layout]
+  h = fnckpt.save(make_state(), str(tmp_path / "c"), **want["kwargs"])
   s = h.wait()
+  assert_layout(str(tmp_path / "c"), layout)
   assert s is h.stats
-  assert s.bytes_written == CHUNK_BYTES
-  assert s.chunks_written == N_CHUNKS
+  assert s.bytes_written == want["bytes"]
+  assert s.chunks_written == want["chunks"]
   assert s.blocking_s > 0 and s.write_s > 0 and s.commit_s > 0
   assert s.total_s >= max(s.blocking_s, s.write_s, s.commit_s)
-  assert 0 < s.peak_staged_bytes <= _save.CHUNK_COST * CHUNK_BYTES
+  assert 0 < s.peak_staged_bytes <= _save.CHUNK_COST * want["bytes"]
 
 
 def test_save_waits_for_the_writer_when_the_budget_is_full(tmp_path, monkeypatch):
@@ -251,12 +297,12 @@ def test_save_waits_for_the_writer_when_the_budget_is_full(tmp_path, monkeypatch
   then waits; once writes complete it goes on. Held bytes never exceed the budget."""
   gated = GatedWrites(monkeypatch, hold_issue=False)
   v = mp_worker.expected("w", (512, 1024))
-  state = {"w": sharded(v, ("x", "y"))}  # 8 chunks of 128 KiB
+  state = {"w": sharded(v, ("x", "y"))}  # 8 chunks of 128 KiB (pack_bytes=0: not packed)
   cost = _save.CHUNK_COST * v.nbytes // 8
   budget = 3 * cost
   out = {}
   t = threading.Thread(target=lambda: out.setdefault(
-      "h", fnckpt.save(state, str(tmp_path / "c"), budget_bytes=budget)))
+      "h", fnckpt.save(state, str(tmp_path / "c"), budget_bytes=budget, pack_bytes=0)))
   t.start()
   deadline = time.monotonic() + 60
   while len(gated.issued) < 3 and time.monotonic() < deadline:
@@ -317,8 +363,9 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 TOLERANCE = 24 * MiB
 
 
-def _memory_run(tmp_path, budget_mib, *, numpy=False):
-  shape, leaves = ([1024, 2048], 32) if numpy else ([8 * 1024, 2048], 4)
+def _memory_run(tmp_path, budget_mib, *, numpy=False, shape=None, leaves=None):
+  if shape is None:
+    shape, leaves = ([1024, 2048], 32) if numpy else ([8 * 1024, 2048], 4)
   r = hp.run_worker({"mode": "memory_budget", "devices": 8, "path": str(tmp_path),
                      "shape": shape, "leaves": leaves, "budget_mib": budget_mib,
                      "numpy": numpy}, env=MALLOC_ENV, timeout=180)
@@ -347,6 +394,24 @@ def test_host_memory_stays_under_budget(tmp_path, numpy):
   if numpy:
     control, control_peak = _memory_run(tmp_path / "large", 1024, numpy=True)
     assert control_peak > 2 * (out["budget"] + chunk + TOLERANCE), (control_peak / MiB, control)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy-leaves", "jax-leaves"])
+def test_pack_chunks_stay_under_budget(tmp_path, numpy):
+  """64 leaves of 4 MiB (numpy, or jax sharded over the 8 devices: both staged as copies)
+  are packed: 256 MiB of pack in chunks of PACK_CHUNK_BYTES. With a budget of one pack
+  chunk's charge, one chunk is in flight at a time, and what it holds (its staged pieces,
+  then the chunk the writer assembles from them, then TensorStore's copy) is what it is
+  charged for: the peak stays within the budget (+ TOLERANCE), not a chunk above it.
+  (Measured: 129 MiB; 193 MiB while the staged pieces lived on as the chunk was written.)"""
+  pack_chunk = _packing.PACK_CHUNK_BYTES
+  out, peak = _memory_run(tmp_path, _save.CHUNK_COST * pack_chunk // MiB, numpy=numpy,
+                          shape=[1024, 1024], leaves=64)
+  assert out["bytes_written"] == out["state_bytes"] == 256 * MiB
+  assert out["chunks_written"] == 256 * MiB // pack_chunk
+  assert out["peak_staged_bytes"] <= out["budget"]
+  assert peak <= out["budget"] + TOLERANCE, (peak / MiB, out)
 
 
 @pytest.mark.slow

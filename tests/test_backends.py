@@ -4,10 +4,11 @@ SeaweedFS) and GCS (a real local fake-gcs-server).
 Every test taking the ``backend`` fixture runs on all four, so each backend is held to the same
 contract: round trips with resharding, metadata, async saves, overwrite rules, the commit rule
 (marker written last, no extra keys, uncommitted data refused and never listed), checksums,
-missing chunks, the manager's listing and retention (prefix deletes, nothing left behind, a step
-being read is not deleted) and the CLI. Failures that exist only on object stores (a missing
-bucket, wrong credentials, an unreachable endpoint) are parametrised over the backends where they
-can happen, with the local-files analogue beside them.
+missing chunks (for arrays in zarr arrays of their own and in packs, see ``LAYOUTS``), the
+manager's listing and retention (prefix deletes, nothing left behind, a step being read is not
+deleted) and the CLI. Failures that exist only on object stores (a missing bucket, wrong
+credentials, an unreachable endpoint) are parametrised over the backends where they can happen,
+with the local-files analogue beside them.
 
 Nothing is mocked: the servers are real processes (tests/servers.py); the only patched names are
 fnckpt's own test hook ``fnckpt._save._phase`` and, to hold a restore open mid-read, a wrapper
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -35,7 +37,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _paths, _restore, _save
+from fnckpt import _commit, _paths, _records, _restore, _save
 
 import servers
 from tree_utils import assert_placed, assert_trees_all_equal
@@ -48,6 +50,15 @@ FAST = {"max_retries": 1, "initial_delay": "10ms", "max_delay": "50ms"}
 FAST_ENV = {"FNCKPT_REQUEST_RETRIES": "1", "FNCKPT_REQUEST_INITIAL_DELAY": "10ms",
             "FNCKPT_REQUEST_MAX_DELAY": "50ms"}
 BOUND_S = 15.0  # a bad-input error must surface within this many seconds
+# Format 2 stores an array larger than inline_bytes (16 KiB) in one of two ways; a test whose
+# intent covers stored data runs with both. "packs" (the default): every array of train_state
+# (all <= 4 MiB and seen whole by this process) is a byte range of this process's pack, one
+# zarr array of one chunk. "arrays": pack_bytes=0 gives each its own zarr array (params/w: 8
+# chunks, one per (64, 64) shard).
+LAYOUTS = {"packs": {}, "arrays": {"pack_bytes": 0}}
+# What a restore says about damaged data (the cause comes from TensorStore's error).
+CORRUPT = "its data is corrupt (crc32c checksum mismatch)"
+MISSING = "a chunk of its data is missing"
 
 
 @dataclasses.dataclass
@@ -82,12 +93,13 @@ class Backend:
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, tmp_path) -> Backend:
+def backend(request, tmp_path_factory) -> Backend:
   name = request.param
   if name == "memory":
     return Backend(name, f"memory://test_backends/{uuid.uuid4().hex}", None, {})
-  if name == "file":
-    return Backend(name, str(tmp_path / "store"), None, {})
+  if name == "file":  # not tmp_path: it holds the test's name, and no word of a location
+    # ("missing", "checksum"...) may be what makes an error message match
+    return Backend(name, str(tmp_path_factory.mktemp("files") / "store"), None, {})
   server = request.getfixturevalue(f"{name}_env")  # the session's server, env applied
   return Backend(name, server.unique_url("backends"), dict(server.storage_options), server.env,
                  server)
@@ -147,12 +159,40 @@ def host_tree(tree):
       x.dtype, jax.dtypes.prng_key) else x) if isinstance(x, jax.Array) else x, tree)
 
 
-def stored_keys(backend: Backend, url: str, leaf: str = "w") -> tuple[str, list[str]]:
-  """(the directory of ``params/<leaf>`` inside the checkpoint, its chunk keys)."""
-  directory = backend.metadata(url).tree["params"][leaf].stored
+def manifest_of(backend: Backend, url: str) -> _records.Manifest:
+  """The committed checkpoint's validated manifest (its packs too, which metadata() omits)."""
+  return _commit.read_header(backend.kv(url), _paths.display(url))[0]
+
+
+def stored_keys(backend: Backend, url: str, leaf: str = "w"
+                ) -> tuple[str, list[str], list[str]]:
+  """(the directory inside the checkpoint that holds ``params/<leaf>``'s bytes: its own zarr
+  array or its pack; that directory's chunk keys; the key paths of every leaf stored there)."""
+  manifest = manifest_of(backend, url)
+  rec = next(r for r in manifest.leaves if r.path == (("dict", "params"), ("dict", leaf)))
+  if rec.stored is not None:
+    directory, names = rec.stored.dir, [rec.where]
+  else:
+    assert rec.packed is not None, rec
+    directory = manifest.packs[rec.packed.pack].dir
+    names = [r.where for r in manifest.leaves
+             if r.packed is not None and r.packed.pack == rec.packed.pack]
+  assert directory.startswith(manifest.data + "/"), (directory, manifest.data)
   chunks = [k for k in backend.keys(url) if k.startswith(f"{directory}/c/")]
   assert chunks, backend.keys(url)
-  return directory, chunks
+  return directory, chunks, names
+
+
+def flip_byte(backend: Backend, url: str, key: str, at: float = 1 / 3, bit: int = 0x01
+              ) -> None:
+  kv = backend.kv(url)
+  data = bytearray(kv.read(key).result().value)
+  data[int(len(data) * at)] ^= bit
+  kv.write(key, bytes(data)).result()
+
+
+def sds_of(x, sharding=None) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)
 
 
 @pytest.fixture
@@ -194,12 +234,17 @@ def crash_before_commit(backend: Backend, phase, url: str, tree) -> None:
 # the contract, on every backend
 
 
-def test_round_trip_reshard_and_metadata(backend):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_reshard_and_metadata(backend, layout):
   state = train_state(3)
   url = backend.url("ckpt")
-  handle = backend.save(state, url, metadata={"epoch": 2, "note": "x"})
+  handle = backend.save(state, url, metadata={"epoch": 2, "note": "x"}, **LAYOUTS[layout])
   stats = handle.wait()
-  assert stats.bytes_written >= 128 * 256 * 4 and stats.chunks_written >= 8
+  assert stats.bytes_written >= 128 * 256 * 4
+  if layout == "arrays":
+    assert stats.chunks_written >= 8  # params/w alone: one chunk per (64, 64) shard
+  else:
+    assert stats.chunks_written == 1  # one pack of one chunk holds every stored array
 
   # The same values, placed as the target says, on other meshes and another device count.
   target = resharded_target(state)
@@ -227,6 +272,16 @@ def test_round_trip_reshard_and_metadata(backend):
   assert w.sharding.spec == P("data", "model")
   assert meta.tree["params"]["norm"].dtype == jnp.bfloat16
   assert meta.tree["params"]["b"].stored == "inline"
+  data_dir = manifest_of(backend, url).data
+  assert re.fullmatch(r"data-[0-9a-f]{32}", data_dir), data_dir
+  w_rec = next(r for r in meta.leaves if r.where == "['params']['w']")
+  if layout == "arrays":
+    assert w_rec.packed is None and w_rec.stored.dir == w.stored
+    assert w.stored == f"{data_dir}/a/{w_rec.index}", w.stored
+    assert w_rec.stored.chunks == (64, 64)
+  else:
+    assert w_rec.stored is None and w_rec.packed.nbytes == 128 * 256 * 4
+    assert w.stored.startswith("pack "), w.stored
   assert meta.tree["step"] == 3 and meta.tree["name"] == "run-1"
   assert meta.process_count == 1 and meta.versions["fnckpt"] == fnckpt.__version__
 
@@ -242,11 +297,12 @@ def test_commit_marker_is_written_last_and_nothing_else(backend, phase):
     at_marker.set()
     assert release.wait(60)
   phase(url, "committing", hold)
-  handle = backend.save(train_state(7), url)
+  # Both storage forms: params/w (128 KiB) in its own zarr array, params/emb and opt/mu packed.
+  handle = backend.save(train_state(7), url, pack_bytes=64 << 10)
   try:
     assert at_marker.wait(60)
     keys = backend.keys(url)
-    assert "manifest.msgpack" in keys and any(k.startswith("d/") for k in keys)
+    assert "manifest.msgpack" in keys and any(k.startswith("data-") for k in keys)
     assert "COMMIT" not in keys
     with pytest.raises(fnckpt.NotCommittedError, match="interrupted save"):
       backend.restore(url)
@@ -259,25 +315,34 @@ def test_commit_marker_is_written_last_and_nothing_else(backend, phase):
   handle.wait()
   keys = backend.keys(url)
   assert "COMMIT" in keys
-  dirs = {r["store"]["dir"] for r in backend.metadata(url).leaves if "store" in r}
-  assert dirs  # some leaves have files of their own
+  manifest = manifest_of(backend, url)
+  arrays = {r.stored.dir for r in manifest.leaves if r.stored is not None}
+  packs = {p.dir for p in manifest.packs}
+  assert arrays == {f"{manifest.data}/a/{r.index}" for r in manifest.leaves
+                    if r.stored is not None}
+  assert len(arrays) == 1 and packs == {f"{manifest.data}/p/0"}  # params/w; process 0's pack
+  assert {r.where for r in manifest.leaves if r.packed is not None} == {
+      "['opt']['mu']", "['params']['emb']"}
+  dirs = arrays | packs
   for key in keys:
-    head, _, rest = key.partition("/")
     if key in ("COMMIT", "manifest.msgpack"):
       continue
     owner = next((d for d in dirs if key.startswith(d + "/")), None)
     assert owner is not None, f"unexpected key {key!r}"
     assert key == f"{owner}/zarr.json" or key.startswith(f"{owner}/c/"), key
+  for d in dirs:  # each whole: its metadata and its chunks
+    assert f"{d}/zarr.json" in keys and any(k.startswith(f"{d}/c/") for k in keys), d
   assert backend.manager(backend.url("run")).all_steps() == [7]
 
 
-def test_async_save_is_donation_safe_then_wait(backend):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_async_save_is_donation_safe_then_wait(backend, layout):
   with contextlib.suppress(Exception):  # failures of earlier tests' saves are not ours
     fnckpt.wait()
   state = train_state(5)
   expected = host_tree(state)
   url = backend.url("async")
-  handle = backend.save(state, url)
+  handle = backend.save(state, url, **LAYOUTS[layout])
   assert isinstance(handle, fnckpt.SaveHandle)
   for leaf in jax.tree.leaves(state):  # the caller drops its arrays as soon as save returns
     if isinstance(leaf, jax.Array):
@@ -297,12 +362,17 @@ def test_overwrite_refused_unless_asked(backend):
   assert _paths.display(url) in str(info.value)
   assert backend.restore(url)["v"] == 1  # untouched
 
+  old_manifest = manifest_of(backend, url)
+  assert old_manifest.packs  # the old arrays are packed; the new ones get arrays of their own
   new = {"w": np.arange(9000, dtype=np.float32)[::-1].copy(), "v": 2}
-  backend.save(new, url, overwrite=True, zstd=3).wait()
+  backend.save(new, url, overwrite=True, zstd=3, pack_bytes=0).wait()
   assert_trees_all_equal(backend.restore(url), new)
-  stored = {r["store"]["dir"] for r in backend.metadata(url).leaves if "store" in r}
-  leftovers = [k for k in backend.keys(url) if k.startswith("d/")
-               and k.split("/")[0] + "/" + k.split("/")[1] not in stored]
+  manifest = manifest_of(backend, url)
+  assert manifest.data != old_manifest.data  # new data never lands in the old directory
+  stored = {r.stored.dir for r in manifest.leaves if r.stored is not None}
+  assert stored and not manifest.packs
+  leftovers = [k for k in backend.keys(url) if k not in ("COMMIT", "manifest.msgpack")
+               and "/".join(k.split("/")[:3]) not in stored]
   assert leftovers == []  # the old checkpoint's files are gone, not mixed in
 
 
@@ -331,31 +401,60 @@ def test_uncommitted_save_is_refused_and_never_listed(backend, phase):
     assert backend.manager(root).all_steps() == []
 
 
-def test_flipped_byte_is_a_checksum_error_naming_the_leaf(backend):
-  url = backend.url("crc")
-  backend.save(train_state(0), url).wait()
-  directory, chunks = stored_keys(backend, url)
-  kv = backend.kv(url)
-  data = bytearray(kv.read(chunks[0]).result().value)
-  data[len(data) // 3] ^= 0x01
-  kv.write(chunks[0], bytes(data)).result()
-  with pytest.raises(fnckpt.CheckpointError, match=r"crc32c") as info:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flipped_byte_is_a_checksum_error_naming_the_leaf(backend, layout):
+  url = backend.url("flip")
+  state = train_state(0)
+  backend.save(state, url, **LAYOUTS[layout]).wait()
+  directory, chunks, damaged = stored_keys(backend, url)
+  flip_byte(backend, url, chunks[0])
+  with pytest.raises(fnckpt.CheckpointError, match=re.escape(CORRUPT)) as info:
     backend.restore(url)
   text = str(info.value)
-  assert "['params']['w']" in text and f"{_paths.display(url)}/{directory}" in text
-  # The other leaves are intact: a partial restore without the damaged one works.
-  target = {k: v for k, v in train_state(0).items() if k != "params"}
+  assert any(name in text for name in damaged), text
+  # the storage path, quoted: fnckpt's own words, not TensorStore's message that it appends
+  assert f"'{_paths.display(url)}/{directory}'" in text, text
+  if layout == "arrays":
+    assert damaged == ["['params']['w']"]
+  else:  # the chunk's crc32c covers every leaf in it: each one read is an error
+    assert damaged == ["['opt']['mu']", "['params']['emb']", "['params']['w']"]
+  # Reading the damaged leaf alone names it.
+  with pytest.raises(fnckpt.CheckpointError, match=re.escape(CORRUPT)) as info:
+    backend.restore(url, {"params": {"w": sds_of(state["params"]["w"])}}, partial=True)
+  assert "['params']['w']" in str(info.value)
+  assert f"'{_paths.display(url)}/{directory}'" in str(info.value)
+  # The other leaves are intact: a partial restore without the damaged ones works.
+  target = {k: v for k, v in state.items() if k != "params"}
+  if layout == "packs":
+    target["opt"] = {"count": state["opt"]["count"]}
   assert backend.restore(url, target, partial=True)["step"] == 0
 
 
-def test_missing_chunk_is_an_error_never_zeros(backend):
-  url = backend.url("missing")
-  backend.save(train_state(0), url).wait()
-  _, chunks = stored_keys(backend, url, "emb")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_missing_chunk_is_an_error_never_zeros(backend, layout):
+  url = backend.url("gap")
+  backend.save(train_state(0), url, **LAYOUTS[layout]).wait()
+  directory, chunks, damaged = stored_keys(backend, url, "emb")
+  assert "['params']['emb']" in damaged
   backend.kv(url).delete_range(ts.KvStore.KeyRange(chunks[-1], chunks[-1] + "\0")).result()
-  with pytest.raises(fnckpt.CheckpointError, match="missing") as info:
-    backend.restore(url, resharded_target(train_state(0)))
+  target = resharded_target(train_state(0))
+  with pytest.raises(fnckpt.CheckpointError, match=re.escape(MISSING)) as info:
+    backend.restore(url, target)
+  assert any(name in str(info.value) for name in damaged), str(info.value)
+  with pytest.raises(fnckpt.CheckpointError, match=re.escape(MISSING)) as info:
+    backend.restore(url, {"params": {"emb": target["params"]["emb"]}}, partial=True)
   assert "['params']['emb']" in str(info.value)
+  assert f"'{_paths.display(url)}/{directory}'" in str(info.value)
+
+
+def test_restore_names_the_cause_from_the_error_not_the_path(backend):
+  url = backend.url("crc32c-checksum")  # words of another cause, in the path only
+  backend.save(train_state(0), url, **LAYOUTS["arrays"]).wait()
+  _, chunks, _ = stored_keys(backend, url)
+  backend.kv(url).delete_range(ts.KvStore.KeyRange(chunks[0], chunks[0] + "\0")).result()
+  with pytest.raises(fnckpt.CheckpointError) as info:
+    backend.restore(url)
+  assert MISSING in str(info.value) and CORRUPT not in str(info.value), str(info.value)
 
 
 def test_nothing_at_the_location(backend):
@@ -398,11 +497,11 @@ def test_retention_never_deletes_a_step_being_read(backend, monkeypatch):
   reading, release = threading.Event(), threading.Event()
   real_read_all = _restore._read_all
 
-  def held_read_all(location, *args, **kwargs):
-    if location.endswith("/1"):
+  def held_read_all(src, *args, **kwargs):
+    if src.location.endswith("/1"):
       reading.set()
       assert release.wait(60)
-    return real_read_all(location, *args, **kwargs)
+    return real_read_all(src, *args, **kwargs)
 
   monkeypatch.setattr(_restore, "_read_all", held_read_all)
   result: dict[str, Any] = {}
@@ -460,22 +559,23 @@ def run_cli(backend: Backend, capsys, *argvs: list[str], env: dict[str, str] | N
 
 def test_cli_ls_inspect_verify(backend, phase, capsys):
   root = backend.url("cli")
-  with backend.manager(root) as mgr:
+  with backend.manager(root) as mgr:  # step 10: its arrays in a pack (the default)
     mgr.save(10, train_state(10), metrics={"loss": 0.5})
+  with backend.manager(root, save_options=LAYOUTS["arrays"]) as mgr:  # 20: arrays of their own
     mgr.save(20, train_state(20), metrics={"loss": 0.25})
   crash_before_commit(backend, phase, _paths.join(root, "30"), train_state(30))
-  # damage step 10
-  _, chunks = stored_keys(backend, _paths.join(root, "10"))
-  kv = backend.kv(_paths.join(root, "10"))
-  data = bytearray(kv.read(chunks[0]).result().value)
-  data[len(data) // 2] ^= 0x80
-  kv.write(chunks[0], bytes(data)).result()
+  # damage step 10's pack
+  step10 = _paths.join(root, "10")
+  pack_dir, chunks, packed = stored_keys(backend, step10)
+  assert packed == ["['opt']['mu']", "['params']['emb']", "['params']['w']"]
+  flip_byte(backend, step10, chunks[0], at=1 / 2, bit=0x80)
   capsys.readouterr()
 
   missing = _paths.join(root, "99")
-  (ls_code, ls, _), (in_code, inspect, _), (ver_code, verify, _), (miss_code, _, miss_err) = \
-      run_cli(backend, capsys, ["ls", root], ["inspect", _paths.join(root, "20")],
-              ["verify", "--quiet", root], ["inspect", missing])
+  (ls_code, ls, _), (in_code, inspect, _), (in10_code, inspect10, _), (ver_code, verify, _), \
+      (miss_code, _, miss_err) = run_cli(
+          backend, capsys, ["ls", root], ["inspect", _paths.join(root, "20")],
+          ["inspect", step10], ["verify", "--quiet", root], ["inspect", missing])
 
   assert ls_code == 0, ls
   rows = {line.split()[0]: line for line in ls.splitlines()[1:] if line.split()}
@@ -487,11 +587,18 @@ def test_cli_ls_inspect_verify(backend, phase, capsys):
   assert _paths.display(_paths.join(root, "20")) in inspect
   w_row = next(line for line in inspect.splitlines() if line.startswith("['params']['w']"))
   assert "float32" in w_row and "(128, 256)" in w_row and "P('data', 'model')" in w_row
+  assert "/a/" in w_row and "chunks (64, 64)" in w_row
+  assert in10_code == 0, inspect10
+  w_row = next(line for line in inspect10.splitlines() if line.startswith("['params']['w']"))
+  assert "P('data', 'model')" in w_row and "pack 0 bytes" in w_row
 
   assert ver_code == 1, verify
   assert f"OK {_paths.display(_paths.join(root, '20'))}" in verify
-  assert "DAMAGED" in verify and "['params']['w']" in verify and "checksum" in verify
-  assert f"FAILED {_paths.display(_paths.join(root, '10'))}" in verify
+  (damaged,) = [line for line in verify.splitlines() if line.startswith("DAMAGED")]
+  assert damaged.startswith(f"DAMAGED pack 0 ({', '.join(packed)}) "
+                            f"({_paths.display(step10)}/{pack_dir})"), damaged
+  assert "checksum mismatch (corrupt data)" in damaged
+  assert f"FAILED {_paths.display(step10)}: 1 problem(s)." in verify
 
   assert miss_code == 2 and _paths.display(missing) in miss_err
   assert "Traceback" not in miss_err
@@ -566,17 +673,6 @@ def test_bad_location_fails_clearly(bad, request):
                  [e for e in expect if e != "No checkpoint at"])
   _fails_clearly(lambda: fnckpt.restore(url, storage_options=options), url, secrets, expect)
   _fails_clearly(lambda: fnckpt.metadata(url, storage_options=options), url, secrets, expect)
-  if case == "gcs-missing-bucket":
-    # fake-gcs-server lists a missing bucket as empty (real GCS answers 404), so the manager
-    # starts with no steps; its first save must then fail clearly.
-    mgr = fnckpt.CheckpointManager(url, storage_options=options)
-    assert mgr.all_steps() == []
-    _fails_clearly(lambda: mgr.save(0, tree).wait(), _paths.join(url, "0"), secrets, expect)
-    _fails_clearly(mgr.wait, _paths.join(url, "0"), secrets, expect)  # reported once more
-    mgr.close()
-  else:
-    _fails_clearly(lambda: fnckpt.CheckpointManager(url, storage_options=options), url, secrets,
-                   expect)
   # The CLI, configured through the environment only.
   full_env = {**os.environ, **env, "JAX_PLATFORMS": "no_such_platform"}
   p = subprocess.run([sys.executable, "-m", "fnckpt", "inspect", url], env=full_env, cwd=REPO,
@@ -585,3 +681,15 @@ def test_bad_location_fails_clearly(bad, request):
   assert _paths.display(url) in p.stderr and "Traceback" not in p.stderr, p.stderr
   for secret in secrets:
     assert secret not in p.stderr + p.stdout
+  # The manager (last: everything above must pass whatever happens below).
+  if case == "gcs-missing-bucket":
+    # fake-gcs-server lists a missing bucket as empty (real GCS answers 404), so the manager
+    # starts with no steps; its first save must then fail clearly.
+    mgr = fnckpt.CheckpointManager(url, storage_options=options)
+    assert mgr.all_steps() == []
+    _fails_clearly(lambda: mgr.save(0, tree).wait(), _paths.join(url, "0"), secrets, expect)
+    _fails_clearly(mgr.wait, _paths.join(url, "0"), secrets, expect)  # reported once more
+    mgr.close()
+    return
+  _fails_clearly(lambda: fnckpt.CheckpointManager(url, storage_options=options), url, secrets,
+                 expect)

@@ -3,9 +3,11 @@ JAX platform that does not exist, so any attempt to start a JAX backend would fa
 must need no devices."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +42,14 @@ def train_state(step):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A run directory: committed steps 10 and 20 (with metrics) and an interrupted step 30."""
+  """A run directory: committed steps 10 and 20 (with metrics) and an interrupted step 30.
+  Both storage forms of format 2 are there: step 10 as saved by default (``params/w``, 24 KiB,
+  in process 0's pack), step 20 with ``pack_bytes=0`` (``params/w`` in a zarr array of its own,
+  8 chunks of (32, 24)); small arrays are inline in both."""
   root = tmp_path_factory.mktemp("cli") / "run"
   with fnckpt.CheckpointManager(str(root)) as mgr:
     mgr.save(10, train_state(10), metrics={"loss": 0.75})
+  with fnckpt.CheckpointManager(str(root), save_options={"pack_bytes": 0}) as mgr:
     mgr.save(20, train_state(20), metrics={"loss": 0.25})
   original = _save._phase
 
@@ -88,7 +94,17 @@ def test_inspect_console_script(run):
   assert "(threefry2x32)" in rows["['key']"] and "inline" in rows["['key']"]
   assert rows["['step']"].split()[-1] == "20"
   assert "numpy Generator (PCG64)" in rows["['data']"]
-  assert "5 leaves (3 arrays, 1 stored in their own files)" in out
+  assert "5 leaves (3 arrays: 1 stored in their own arrays, 0 in 0 pack(s)), 24.0 KiB" in out
+
+  # Step 10: params/w is a byte range of process 0's pack.
+  rc, out, err = cli("inspect", run / "10")
+  assert rc == 0, err
+  rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("[")}
+  w = rows["['params']['w']"]
+  assert "float32" in w and "(64, 96)" in w and "24.0 KiB" in w and "chunks" not in w
+  assert "pack 0 bytes 0+24576" in w
+  assert "inline [0.5, 0.5, 0.5, 0.5]" in rows["['params']['b']"]
+  assert "5 leaves (3 arrays: 0 stored in their own arrays, 1 in 1 pack(s)), 24.0 KiB" in out
 
 
 def test_inspect_uncommitted_and_missing(run):
@@ -108,8 +124,8 @@ def test_verify_ok_then_corrupt_then_missing(run, tmp_path):
   assert out.strip() == f"OK {ckpt}"
   assert "100.0% 8/8 chunks 24.0 KiB/24.0 KiB" in err  # the progress bar, on stderr
 
-  chunks = sorted(p for p in (ckpt / "d").rglob("c/*/*") if p.is_file())
-  assert len(chunks) == 8
+  chunks = sorted(p for p in ckpt.glob("data-*/a/*/c/*/*") if p.is_file())
+  assert len(chunks) == 8  # params/w: its own zarr array, one file per (32, 24) chunk
   data = bytearray(chunks[5].read_bytes())
   data[3] ^= 0x40  # one flipped bit in the data of one chunk
   chunks[5].write_bytes(bytes(data))
@@ -125,6 +141,97 @@ def test_verify_ok_then_corrupt_then_missing(run, tmp_path):
   damaged = [l for l in out.splitlines() if l.startswith("DAMAGED")]
   assert len(damaged) == 1 and "['params']['w']" in damaged[0]
   assert "missing data" in damaged[0] and "(and 1 more damaged chunk(s))" in damaged[0]
+
+
+def test_verify_pack_corrupt_then_missing(run, tmp_path):
+  """Step 10 keeps params/w in a pack: damage to the pack is reported as the pack, naming the
+  leaves in it and its storage path."""
+  ckpt = tmp_path / "10"
+  shutil.copytree(run / "10", ckpt)
+  rc, out, err = cli("verify", ckpt)
+  assert rc == 0, out + err
+  assert out.strip() == f"OK {ckpt}"
+  assert "100.0% 1/1 chunks 24.0 KiB/24.0 KiB" in err
+  (pack_dir,) = ckpt.glob("data-*/p/0")
+  (chunk,) = [p for p in pack_dir.glob("c/*") if p.is_file()]
+  data = bytearray(chunk.read_bytes())
+  data[100] ^= 0x01  # one flipped bit inside params/w's bytes
+  chunk.write_bytes(bytes(data))
+  rc, out, err = cli("verify", "-q", ckpt)
+  assert rc == 1 and err == ""
+  (damaged,) = [l for l in out.splitlines() if l.startswith("DAMAGED")]
+  assert damaged.startswith("DAMAGED pack 0 (['params']['w']) ")
+  assert f"({pack_dir})" in damaged and "checksum mismatch" in damaged
+  assert f"FAILED {ckpt}: 1 problem(s)." in out
+
+  chunk.unlink()  # a missing pack chunk is damage, never zeros
+  rc, out, err = cli("verify", "-q", ckpt)
+  assert rc == 1
+  (damaged,) = [l for l in out.splitlines() if l.startswith("DAMAGED")]
+  assert damaged.startswith("DAMAGED pack 0 (['params']['w']) ") and "missing data" in damaged
+  assert "checksum" not in damaged
+
+
+def test_verify_names_the_cause_from_the_error_not_the_path(tmp_path, capsys):
+  """Damage is classified by TensorStore's error (status code, its own words), never by words
+  that happen to be in the checkpoint's path or in the array spec TensorStore appends (which
+  names the crc32c codec)."""
+  from fnckpt.cli import main
+  tree = {"a": np.arange(8192, dtype=np.float32), "b": np.arange(8192, dtype=np.int32)}
+  lying = {"missing": tmp_path / "crc32c checksum Digest mismatch DATA_LOSS",
+           "corrupt": tmp_path / "missing NOT_FOUND not found"}
+  for path in lying.values():
+    fnckpt.save(tree, str(path), pack_bytes=0).wait()
+
+  def damaged(path):
+    assert main(["verify", "-q", str(path)]) == 1
+    return [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
+
+  def cause(line, after, code):  # the classification: between the region and TS's message
+    return re.search(re.escape(after) + r" (.*?) \[" + code + ":", line).group(1)
+
+  (chunk,) = lying["missing"].glob("data-*/a/0/c/0")
+  chunk.unlink()
+  (line,) = damaged(lying["missing"])
+  assert line.startswith("DAMAGED ['a']")
+  assert cause(line, "): chunk [0:8192]:", "NOT_FOUND") == "missing data"
+  (meta,) = lying["missing"].glob("data-*/a/1/zarr.json")
+  meta.unlink()  # the open error carries the spec (with "crc32c" in it): still "missing"
+  lines = damaged(lying["missing"])
+  assert len(lines) == 2 and lines[1].startswith("DAMAGED ['b']")
+  assert cause(lines[1], "): cannot open its array:", "NOT_FOUND") == "missing data"
+  assert "zarr.json" in lines[1] and "tensorstore_spec" not in lines[1]  # no spec shown
+
+  (chunk,) = lying["corrupt"].glob("data-*/a/1/c/0")
+  data = bytearray(chunk.read_bytes())
+  data[10] ^= 0x04
+  chunk.write_bytes(bytes(data))
+  (line,) = damaged(lying["corrupt"])
+  assert line.startswith("DAMAGED ['b']")
+  assert cause(line, "): chunk [0:8192]:", "DATA_LOSS") == "checksum mismatch (corrupt data)"
+
+
+def test_verify_a_manifest_that_disagrees_with_zarr_json(tmp_path, capsys):
+  """A manifest claiming a far larger array than its zarr.json (a damaged or forged manifest
+  that still matches its commit marker): one clear problem, counted without enumerating the
+  8 Mi inner chunks the manifest claims (the fuzz harness saw that as a hang)."""
+  import msgpack
+  from fnckpt import _manifest
+  from fnckpt.cli import main
+  ckpt = tmp_path / "c"
+  fnckpt.save({"a": np.zeros((64, 40), np.float32)}, str(ckpt), inline_bytes=0,
+              pack_bytes=0).wait()
+  m = msgpack.unpackb((ckpt / "manifest.msgpack").read_bytes(), raw=False)
+  m["leaves"][0]["shape"] = [1 << 29, 40]
+  raw = _manifest.encode(m)
+  (ckpt / "manifest.msgpack").write_bytes(raw)
+  (ckpt / "COMMIT").write_bytes(_manifest.encode_commit(raw, time.time()))
+  assert main(["verify", str(ckpt)]) == 1
+  out, err = capsys.readouterr()
+  (line,) = [l for l in out.splitlines() if l.startswith("DAMAGED")]
+  assert line.startswith("DAMAGED ['a'] (") and "cannot open its array: its zarr.json does not "\
+      "match the manifest [FAILED_PRECONDITION" in line and "tensorstore_spec" not in line
+  assert "100.0% 8388608/8388608 chunks 80.0 GiB/80.0 GiB" in err
 
 
 def test_verify_run_directory_and_uncommitted(run):
@@ -164,6 +271,42 @@ def test_diff(run, tmp_path):
   assert len(lines) == 6, out
 
 
+def test_per_process_values(tmp_path, capsys):
+  """fnckpt.PerProcess leaves (values in data-<hex>/pp/<process>): shown by inspect, read and
+  validated by verify (a missing or corrupt file is damage), compared by diff --values."""
+  from fnckpt.cli import main
+  def tree(epoch):
+    return {"w": np.arange(6000, dtype=np.float32),
+            "loader": fnckpt.PerProcess({"epoch": epoch, "order": np.arange(5)})}
+  a, b, c = (tmp_path / n for n in "abc")
+  for path, epoch in ((a, 3), (b, 3), (c, 4)):
+    fnckpt.save(tree(epoch), str(path)).wait()
+  rc, out, err = cli("inspect", a)  # no JAX backend needed
+  assert rc == 0, err
+  row = next(l for l in out.splitlines() if l.startswith("['loader']"))
+  assert "perprocess" in row and "fnckpt.PerProcess" in row and "pp/<process>" in row
+  rc, out, err = cli("verify", "-q", a)
+  assert rc == 0 and out.strip() == f"OK {a}", out + err
+
+  assert main(["diff", "--values", str(a), str(b)]) == 0
+  assert main(["diff", "--values", str(a), str(c)]) == 1
+  out = capsys.readouterr().out
+  assert "! ['loader']: values differ (the values of process(es) [0] differ)" in out
+  assert "['w']" not in out
+
+  (values,) = c.glob("data-*/pp/0")
+  values.write_bytes(b"\xc1 not msgpack")
+  assert main(["verify", "-q", str(c)]) == 1
+  (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
+  assert line.startswith(f"DAMAGED per-process values of process 0 (['loader']) ({values}):")
+  assert "corrupt" in line
+  values.unlink()
+  assert main(["verify", "-q", str(c)]) == 1
+  (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
+  assert line.startswith(f"DAMAGED per-process values of process 0 (['loader']) ({values}):")
+  assert "missing data" in line
+
+
 def test_in_process_single_checkpoint_and_missing_zarr_json(run, tmp_path, capsys):
   from fnckpt.cli import main
   assert main(["ls", str(run / "20")]) == 0
@@ -172,7 +315,14 @@ def test_in_process_single_checkpoint_and_missing_zarr_json(run, tmp_path, capsy
 
   ckpt = tmp_path / "20"
   shutil.copytree(run / "20", ckpt)
-  (next((ckpt / "d").rglob("zarr.json"))).unlink()
+  next(ckpt.glob("data-*/a/*/zarr.json")).unlink()
   assert main(["verify", "-q", str(ckpt)]) == 1
   out = capsys.readouterr().out
-  assert "DAMAGED ['params']['w']" in out and "cannot open its array" in out
+  assert "DAMAGED ['params']['w']" in out and "cannot open its array: missing data" in out
+
+  packed = tmp_path / "10"  # a pack's zarr.json
+  shutil.copytree(run / "10", packed)
+  next(packed.glob("data-*/p/0/zarr.json")).unlink()
+  assert main(["verify", "-q", str(packed)]) == 1
+  out = capsys.readouterr().out
+  assert "DAMAGED pack 0 (['params']['w'])" in out and "cannot open its array: missing data" in out

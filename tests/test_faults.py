@@ -21,12 +21,17 @@ import mp_worker
 
 MESH = [[2, 4], ["x", "y"]]
 LEAVES = {
-    "a": {"shape": [256, 512], "spec": ["x", "y"]},                 # 8 chunks
-    "b": {"shape": [64, 1024], "dtype": "int32", "spec": "replicated"},  # 1 chunk
-    "n": {"shape": [100, 300], "dtype": "float64", "kind": "numpy"},     # 1 chunk
+    "a": {"shape": [512, 4096], "spec": ["x", "y"]},                # 8 MiB: its own zarr array
+    "b": {"shape": [64, 1024], "dtype": "int32", "spec": "replicated"},  # 256 KiB: packed
+    "n": {"shape": [100, 300], "dtype": "float64", "kind": "numpy"},     # 234 KiB: packed
     "s": {"shape": [4], "spec": "replicated"},                       # inline in the manifest
 }
-N_CHUNKS = 10
+# What the save writes (README "Format (version 2)"): "a" is over pack_bytes (4 MiB), so it
+# is a zarr array in chunks of its shard shape: 8 on the 2x4 mesh. "b" and "n" are over
+# inline_bytes, at most pack_bytes and seen whole, so they share this process's pack; it is
+# smaller than one inner chunk (1 MiB), so its inner chunk and its chunk are the pack: 1.
+LAYOUT = {"a": "stored", "b": "packed", "n": "packed", "s": "inline"}
+N_CHUNKS = 8 + 1
 
 
 def expected_tree(seed):
@@ -55,6 +60,12 @@ def chunk_files(path):
     if "c" in rel:
       out += [os.path.join(root, f) for f in files if not f.endswith(".__lock")]
   return out
+
+
+def layout(path):
+  """How each array leaf of a committed checkpoint is stored."""
+  return {l.path[0][1]: "inline" if l.inline is not None else "packed" if l.packed else "stored"
+          for l in fnckpt.metadata(path).leaves if l.is_array}
 
 
 def assert_not_committed(path):
@@ -87,7 +98,7 @@ def save_config(tmp_path, phase, action="kill", overwrite=False, same_path=False
 # Which files a kill at each phase leaves behind: (every chunk durable, manifest written).
 PHASES = {
     "staging": (False, False),    # before any chunk is handed to TensorStore
-    "midwrite": (False, False),   # 2 chunks durable, 8 not
+    "midwrite": (False, False),   # 2 chunks durable, the others not
     "staged": (False, False),     # save() returned; the writes are in flight
     "written": (True, False),     # every chunk durable, no manifest yet
     "manifest": (True, True),     # manifest written, no marker
@@ -131,6 +142,8 @@ def test_sigkill_after_commit_is_a_checkpoint(tmp_path):
   assert_bit_exact(fnckpt.restore(new), expected_tree(seed=0))
   assert_bit_exact(fnckpt.restore(prev), expected_tree(seed=1))
   assert listing(tmp_path) == ([1, 2], [])
+  assert layout(new) == LAYOUT  # (what N_CHUNKS counts)
+  assert len(chunk_files(new)) == N_CHUNKS
 
 
 @pytest.mark.slow
@@ -236,18 +249,27 @@ def _sharded(value, spec=("x", "y")):
   return jax.make_array_from_callback(value.shape, s, lambda idx: value[idx])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["array", "pack"])
 @pytest.mark.parametrize("fill", ["values", "zeros"])
-def test_deleted_chunk_is_an_error_not_zeros(tmp_path, fill):
+def test_deleted_chunk_is_an_error_not_zeros(tmp_path, fill, packed):
   """With ``zeros`` the fill value equals the data: a reader filling missing chunks would
-  return the right-looking answer silently; it must still fail."""
+  return the right-looking answer silently; it must still fail. The leaf (32 KiB) is either
+  its own zarr array (``pack_bytes=0``: one chunk per shard) or in the pack (one chunk)."""
   value = (np.zeros((64, 128), np.float32) if fill == "zeros"
            else np.arange(64 * 128, dtype=np.float32).reshape(64, 128))
   path = str(tmp_path / "c")
-  fnckpt.save({"w": _sharded(value)}, path).wait()
-  files = chunk_files(path)
-  assert len(files) == 8  # all-zero chunks are stored too (store_data_equal_to_fill_value)
+  fnckpt.save({"w": _sharded(value)}, path, **({} if packed else {"pack_bytes": 0})).wait()
+  (leaf,) = fnckpt.metadata(path).leaves
+  if packed:
+    assert leaf.packed is not None and leaf.stored is None
+    files = chunk_files(path)
+    assert [os.path.relpath(f, path).split(os.sep)[1] for f in files] == ["p"]  # the pack
+  else:
+    assert leaf.stored is not None and leaf.packed is None
+    files = chunk_files(os.path.join(path, leaf.stored.dir))
+    assert len(files) == 8  # all-zero chunks are stored too (store_data_equal_to_fill_value)
   np.testing.assert_array_equal(fnckpt.restore(path)["w"], value)
-  os.remove(sorted(files)[3])
+  os.remove(sorted(files)[len(files) // 2])
   with pytest.raises(fnckpt.CheckpointError, match="missing") as e:
     fnckpt.restore(path)
   assert "['w']" in str(e.value) or "w" in str(e.value)

@@ -42,9 +42,12 @@ def nbytes(leaf):
 
 
 CHUNKED_BYTES = sum(nbytes(l) for k, l in LEAVES.items() if k != "d")
-# a: 8, b: 4 shards (each held by 2 devices, 1 writer), c: 16 MiB >= 16 MiB split into 8
-# pieces (one per replica), e: 1, f: 2 shards (each held by 4 devices)
-N_CHUNKS = 8 + 4 + 8 + 1 + 2
+# Format 2, 2 processes x 4 devices. Zarr arrays: a: 8 shards; b: 4 shards (each held by 2
+# devices, 1 writer); c: 16 MiB replicated (>= 16 MiB) split into pieces of at least 8 MiB: 2;
+# f: 2 shards (each held by 4 devices). Packs: e (numpy, 39 KiB, > 16 KiB and <= 4 MiB) goes
+# into process 0's pack, one chunk; b and f are neither replicated, fully addressable nor numpy
+# (so not packed); d is inline.
+N_CHUNKS = 8 + 4 + 2 + 2 + 1
 
 
 def chunk_files(path):
@@ -101,8 +104,9 @@ def test_2_processes_save_then_4_processes_and_1_restore(tmp_path):
 
 
 def test_4_processes_save_twice_to_one_location_then_2_restore(tmp_path):
-  """The second save (overwrite) reuses every barrier id: the coordination service counts
-  repeats, no process-global counter is involved."""
+  """The second save (overwrite) to the same location is a new attempt: its own random id
+  (agreed through process 0), barrier ids and data directory; the first one's data is
+  cleared, so the chunk files are exactly the second save's."""
   path = str(tmp_path / "ckpt")
   saved = ok(hp.run_group({"mode": "save", "devices": 2, "mesh": [[4, 2], ["x", "y"]],
                            "leaves": LEAVES, "path": path, "repeat": 2, "overwrite": True},
@@ -128,7 +132,7 @@ def test_barrier_timeout_names_the_missing_process(tmp_path):
   r0 = results[0].result
   assert r0 and r0["error"] == "BarrierTimeoutError", results[0].describe()
   msg = r0["message"]
-  assert "Barrier 'checked'" in msg and path in msg and "deadline 3s" in msg
+  assert "Barrier 'agreed'" in msg and path in msg and "deadline 3s" in msg
   assert "process(es) 1 did not arrive" in msg and "process 1 has not started this save" in msg
   # the deadline ended the wait (process 1 waits up to 60 s for process 0 to finish)
   assert 3 <= r0["elapsed_s"] < 45
