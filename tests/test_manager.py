@@ -528,13 +528,16 @@ def test_restore_or_init_warns_about_a_target_without_shardings(root):
 
 def test_wait_raises_every_error_once(root, phase_hook):
   mgr = fnckpt.CheckpointManager(root)
+  both_started = threading.Event()  # neither fails before both saves were called
 
   def fail(name):
     if name == "written":
+      assert both_started.wait(60)
       raise OSError("disk full (simulated)")
   phase_hook[1] = phase_hook[2] = fail
   mgr.save(1, state_of(1))
   mgr.save(2, state_of(2))
+  both_started.set()
   with pytest.raises(fnckpt.CheckpointError, match="disk full") as info:
     mgr.wait()
   assert any("also:" in note and "disk full" in note for note in info.value.__notes__)
