@@ -11,7 +11,9 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started.
+is started. ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
+``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
+is opened and read as restore does (``_restore.open_source``, its read window and context).
 """
 
 from __future__ import annotations
@@ -27,14 +29,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import (_records, _commit, _layout, _leaves, _manifest, _paths, _perprocess, _steps,
-               _store, _tree)
+from . import (_records, _commit, _layout, _leaves, _manifest, _paths, _perprocess, _restore,
+               _steps, _store, _tree)
 from ._errors import CheckpointError
 
 __all__ = ["main"]
-
-_READ_IN_FLIGHT_BYTES = 64 << 20
-
 
 # --- small formatting helpers ----------------------------------------------------------------
 
@@ -80,26 +79,63 @@ def _compact(value: Any, limit: int = 60) -> str:
 
 
 # --- reading ---------------------------------------------------------------------------------
+# Every storage access goes through ``args.storage_options`` (the dict fnckpt.save/restore
+# take); a checkpoint is opened the way restore opens it (``_restore.open_source``), and its
+# arrays are read in restore's window with the Source's kvstore spec and context.
 
-def _header(path: str) -> tuple[str, _records.Manifest, dict[str, Any]]:
-  """(location, manifest, commit marker) of a committed checkpoint; CheckpointError if not."""
-  location = _paths.display(path)
-  kv = _paths.open_kvstore(path)
-  manifest, _, commit = _commit.read_header(kv, location)
-  return location, manifest, _manifest.decode_commit(commit, location)
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any] | None:
+  """``--storage-option KEY=VALUE`` pairs as a ``storage_options`` dict (a VALUE that parses
+  as JSON is taken as JSON, else as a string; a later KEY wins). None when none were given.
+
+  >>> _storage_options(["endpoint=http://127.0.0.1:8333", "max_retries=2"])
+  {'endpoint': 'http://127.0.0.1:8333', 'max_retries': 2}
+  """
+  if not pairs:
+    return None
+  options: dict[str, Any] = {}
+  for pair in pairs:
+    key, eq, text = pair.partition("=")
+    if not eq or not key.strip():
+      raise CheckpointError(
+          f"--storage-option {pair!r}: expected KEY=VALUE, found "
+          f"{'no KEY before' if eq else 'no'} '='. Write e.g. --storage-option "
+          "endpoint=http://127.0.0.1:8333 or --storage-option max_retries=2.")
+    try:
+      value = json.loads(text)
+    except ValueError:
+      value = text
+    options[key.strip()] = value
+  return options
+
+
+def _check_storage_options(locations: Sequence[str], options: dict[str, Any] | None) -> None:
+  """Each location the command was given, checked with ``options`` by the code that save and
+  restore use (``_paths.kvstore_spec``; no I/O), before anything is read. An error that the
+  options cause (an unknown key, a bad value, options for a local path) names
+  ``--storage-option``; one of the location itself (a bad URL) does not."""
+  for path in locations:
+    try:
+      _paths.kvstore_spec(path, options)
+    except CheckpointError as e:
+      if not options:
+        raise
+      try:
+        _paths.kvstore_spec(path)
+      except CheckpointError:
+        raise e from None
+      raise CheckpointError(f"--storage-option: {e}") from None
 
 
 def _nbytes(rec: _records.Leaf) -> int:
   return rec.nbytes
 
 
-def _read_per_process(path: str, manifest: _records.Manifest, process: int
-                      ) -> tuple[_records.Leaf, ...]:
+def _read_per_process(src: _restore.Source, process: int) -> tuple[_records.Leaf, ...]:
   """Process ``process``'s ``fnckpt.PerProcess`` values (validated records, nothing decoded:
   a key would need a JAX backend); CheckpointError naming the file if missing or invalid."""
-  key = _perprocess.values_key(manifest.data, process)
-  where = f"{_paths.display(path)}/{key}"
-  got = _paths.open_kvstore(path).read(key).result()
+  key = _perprocess.values_key(src.manifest.data, process)
+  where = f"{src.location}/{key}"
+  got = src.kv.read(key).result()
   if got.state != "value":
     raise CheckpointError(f"missing data [{where} does not exist]")
   return _perprocess.decode(got.value, where)
@@ -130,32 +166,33 @@ def _regions(shape: Sequence[int], inner: Sequence[int]) -> Iterator[_layout.Ind
       yield ((a, min(a + inner[0], shape[0])),) + rest
 
 
-def _spec(path: str, manifest: _records.Manifest, rec: _records.Leaf | int) -> dict[str, Any]:
-  """The zarr3 spec of a stored leaf, or of pack number ``rec``."""
-  kv = _paths.kvstore_spec(path)
+def _spec(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any]:
+  """The zarr3 spec of a stored leaf, or of pack number ``rec`` (as restore builds it)."""
   if isinstance(rec, int):
-    pack = manifest.packs[rec]
-    return _store.pack_spec(kv, pack.dir, pack.nbytes, pack.chunk, pack.inner)
-  return _store.zarr_spec(kv, dataclasses.asdict(rec.stored), rec.dtype, rec.shape)
+    pack = src.manifest.packs[rec]
+    return _store.pack_spec(src.kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
+  return _store.zarr_spec(src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape)
 
 
-def _open_stored(spec: dict[str, Any], *, check_metadata: bool) -> ts.TensorStore:
-  """A zarr3 array; with ``check_metadata`` its zarr.json is read and compared with what the
-  manifest says (a missing or altered zarr.json is an error)."""
+def _open_stored(src: _restore.Source, spec: dict[str, Any], *, check_metadata: bool
+                 ) -> ts.TensorStore:
+  """A zarr3 array in the Source's context; with ``check_metadata`` its zarr.json is read and
+  compared with what the manifest says (a missing or altered zarr.json is an error)."""
   if not check_metadata:
-    return _store.open_array(spec, _paths.context(), mode="read").result()
+    return _store.open_array(spec, src.ctx, mode="read").result()
   return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
-                 context=_paths.context()).result()
+                 context=src.ctx).result()
 
 
 def _read_regions(store: ts.TensorStore, regions: Iterator[_layout.Index], itemsize: int
                   ) -> Iterator[tuple[_layout.Index, Any]]:
-  """Yield ``(region, np.ndarray or Exception)`` in order, a bounded number of bytes in flight."""
+  """Yield ``(region, np.ndarray or Exception)`` in order, at most restore's read window of
+  bytes in flight (a region larger than the window is read alone)."""
   pending: list[tuple[_layout.Index, ts.Future, int]] = []
   held = 0
   for region in regions:
     n = _layout.nbytes([b - a for a, b in region], itemsize)
-    while pending and held + n > _READ_IN_FLIGHT_BYTES:
+    while pending and held + n > _restore.READ_WINDOW_BYTES:
       r, fut, m = pending.pop(0)
       held -= m
       yield r, _result(fut)
@@ -190,14 +227,14 @@ def _region_str(region: _layout.Index) -> str:
 # --- ls --------------------------------------------------------------------------------------
 
 def _ls(args: argparse.Namespace) -> int:
-  root = args.dir
-  keys = _paths.list_keys(root)
+  root, options = args.dir, args.storage_options
+  keys = _paths.list_keys(root, options)
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys:
     print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
     steps: list[tuple[str, str]] = [(".", root)]
     uncommitted: list[int] = []
   else:
-    committed, uncommitted = _steps.scan(root)
+    committed, uncommitted = _steps.scan(root, options)
     steps = [(str(s), _paths.join(root, str(s))) for s in committed]
   if not steps and not uncommitted:
     print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
@@ -208,10 +245,11 @@ def _ls(args: argparse.Namespace) -> int:
   rows = [["STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED", "METRICS"]]
   for name, path in steps:
     try:
-      _, manifest, commit = _header(path)
+      src = _restore.open_source(path, options)
     except CheckpointError as e:
       rows.append([name, "DAMAGED", "-", "-", str(files.get(name, len(keys))), "-", str(e)])
       continue
+    manifest, commit = src.manifest, _manifest.decode_commit(src.commit, src.location)
     meta = manifest.metadata
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
     metric_text = (" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_compact(v, 20)}"
@@ -254,7 +292,9 @@ def _value_text(rec: _records.Leaf) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  location, manifest, commit = _header(args.path)
+  src = _restore.open_source(args.path, args.storage_options)
+  location, manifest = src.location, src.manifest
+  commit = _manifest.decode_commit(src.commit, location)
   v = manifest.versions
   print(f"{location}: fnckpt format {manifest.version}, written by fnckpt "
         f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
@@ -343,36 +383,45 @@ class _Unit:
                                                                          self.inner))
 
 
-def _units(path: str, manifest: _records.Manifest) -> list[_Unit]:
-  location = _paths.display(path)
+def _units(src: _restore.Source) -> list[_Unit]:
+  location, manifest = src.location, src.manifest
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
-      units.append(_Unit(rec.where, f"{location}/{rec.stored.dir}", _spec(path, manifest, rec),
+      units.append(_Unit(rec.where, f"{location}/{rec.stored.dir}", _spec(src, rec),
                          rec.shape, rec.stored.inner, _leaves.dtype_of(rec.dtype).itemsize))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    units.append(_Unit(label, f"{location}/{pack.dir}", _spec(path, manifest, k),
+    units.append(_Unit(label, f"{location}/{pack.dir}", _spec(src, k),
                        (pack.nbytes,), (pack.inner,), 1))
   return units
 
 
-def _verify_one(path: str, quiet: bool) -> list[str]:
+def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[str]:
   """Every problem found in one checkpoint (each names the leaf), after reading all of it.
   Values were validated with the manifest (an invalid one makes the whole checkpoint
-  unreadable, reported as such)."""
+  unreadable, reported as such). When something could not be read because the checkpoint
+  was replaced or deleted meanwhile (its commit marker changed), that is the one problem."""
   try:
-    location, manifest, _ = _header(path)
+    src = _restore.open_source(path, options)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"]
+  problems = _verify_arrays(src, quiet) + _verify_per_process(src)
+  if problems and not _commit.unchanged(src.kv, src.commit):
+    return [f"{src.location}: {_commit.changed_error(src.location)}"]
+  return problems
+
+
+def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
+  """Every inner chunk of every stored array and pack read (each checked by its crc32c)."""
   problems = []
-  units = _units(path, manifest)
-  progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units), location,
-                       quiet)
+  units = _units(src)
+  progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units),
+                       src.location, quiet)
   for u in units:
     try:
-      store = _open_stored(u.spec, check_metadata=True)
+      store = _open_stored(src, u.spec, check_metadata=True)
     except Exception as e:
       problems.append(f"{u.label} ({u.here}): cannot open its array: {_cause(e)}")
       progress.advance(u.nbytes, u.chunks)
@@ -387,21 +436,22 @@ def _verify_one(path: str, quiet: bool) -> list[str]:
       problems.append(f"{u.label} ({u.here}): chunk {_region_str(first[0])}: "
                       f"{_cause(first[1])}{more}")
   progress.draw(final=True)
-  return problems + _verify_per_process(path, manifest)
+  return problems
 
 
-def _verify_per_process(path: str, manifest: _records.Manifest) -> list[str]:
+def _verify_per_process(src: _restore.Source) -> list[str]:
   """Each saving process's ``pp/<process>`` file: there, valid, and holding a value for every
   ``fnckpt.PerProcess`` leaf."""
+  manifest = src.manifest
   wanted = [r for r in manifest.leaves if r.kind == "perprocess"]
   if not wanted:
     return []
   names = ", ".join(r.where for r in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
   problems = []
   for p in range(manifest.process_count):
-    here = f"{_paths.display(path)}/{_perprocess.values_key(manifest.data, p)}"
+    here = f"{src.location}/{_perprocess.values_key(manifest.data, p)}"
     try:
-      leaves = _read_per_process(path, manifest, p)
+      leaves = _read_per_process(src, p)
     except CheckpointError as e:
       problems.append(f"per-process values of process {p} ({names}) ({here}): {e}")
       continue
@@ -415,11 +465,12 @@ def _verify_per_process(path: str, manifest: _records.Manifest) -> list[str]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-  keys = _paths.list_keys(args.path)
+  options = args.storage_options
+  keys = _paths.list_keys(args.path, options)
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys or not keys:
     targets = [args.path]
   else:  # a run directory: verify every committed step
-    committed, uncommitted = _steps.scan(args.path)
+    committed, uncommitted = _steps.scan(args.path, options)
     if not committed and not uncommitted:
       targets = [args.path]
     else:
@@ -429,7 +480,7 @@ def _verify(args: argparse.Namespace) -> int:
               "not verified.")
   failed = 0
   for path in targets:
-    problems = _verify_one(path, args.quiet)
+    problems = _verify_one(path, options, args.quiet)
     where = _paths.display(path)
     if problems:
       failed += 1
@@ -456,7 +507,7 @@ def _desc(rec: _records.Leaf) -> str:
   return rec.kind if rec.kind != "empty" else f"empty {rec.type}"
 
 
-def _chunks_of_array(path: str, man: _records.Manifest, rec: _records.Leaf) -> Any:
+def _chunks_of_array(src: _restore.Source, rec: _records.Leaf) -> Any:
   """A function region -> np.ndarray for an array leaf (inline, packed or stored)."""
   dtype = _leaves.dtype_of(rec.dtype)
   if rec.stored is None:
@@ -464,11 +515,11 @@ def _chunks_of_array(path: str, man: _records.Manifest, rec: _records.Leaf) -> A
       raw = rec.inline
     else:
       p = rec.packed
-      pack = _open_stored(_spec(path, man, p.pack), check_metadata=False)
+      pack = _open_stored(src, _spec(src, p.pack), check_metadata=False)
       raw = pack[p.offset:p.offset + p.nbytes].read().result().tobytes()
     full = np.frombuffer(raw, dtype=dtype).reshape(rec.shape)
     return lambda region: full[tuple(slice(a, b) for a, b in region)]
-  store = _open_stored(_spec(path, man, rec), check_metadata=False)
+  store = _open_stored(src, _spec(src, rec), check_metadata=False)
   return lambda region: store[tuple(slice(a, b) for a, b in region)].read().result()
 
 
@@ -480,41 +531,47 @@ def _count_different(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.any(a8 != b8, axis=1).sum())
 
 
-def _per_process_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
-                        rec_b: _records.Leaf) -> str | None:
+def _per_process_differ(src_a: _restore.Source, rec_a: _records.Leaf,
+                        src_b: _restore.Source, rec_b: _records.Leaf) -> str | None:
   """Per-process values compared process by process (by saved records, bitwise)."""
-  if man_a.process_count != man_b.process_count:
-    return f"saved by {man_a.process_count} -> {man_b.process_count} processes"
-  differ = [p for p in range(man_a.process_count)
-            if _values_under(_read_per_process(path_a, man_a, p), rec_a.path)
-            != _values_under(_read_per_process(path_b, man_b, p), rec_b.path)]
+  n_a, n_b = src_a.manifest.process_count, src_b.manifest.process_count
+  if n_a != n_b:
+    return f"saved by {n_a} -> {n_b} processes"
+  differ = [p for p in range(n_a)
+            if _values_under(_read_per_process(src_a, p), rec_a.path)
+            != _values_under(_read_per_process(src_b, p), rec_b.path)]
   return f"the values of process(es) {differ} differ" if differ else None
 
 
-def _values_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
+def _values_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore.Source,
                    rec_b: _records.Leaf) -> str | None:
   if rec_a.kind == "perprocess":
-    return _per_process_differ(path_a, man_a, rec_a, path_b, man_b, rec_b)
-  if rec_a.kind not in ("array", "key"):
-    va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
-    if rec_a.kind == "npgen":
-      va, vb = va.bit_generator.state, vb.bit_generator.state
-      same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(vb, default=repr,
-                                                                        sort_keys=True)
-    elif isinstance(va, float) and isinstance(vb, float):
-      same = np.float64(va).tobytes() == np.float64(vb).tobytes()
-    else:
-      same = type(va) is type(vb) and va == vb
-    return None if same else f"{_compact(va, 30)} -> {_compact(vb, 30)}"
-  read_a, read_b = _chunks_of_array(path_a, man_a, rec_a), _chunks_of_array(
-      path_b, man_b, rec_b)
+    return _per_process_differ(src_a, rec_a, src_b, rec_b)
+  if rec_a.kind in ("array", "key"):
+    return _arrays_differ(src_a, rec_a, src_b, rec_b)
+  va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
+  if rec_a.kind == "npgen":
+    va, vb = va.bit_generator.state, vb.bit_generator.state
+    same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(vb, default=repr,
+                                                                      sort_keys=True)
+  elif isinstance(va, float) and isinstance(vb, float):
+    same = np.float64(va).tobytes() == np.float64(vb).tobytes()
+  else:
+    same = type(va) is type(vb) and va == vb
+  return None if same else f"{_compact(va, 30)} -> {_compact(vb, 30)}"
+
+
+def _arrays_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore.Source,
+                   rec_b: _records.Leaf) -> str | None:
+  """Two arrays of one shape and dtype compared bitwise, a slab along the leading dimension
+  at a time (each at most restore's read window, unless one row is larger)."""
+  read_a, read_b = _chunks_of_array(src_a, rec_a), _chunks_of_array(src_b, rec_b)
   shape = rec_a.shape
   itemsize = _leaves.dtype_of(rec_a.dtype).itemsize
   if any(n == 0 for n in shape):
     return None
-  # slabs along the leading dimension of at most ~64 MiB
   row = _layout.nbytes(shape[1:], itemsize) if shape else itemsize
-  step = max(1, _READ_IN_FLIGHT_BYTES // max(1, row)) if shape else 1
+  step = max(1, _restore.READ_WINDOW_BYTES // max(1, row)) if shape else 1
   differ = 0
   for start in range(0, shape[0] if shape else 1, step):
     region = (((start, min(start + step, shape[0])),) + tuple((0, n) for n in shape[1:])
@@ -524,9 +581,32 @@ def _values_differ(path_a: str, man_a, rec_a: _records.Leaf, path_b: str, man_b,
   return f"{differ} of {total} elements differ" if differ else None
 
 
+def _value_lines(src_a: _restore.Source, src_b: _restore.Source,
+                 pairs: Sequence[tuple[_records.Leaf, _records.Leaf]]) -> list[str]:
+  """``!`` lines for the leaves (of the same structure) whose values differ. A read that
+  fails because either checkpoint changed meanwhile is that CheckpointError, as in restore."""
+  lines = []
+  for ra, rb in pairs:
+    try:
+      text = _values_differ(src_a, ra, src_b, rb)
+    except Exception as e:
+      for src in (src_a, src_b):
+        if not _commit.unchanged(src.kv, src.commit):
+          raise _commit.changed_error(src.location) from None
+      text = f"cannot compare: {_cause(e)}"
+    if text:
+      lines.append(f"! {_tree.keystr(ra.path)}: values differ ({text})")
+  man_a, man_b = src_a.manifest, src_b.manifest
+  if man_a.metadata != man_b.metadata:
+    lines.append(f"! metadata: {_compact(man_a.metadata)} -> {_compact(man_b.metadata)}")
+  return lines
+
+
 def _diff(args: argparse.Namespace) -> int:
-  loc_a, man_a, _ = _header(args.a)
-  loc_b, man_b, _ = _header(args.b)
+  src_a = _restore.open_source(args.a, args.storage_options)
+  src_b = _restore.open_source(args.b, args.storage_options)
+  loc_a, man_a = src_a.location, src_a.manifest
+  loc_b, man_b = src_b.location, src_b.manifest
   recs_a = {_tree.match_key(r.path): r for r in man_a.leaves}
   recs_b = {_tree.match_key(r.path): r for r in man_b.leaves}
   lines = []
@@ -546,15 +626,7 @@ def _diff(args: argparse.Namespace) -> int:
     else:
       same_structure.append((ra, rb))
   if args.values:
-    for ra, rb in same_structure:
-      try:
-        text = _values_differ(args.a, man_a, ra, args.b, man_b, rb)
-      except Exception as e:
-        text = f"cannot compare: {_cause(e)}"
-      if text:
-        lines.append(f"! {_tree.keystr(ra.path)}: values differ ({text})")
-    if man_a.metadata != man_b.metadata:
-      lines.append(f"! metadata: {_compact(man_a.metadata)} -> {_compact(man_b.metadata)}")
+    lines += _value_lines(src_a, src_b, same_structure)
   if not lines:
     what = "trees and values" if args.values else "trees (key paths, kinds, dtypes, shapes)"
     print(f"{loc_a} and {loc_b}: same {what}.")
@@ -566,38 +638,55 @@ def _diff(args: argparse.Namespace) -> int:
 
 # --- entry point -----------------------------------------------------------------------------
 
+_STORAGE_OPTION_HELP = (
+    "a storage option for every location the command reads (the storage_options of "
+    "fnckpt.save/restore: endpoint, region, credentials, max_retries, ...); VALUE is JSON if "
+    "it parses, else a string; repeat it for several, e.g. --storage-option "
+    "endpoint=http://127.0.0.1:8333 --storage-option max_retries=2")
+
+
+def _add_storage_option(p: argparse.ArgumentParser, dest: str) -> None:
+  p.add_argument("--storage-option", action="append", dest=dest, metavar="KEY=VALUE",
+                 help=_STORAGE_OPTION_HELP)
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="fnckpt", description="Inspect and check fnckpt checkpoints (no devices needed).",
       epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
              "(ls); 2 usage error or unreadable location.")
+  # Accepted before and after the command; two dests, since a subparser's value would replace
+  # the main parser's.
+  _add_storage_option(p, "storage_option_pairs")
+  common = argparse.ArgumentParser(add_help=False)
+  _add_storage_option(common, "storage_option_pairs_after")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  ls = sub.add_parser("ls", help="list the steps of a run directory",
+  ls = sub.add_parser("ls", parents=[common], help="list the steps of a run directory",
                       description="Committed steps (and uncommitted leftovers) of a "
                       "CheckpointManager directory: data size, leaves, files, commit time, "
                       "metrics.")
   ls.add_argument("dir")
-  ls.set_defaults(run=_ls)
-  ins = sub.add_parser("inspect", help="show the saved tree of one checkpoint",
+  ls.set_defaults(run=_ls, locations=("dir",))
+  ins = sub.add_parser("inspect", parents=[common], help="show the saved tree of one checkpoint",
                        description="Key path, kind, dtype, shape, saved sharding, bytes and "
                        "inline values of every leaf.")
   ins.add_argument("path")
-  ins.set_defaults(run=_inspect)
-  ver = sub.add_parser("verify", help="read every chunk and check its checksum",
+  ins.set_defaults(run=_inspect, locations=("path",))
+  ver = sub.add_parser("verify", parents=[common], help="read every chunk and check its checksum",
                        description="Read every chunk of a checkpoint (or of every committed "
                        "step of a run directory), checking crc32c checksums; exit 1 naming "
                        "each damaged leaf.")
   ver.add_argument("path")
   ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-  ver.set_defaults(run=_verify)
-  dif = sub.add_parser("diff", help="compare two checkpoints",
+  ver.set_defaults(run=_verify, locations=("path",))
+  dif = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
                        description="Key paths only in A (-), only in B (+), changed in kind, "
                        "dtype or shape (~); with --values, leaves whose values differ (!). "
                        "Exit 1 when they differ.")
   dif.add_argument("a")
   dif.add_argument("b")
   dif.add_argument("--values", action="store_true", help="also compare the data, bitwise")
-  dif.set_defaults(run=_diff)
+  dif.set_defaults(run=_diff, locations=("a", "b"))
   return p
 
 
@@ -613,6 +702,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   args = _parser().parse_args(argv)
   try:
+    args.storage_options = _storage_options(
+        (args.storage_option_pairs or []) + (args.storage_option_pairs_after or []))
+    _check_storage_options([getattr(args, n) for n in args.locations], args.storage_options)
     code = args.run(args)
     sys.stdout.flush()
     return code

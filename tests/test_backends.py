@@ -536,8 +536,8 @@ def test_retention_never_deletes_a_step_being_read(backend, monkeypatch):
 # there the same commands run in this process)
 
 
-def run_cli(backend: Backend, capsys, *argvs: list[str], env: dict[str, str] | None = None
-            ) -> list[tuple[int, str, str]]:
+def run_cli(backend: Backend, capsys, *argvs: list[str], env: dict[str, str] | None = None,
+            unset: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
   if backend.name == "memory":
     from fnckpt import cli
     results = []
@@ -547,6 +547,8 @@ def run_cli(backend: Backend, capsys, *argvs: list[str], env: dict[str, str] | N
       results.append((code, out, err))
     return results
   full_env = {**os.environ, **backend.env, **(env or {}), "JAX_PLATFORMS": "no_such_platform"}
+  for name in unset:
+    full_env.pop(name, None)
   procs = [subprocess.Popen([sys.executable, "-m", "fnckpt", *argv], env=full_env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for argv in argvs]  # concurrently: each pays the interpreter start once
@@ -602,6 +604,34 @@ def test_cli_ls_inspect_verify(backend, phase, capsys):
 
   assert miss_code == 2 and _paths.display(missing) in miss_err
   assert "Traceback" not in miss_err
+
+
+def test_cli_takes_the_s3_endpoint_from_storage_option(s3_env, capsys):
+  """`--storage-option` is the CLI's storage_options: with no endpoint in its environment, the
+  S3 endpoint given only as `--storage-option endpoint=...` (before or after the command) is
+  used by every read of ls, inspect and verify."""
+  backend = Backend("s3", s3_env.unique_url("cli-options"), dict(s3_env.storage_options),
+                    s3_env.env, s3_env)
+  root = backend.url("run")
+  with backend.manager(root) as mgr:
+    mgr.save(10, train_state(10), metrics={"loss": 0.5})
+  with backend.manager(root, save_options=LAYOUTS["arrays"]) as mgr:
+    mgr.save(20, train_state(20), metrics={"loss": 0.25})
+  option = ["--storage-option", f"endpoint={s3_env.endpoint}"]
+  retries = ["--storage-option", "max_retries=2"]
+  no_endpoint = ("FNCKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+  (ls_code, ls, ls_err), (in_code, inspect, in_err), (ver_code, verify, ver_err) = run_cli(
+      backend, capsys, option + ["ls", root], ["inspect", _paths.join(root, "20")] + option,
+      option + retries + ["verify", "--quiet", root], unset=no_endpoint)
+  assert ls_code == 0, ls + ls_err
+  assert "2 committed, 0 uncommitted; latest: 20" in ls and "loss=0.25" in ls
+  assert in_code == 0, in_err
+  w_row = next(line for line in inspect.splitlines() if line.startswith("['params']['w']"))
+  assert "float32" in w_row and "chunks (64, 64)" in w_row
+  assert ver_code == 0, verify + ver_err
+  for step in (10, 20):
+    assert f"OK {_paths.display(_paths.join(root, str(step)))}" in verify
+  assert "2 of 2 checkpoints OK." in verify
 
 
 # ---------------------------------------------------------------------------------------------

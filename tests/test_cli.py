@@ -326,3 +326,77 @@ def test_in_process_single_checkpoint_and_missing_zarr_json(run, tmp_path, capsy
   assert main(["verify", "-q", str(packed)]) == 1
   out = capsys.readouterr().out
   assert "DAMAGED pack 0 (['params']['w'])" in out and "cannot open its array: missing data" in out
+
+
+def test_storage_option_errors_are_one_line(run):
+  """--storage-option KEY=VALUE: bad syntax, an unknown key or a bad value is exit 2 with one
+  line naming the option and the fix; the keys are checked by the code save/restore use."""
+  cases = [
+      (["ls", run, "--storage-option", "endpoint"],
+       "fnckpt ls: error: --storage-option 'endpoint': expected KEY=VALUE, found no '='. "
+       "Write e.g. --storage-option endpoint=http://127.0.0.1:8333 or --storage-option "
+       "max_retries=2."),
+      (["--storage-option", "=2", "verify", run],
+       "fnckpt verify: error: --storage-option '=2': expected KEY=VALUE, found no KEY before "
+       "'='."),
+      (["--storage-option", "endpint=http://127.0.0.1:1", "inspect", "s3://fnckpt-b/run/1"],
+       "fnckpt inspect: error: --storage-option: Unknown storage option 'endpint' for "
+       "'s3://fnckpt-b/run/1' (did you mean 'endpoint'?). Options for s3:// are: "),
+      (["ls", "s3://fnckpt-b/run", "--storage-option", "max_retries=-1"],
+       "fnckpt ls: error: --storage-option: storage option 'max_retries' for "
+       "'s3://fnckpt-b/run' must be an integer >= 0, got -1."),
+      (["diff", "--storage-option", "region=eu-west-1", run / "10", run / "20"],
+       f"fnckpt diff: error: --storage-option: storage_options ['region'] are not used by "
+       f"'{run / '10'}'; they apply to gs:// and s3:// locations only."),
+  ]
+  for argv, expected in cases:
+    rc, out, err = cli(*argv)
+    assert rc == 2 and out == "", (argv, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith(expected), (argv, err)
+  # A bad location is not blamed on the options.
+  rc, out, err = cli("inspect", "s3:///run", "--storage-option", "max_retries=1")
+  assert rc == 2 and err.startswith("fnckpt inspect: error: 's3:///run' names no bucket"), err
+
+
+def test_storage_options_are_parsed_and_passed(run, monkeypatch, capsys):
+  """VALUEs are JSON when they parse, else strings; options given before and after the command
+  are all passed, as one storage_options dict, to every storage access."""
+  from fnckpt import _paths, cli as fcli
+  assert fcli._storage_options(["max_retries=2", "endpoint=http://127.0.0.1:8333",
+                                "requester_pays=true", "initial_delay=10ms",
+                                'credentials={"type": "anonymous"}', "region=1e"]) == {
+      "max_retries": 2, "endpoint": "http://127.0.0.1:8333", "requester_pays": True,
+      "initial_delay": "10ms", "credentials": {"type": "anonymous"}, "region": "1e"}
+  seen = []
+  real_spec = _paths.kvstore_spec
+
+  def kvstore_spec(path, options=None):  # every open, listing and scan builds its spec here
+    seen.append(options)
+    return real_spec(path, None)  # a local run: the options are only recorded
+  monkeypatch.setattr(_paths, "kvstore_spec", kvstore_spec)
+  argv = ["--storage-option", "max_retries=2", "verify", "-q", str(run),
+          "--storage-option", "max_delay=1s"]
+  assert fcli.main(argv) == 0
+  assert "2 of 2 checkpoints OK." in capsys.readouterr().out
+  assert len(seen) >= 5  # the check, the listing, the step scan, each step opened
+  assert {str(options) for options in seen} == {"{'max_retries': 2, 'max_delay': '1s'}"}
+
+
+def test_verify_says_when_the_checkpoint_changed_while_being_read(tmp_path, monkeypatch,
+                                                                  capsys):
+  """A checkpoint overwritten between verify's header read and its chunk reads: the failed
+  reads are reported as the change (as restore reports it), not as damage."""
+  from fnckpt import _restore, cli as fcli
+  ckpt = str(tmp_path / "c")
+  fnckpt.save({"w": np.arange(40000, dtype=np.float32)}, ckpt, pack_bytes=0).wait()
+  real_open = _restore.open_source
+
+  def open_then_overwrite(path, options=None):
+    src = real_open(path, options)
+    fnckpt.save({"w": np.zeros(40000, np.float32)}, ckpt, pack_bytes=0, overwrite=True).wait()
+    return src
+  monkeypatch.setattr(_restore, "open_source", open_then_overwrite)
+  assert fcli.main(["verify", "-q", ckpt]) == 1
+  (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
+  assert line.startswith(f"DAMAGED {ckpt}: The checkpoint at '{ckpt}' changed while being "
+                         "read"), line
