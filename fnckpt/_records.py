@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +24,8 @@ from ._errors import CheckpointError
 from ._tree import keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "parse", "parse_values",
-           "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir", "MAX_DIMS"]
+           "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir",
+           "MAX_DIMS"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
 DTYPES = frozenset((
@@ -60,19 +61,22 @@ class _Bad(Exception):
   """A field is invalid: raised inside parsing, turned into a CheckpointError naming the leaf."""
 
 
-def _req(cond: bool, what: str) -> None:
+def _req(cond: bool, what: str | Callable[[], str]) -> None:
+  """Raise ``_Bad(what)`` unless ``cond``; a callable ``what`` is only formatted on failure
+  (messages quote the offending value: formatting them eagerly cost more than parsing)."""
   if not cond:
-    raise _Bad(what)
+    raise _Bad(what() if callable(what) else what)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
   _req(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
-       f"{what} must be an integer in [{lo}, {hi}], found {_short(v)}")
+       lambda: f"{what} must be an integer in [{lo}, {hi}], found {_short(v)}")
   return v
 
 
 def _str(v: Any, what: str, limit: int = 4096) -> str:
-  _req(isinstance(v, str) and len(v) <= limit, f"{what} must be a string, found {_short(v)}")
+  _req(isinstance(v, str) and len(v) <= limit,
+       lambda: f"{what} must be a string, found {_short(v)}")
   return v
 
 
@@ -82,11 +86,11 @@ def _short(v: Any) -> str:
 
 
 def _keys(d: Any, what: str, required: Sequence[str], optional: Sequence[str] = ()) -> dict:
-  _req(isinstance(d, dict), f"{what} must be a map, found {_short(d)}")
+  _req(isinstance(d, dict), lambda: f"{what} must be a map, found {_short(d)}")
   missing = [k for k in required if k not in d]
   _req(not missing, f"{what} lacks {missing[0]!r}" if missing else "")
   unknown = [k for k in d if k not in required and k not in optional]
-  _req(not unknown, f"{what} has an unknown field {_short(unknown[0]) if unknown else ''} "
+  _req(not unknown, lambda: f"{what} has an unknown field {_short(unknown[0]) if unknown else ''} "
        "(written by a newer fnckpt?)")
   return d
 
@@ -100,7 +104,7 @@ def check_dir(path: Any, what: str) -> str:
   _str(path, what, 512)
   parts = path.split("/")
   _req(bool(path) and all(_NAME.fullmatch(p) and p not in (".", "..") for p in parts),
-       f"{what} must be a relative path of plain names inside the checkpoint, found "
+       lambda: f"{what} must be a relative path of plain names inside the checkpoint, found "
        f"{_short(path)}")
   return path
 
@@ -243,7 +247,7 @@ def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
     for i, rec in enumerate(raw):
       leaf = _leaf(i, rec, 2, ())
       _req(leaf.kind != "perprocess" and leaf.stored is None,
-           f"leaf #{i} must hold its value inline")
+           lambda: f"leaf #{i} must hold its value inline")
       leaves.append(leaf)
     _check_tree([l.path for l in leaves])
   except (_Bad, TypeError, ValueError, KeyError, OverflowError) as e:
@@ -260,7 +264,7 @@ def _error(location: str, what: str) -> CheckpointError:
 
 
 def _list(v: Any, what: str, limit: int = 1 << 26) -> list:
-  _req(isinstance(v, list) and len(v) <= limit, f"{what} must be a list, found {_short(v)}")
+  _req(isinstance(v, list) and len(v) <= limit, lambda: f"{what} must be a list, found {_short(v)}")
   return v
 
 
@@ -270,7 +274,7 @@ def _pack(p: Any, i: int) -> Pack:
   chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, nbytes)
   inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
   _req(chunk % inner == 0 and nbytes % inner == 0,
-       f"'packs'[{i}].inner must divide its chunk and nbytes")
+       lambda: f"'packs'[{i}].inner must divide its chunk and nbytes")
   return Pack(check_dir(p["dir"], f"'packs'[{i}].dir"), nbytes, chunk, inner)
 
 
@@ -287,7 +291,8 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   out = []
   for e in p:
     _req(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[0] in PATH_KINDS,
-         f"key path entry {_short(e)} must be [kind, key] with kind one of {sorted(PATH_KINDS)}")
+         lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "
+         f"{sorted(PATH_KINDS)}")
     kind, key = e
     if kind in ("seq", "flat"):
       _int(key, "a sequence index", 0, 1 << 31)
@@ -296,15 +301,16 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
     else:
       _req((isinstance(key, str) and len(key) <= 4096) or
            (isinstance(key, int) and not isinstance(key, bool) and -(1 << 63) <= key < 1 << 64),
-           f"dict key {_short(key)} must be a str or an int")
+           lambda: f"dict key {_short(key)} must be a str or an int")
     out.append((kind, key))
   return tuple(out)
 
 
 def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
-  _req(isinstance(rec, dict), f"it must be a map, found {_short(rec)}")
+  _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
-  _req(isinstance(kind, str) and kind in LEAF_KINDS, f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
+  _req(isinstance(kind, str) and kind in LEAF_KINDS,
+       lambda: f"unknown leaf kind {_short(kind)} (known: {sorted(LEAF_KINDS)})")
   path = _path(rec.get("path"))
   common = ("path", "kind")
   if kind == "perprocess":  # format 2: the values are in each process's own file
@@ -330,7 +336,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
     _keys(rec, "it", common + ("dtype", "value"))
     dtype = _dtype(rec["dtype"])
     _req(isinstance(rec["value"], bytes) and len(rec["value"]) == itemsize(dtype),
-         f"'value' must be {itemsize(dtype)} bytes")
+         lambda: f"'value' must be {itemsize(dtype)} bytes")
     return Leaf(i, path, kind, dtype=dtype, value=rec["value"])
   _keys(rec, "it", common + ("value",))   # npgen
   return Leaf(i, path, kind, value=_generator_state(rec["value"]))
@@ -338,12 +344,13 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
 
 def _dtype(v: Any) -> str:
   _req(v in DTYPES if isinstance(v, str) else False,
-       f"dtype {_short(v)} is not one fnckpt stores")
+       lambda: f"dtype {_short(v)} is not one fnckpt stores")
   return v
 
 
 def _scalar(t: Any, v: Any) -> Any:
-  _req(isinstance(t, str) and t in SCALAR_TYPES, f"scalar type {_short(t)} is not one of {sorted(SCALAR_TYPES)}")
+  _req(isinstance(t, str) and t in SCALAR_TYPES,
+       lambda: f"scalar type {_short(t)} is not one of {sorted(SCALAR_TYPES)}")
   if t == "complex":
     _req(isinstance(v, list) and len(v) == 2 and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
@@ -352,14 +359,14 @@ def _scalar(t: Any, v: Any) -> Any:
   ok = {"bool": isinstance(v, bool), "str": isinstance(v, str), "bytes": isinstance(v, bytes),
         "int": isinstance(v, int) and not isinstance(v, bool),
         "float": isinstance(v, (int, float)) and not isinstance(v, bool)}[t]
-  _req(ok, f"a {t} value was expected, found {_short(v)}")
+  _req(ok, lambda: f"a {t} value was expected, found {_short(v)}")
   return float(v) if t == "float" else v
 
 
 def _shape(v: Any) -> tuple[int, ...]:
   _list(v, "'shape'", MAX_DIMS)
   shape = tuple(_int(s, "a dimension", 0, MAX_ELEMENTS) for s in v)
-  _req(math.prod(shape) <= MAX_ELEMENTS, f"shape {list(shape)} is too large")
+  _req(math.prod(shape) <= MAX_ELEMENTS, lambda: f"shape {list(shape)} is too large")
   return shape
 
 
@@ -377,15 +384,15 @@ def _array(i, path, rec, version, packs) -> Leaf:
   if kind == "key":
     impl = rec.get("impl")
     _req(impl in PRNG_IMPLS if isinstance(impl, str) else False,
-         f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
+         lambda: f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
     _req(dtype == "uint32" and len(shape) >= 1 and shape[-1] == PRNG_IMPLS[impl],
-         f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
+         lambda: f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
   sharding = _sharding(rec["sharding"], len(shape))
   nbytes = math.prod(shape) * itemsize(dtype)
   leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl)
   if "inline" in rec:
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
-         f"'inline' must hold {nbytes} bytes")
+         lambda: f"'inline' must hold {nbytes} bytes")
     return dataclasses.replace(leaf, inline=rec["inline"])
   if "store" in rec:
     return dataclasses.replace(leaf, stored=_stored(rec["store"], shape, dtype, version))
@@ -394,7 +401,8 @@ def _array(i, path, rec, version, packs) -> Leaf:
   k = _int(p["index"], "'pack'.index", 0, max(len(packs) - 1, 0))
   _req(k < len(packs), "'pack'.index names no pack")
   offset = _int(p["offset"], "'pack'.offset", 0, packs[k].nbytes)
-  _req(offset + nbytes <= packs[k].nbytes, f"'pack' bytes [{offset}, {offset + nbytes}) lie "
+  _req(offset + nbytes <= packs[k].nbytes,
+       lambda: f"'pack' bytes [{offset}, {offset + nbytes}) lie "
        f"outside pack {k} ({packs[k].nbytes} bytes)")
   return dataclasses.replace(leaf, packed=Packed(k, offset, nbytes))
 
@@ -441,7 +449,7 @@ def _sharding(s: Any, ndim: int) -> Sharding | None:
   for e in _list(s["spec"], "'sharding'.spec", ndim):
     names = [] if e is None else [e] if isinstance(e, str) else e
     _req(isinstance(names, list) and all(isinstance(n, str) for n in names),
-         f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")
+         lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")
     used.extend(names)
     spec.append(e if not isinstance(e, list) else tuple(e))
   _req(all(n in axes for n in used) and len(set(used)) == len(used),
@@ -452,7 +460,7 @@ def _sharding(s: Any, ndim: int) -> Sharding | None:
 def _generator_state(v: Any) -> dict:
   _req(isinstance(v, dict) and isinstance(v.get("bit_generator"), str)
        and v["bit_generator"] in BIT_GENERATORS,
-       f"a Generator state needs 'bit_generator' in {sorted(BIT_GENERATORS)}")
+       lambda: f"a Generator state needs 'bit_generator' in {sorted(BIT_GENERATORS)}")
   _plain_ok(v, 0)
   return v
 
@@ -487,20 +495,21 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
   sequence indices dense (0..n-1)."""
   leaves, seen_ids = set(), set()
   children: dict[tuple, dict[Any, str]] = {}
+  groups: dict[tuple, str] = {}   # node -> "seq" or "map": one kind of children per node
   for path in paths:
     keys = tuple((k if kind in ("dict", "attr") else ("#", k)) for kind, k in path)
-    _req(keys not in seen_ids, f"key path {keystr(path)} appears twice")
+    _req(keys not in seen_ids, lambda: f"key path {keystr(path)} appears twice")
     seen_ids.add(keys)
     leaves.add(keys)
     for depth, (kind, key) in enumerate(path):
       node = keys[:depth]
       group = "seq" if kind in ("seq", "flat") else "map"
-      seen = children.setdefault(node, {})
-      _req(all(g == group for g in seen.values()) or not seen,
-           f"{keystr(path[:depth]) } mixes sequence and mapping children")
-      seen[keys[depth]] = group
+      _req(groups.setdefault(node, group) == group,
+           lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")
+      children.setdefault(node, {})[keys[depth]] = group
   for node in children:
-    _req(node not in leaves, f"a leaf is also a parent of other leaves (at depth {len(node)})")
+    _req(node not in leaves,
+         lambda: f"a leaf is also a parent of other leaves (at depth {len(node)})")
   for node, seen in children.items():
     if seen and next(iter(seen.values())) == "seq":
       idx = sorted(k[1] for k in seen)

@@ -446,10 +446,14 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
     elif rec.stored is not None:
       stream.read_array(i)
   stream.finish()
+  whole = [i for i, r in reads.items() if None in r.parts and r.sharding is not None]
+  placed = dict(zip(whole, _place_all([reads[i].parts[None] for i in whole],
+                                      [reads[i].sharding for i in whole])))
   for i, r in reads.items():
-    if None in r.parts:  # one host array (inline, or read whole for a host target)
-      host = r.parts[None]
-      value = host if r.sharding is None else _place(host, r.sharding)
+    if i in placed:  # one host array (inline or packed) placed with its sharding
+      value = placed[i]
+    elif None in r.parts:  # a host target
+      value = r.parts[None]
     else:
       value = jax.make_array_from_single_device_arrays(
           r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
@@ -468,6 +472,22 @@ def _plain_value(w: _Want) -> Any:
   host = host if w.dtype is None else host.astype(w.dtype)
   return host if w.host else _place(
       host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
+               ) -> list[jax.Array]:
+  """Whole host arrays placed with their shardings: one batched ``jax.device_put`` for those
+  on this process's devices alone, :func:`_place` for the others."""
+  local = [k for k, s in enumerate(shardings) if s.is_fully_addressable]
+  out: list[Any] = [None] * len(hosts)
+  if local:
+    for k, arr in zip(local, jax.device_put([hosts[k] for k in local],
+                                            [shardings[k] for k in local])):
+      out[k] = arr
+  for k, s in enumerate(shardings):
+    if out[k] is None:
+      out[k] = _place(hosts[k], s)
+  return out
 
 
 def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
