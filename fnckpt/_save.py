@@ -469,28 +469,29 @@ def _at(e: BaseException, path) -> BaseException:
 
 
 def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
-  """This process's pack, chunk by chunk. Each packed leaf is staged as a chunk is (a view on
-  CPU, the device-to-host copy on accelerators, a copy of numpy data); the writer thread then
-  assembles each chunk's bytes from those pieces, so the caller does not wait for that copy."""
+  """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
+  its shards on CPU, the device-to-host copies on accelerators, a copy of numpy data); the
+  writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
+  it does not need."""
   pack = plan.my_pack
   spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["chunk"], pack["inner"])
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
   fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
   todo = sorted((plan.records[i]["pack"]["offset"], i, data) for i, data in plan.packed)
-  staged: dict[int, np.ndarray] = {}
+  staged: dict[int, _Staged] = {}
 
-  def pieces(start: int, end: int) -> list[tuple[int, np.ndarray]]:
+  def pieces(start: int, end: int) -> list[tuple[int, "_Staged", int, int]]:
     out = []
     for offset, i, data in todo:
       if offset >= end or offset + _nbytes(data) <= start:
         continue
       try:
-        raw = staged[i] if i in staged else staged.setdefault(i, _pack_bytes(data))
+        leaf = staged[i] if i in staged else staged.setdefault(i, _Staged.of(data))
       except BaseException as e:
         raise _at(e, plan.records[i]["path"])
-      lo, hi = max(offset, start), min(offset + raw.size, end)
-      out.append((lo - start, raw[lo - offset:hi - offset]))
+      lo, hi = max(offset, start), min(offset + leaf.nbytes, end)
+      out.append((lo - start, leaf, lo - offset, hi - offset))
     return out
 
   for start in range(0, pack["nbytes"], pack["chunk"]):
@@ -500,8 +501,8 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
     writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts), cost))
     del parts  # (while staging the next chunk) the writer frees them once assembled
     _count(handle, budget, end - start)
-    for _, i, data in todo:  # a leaf that ends in this chunk is not needed any more
-      if i in staged and plan.records[i]["pack"]["offset"] + staged[i].size <= end:
+    for offset, i, _ in todo:  # a leaf that ends in this chunk is not needed any more
+      if i in staged and offset + staged[i].nbytes <= end:
         del staged[i]
 
 
@@ -509,41 +510,57 @@ def _nbytes(data: Any) -> int:
   return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
 
 
-def _pack_bytes(data: Any) -> np.ndarray:
-  """A packed leaf's C-order little-endian bytes (1-D ``uint8``), safe from the caller."""
-  if isinstance(data, np.ndarray):
-    host = np.array(data, copy=True, order="C")
-  elif data.is_fully_replicated:
-    host = np.asarray(data.addressable_data(0))  # a view on CPU, else the device-to-host copy
-  else:
-    host = _from_shards(data)
-  return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+@dataclasses.dataclass
+class _Staged:
+  """A packed leaf held safe from the caller: its distinct shards (index, host array), each
+  a view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
+  array), a device-to-host copy, or a copy of numpy data."""
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  parts: list[tuple[tuple[slice, ...], np.ndarray]]
 
+  @staticmethod
+  def of(data: Any) -> "_Staged":
+    shape, dtype = tuple(data.shape), np.dtype(data.dtype)
+    whole = tuple(slice(0, n) for n in shape)
+    if isinstance(data, np.ndarray):
+      return _Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
+    if data.is_fully_replicated:
+      return _Staged(shape, dtype, [(whole, np.asarray(data.addressable_data(0)))])
+    parts, seen = [], set()
+    for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
+      index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
+      if index not in seen:
+        seen.add(index)
+        parts.append((tuple(slice(a, b) for a, b in index), np.asarray(s.data)))
+    return _Staged(shape, dtype, parts)
 
-def _from_shards(data: jax.Array) -> np.ndarray:
-  """A fully addressable array's value in a new host buffer, each distinct shard copied once.
-  Not ``np.asarray(data)``: JAX keeps that copy on the caller's array (its cached host value)
-  as long as the caller holds the array, host memory outside the budget."""
-  host = np.empty(data.shape, data.dtype)
-  done = set()
-  for s in data.addressable_shards:
-    where = _layout.normalize_index(s.index, data.shape)
-    if where not in done:
-      done.add(where)
-      host[s.index] = np.asarray(s.data)
-  return host
+  @property
+  def nbytes(self) -> int:
+    return _layout.nbytes(self.shape, self.dtype.itemsize)
+
+  def raw(self) -> np.ndarray:
+    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part."""
+    if len(self.parts) == 1:
+      host = self.parts[0][1]
+    else:
+      host = np.empty(self.shape, self.dtype)
+      for index, part in self.parts:
+        host[index] = part
+    return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
 
 
 @dataclasses.dataclass
 class _Assemble:
-  """A pack chunk's bytes, built by the writer thread from staged pieces (offset, bytes)."""
+  """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
+  staged leaf, at ``offset`` in the chunk."""
   nbytes: int
-  pieces: list[tuple[int, np.ndarray]]
+  pieces: list[tuple[int, _Staged, int, int]]
 
   def __call__(self) -> np.ndarray:
     buf = np.zeros(self.nbytes, np.uint8)
-    for offset, raw in self.pieces:
-      buf[offset:offset + raw.size] = raw
+    for offset, leaf, lo, hi in self.pieces:
+      buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
     return buf
 
 
