@@ -72,6 +72,7 @@ class Session:
     self.multi = jax.process_count() > 1
     self.passed: list[str] = []
     self.broken = False   # a barrier failed (deadline, lost process): walking on is pointless
+    self.unpublished = False  # fail() could not publish: arrive nowhere (fail closed)
     self._lock = threading.Lock()
     if not self.multi:
       self.nonce = secrets.token_hex(16)
@@ -164,8 +165,11 @@ class Session:
       return None
     try:
       entries = self.client.key_value_dir_get(f"{self.prefix}/{self.nonce}/error/")
-    except Exception:
-      return None
+    except Exception as e:  # fail closed: not knowing is not "no error"
+      raise CheckpointError(
+          f"Saving to {self.location!r}: cannot read the other processes' errors from the "
+          f"coordination service ({type(e).__name__}: {e}); not going on with this save. "
+          "Nothing was committed by this process; check the job's coordinator.") from e
     me = jax.process_index()
     found = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries
                    if k.rsplit("/", 1)[-1].isdigit() and int(k.rsplit("/", 1)[-1]) != me)
@@ -195,17 +199,20 @@ class Session:
     text = str(error) or type(error).__name__
     if not isinstance(error, CheckpointError):
       text = f"{type(error).__name__}: {text}"
-    try:
-      self.client.key_value_set(f"{self.prefix}/{self.nonce}/error/{jax.process_index()}",
-                                text[:_MAX_ERROR_CHARS], allow_overwrite=True)
-    except Exception:
-      pass
+    for _ in range(3):
+      try:
+        self.client.key_value_set(f"{self.prefix}/{self.nonce}/error/{jax.process_index()}",
+                                  text[:_MAX_ERROR_CHARS], allow_overwrite=True)
+        return
+      except Exception:
+        time.sleep(0.2)
+    self.unpublished = True  # abort() must not arrive anywhere: the others would commit
 
   def abort(self) -> None:
     """Arrive at every barrier not yet passed, so no other process waits for this one. A
     barrier that fails (a deadline, a lost process) ends the walk, and a walk after one has
     failed does not start: the service has already failed it for every process."""
-    if not self.multi:
+    if not self.multi or self.unpublished:  # fail closed: the others time out, never commit
       return
     with self._lock:
       for phase in PHASES:

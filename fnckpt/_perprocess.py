@@ -3,12 +3,14 @@ own saved value (data-loader positions, per-host numpy Generators, host-local ar
 
 On disk (format 2) the manifest holds ``{"path", "kind": "perprocess"}`` for each one; every
 process writes all of its per-process values to ``<data>/pp/<process index>``: msgpack
-``{"leaves": [records]}`` (the manifest's leaf records, full key paths, arrays inline).
+``{"sha256", "payload"}`` whose payload is msgpack ``{"leaves": [records]}`` (the manifest's
+leaf records, full key paths, arrays inline) and sha256 its SHA-256 in hex.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Sequence
 
 import jax
@@ -55,7 +57,9 @@ def encode(items: Sequence[tuple[_tree.Path, PerProcess]]) -> bytes:
         problems.append(str(e))
   if problems:
     raise CheckpointError("\n  ".join(problems))
-  return msgpack.packb({"leaves": records}, use_bin_type=True)
+  payload = msgpack.packb({"leaves": records}, use_bin_type=True)
+  return msgpack.packb({"sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
+                       use_bin_type=True)
 
 
 def _record(where: _tree.Path, leaf: Any) -> dict[str, Any]:
@@ -75,12 +79,26 @@ def _record(where: _tree.Path, leaf: Any) -> dict[str, Any]:
 
 
 def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:
-  """The bytes of a ``pp/<process>`` file -> validated records (untrusted input)."""
+  """The bytes of a ``pp/<process>`` file -> validated records (untrusted input): its
+  SHA-256 must match (a flipped bit is an error, never another value), then the records are
+  validated like the manifest's."""
   try:
-    m = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    outer = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    ok = (isinstance(outer, dict) and set(outer) == {"sha256", "payload"}
+          and isinstance(outer["payload"], bytes) and isinstance(outer["sha256"], str))
+    if ok and hashlib.sha256(outer["payload"]).hexdigest() != outer["sha256"]:
+      raise CheckpointError(f"The per-process values at {where!r} are corrupt (SHA-256 "
+                            "mismatch); restore an earlier checkpoint.")
+    m = msgpack.unpackb(outer["payload"], raw=False, strict_map_key=False,
+                        use_list=True) if ok else None
+  except CheckpointError:
+    raise
   except Exception as e:  # msgpack raises several unrelated types
     raise CheckpointError(f"The per-process values at {where!r} are corrupt "
                           f"({type(e).__name__}); restore an earlier checkpoint.") from None
+  if not ok:
+    raise CheckpointError(f"The per-process values at {where!r} are corrupt (not a "
+                          "{sha256, payload} map); restore an earlier checkpoint.")
   return _records.parse_values(m, where)
 
 

@@ -40,6 +40,7 @@ LEAF_KINDS = frozenset(("array", "key", "scalar", "bigint", "npscalar", "npgen",
 SCALAR_TYPES = frozenset(("bool", "int", "float", "complex", "str", "bytes"))
 PATH_KINDS = frozenset(("dict", "seq", "attr", "flat"))
 MAX_DIMS = 64
+MAX_PACK_CHUNK = 64 << 20         # a pack's chunk (one file, one write)
 MAX_ELEMENTS = 1 << 62
 MAX_CHUNKS = 1 << 32              # chunks of one stored array
 MAX_DEPTH = 32                    # nesting of a Generator's state
@@ -271,7 +272,7 @@ def _list(v: Any, what: str, limit: int = 1 << 26) -> list:
 def _pack(p: Any, i: int) -> Pack:
   _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"))
   nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
-  chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, nbytes)
+  chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, min(nbytes, MAX_PACK_CHUNK))
   inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
   _req(chunk % inner == 0 and nbytes % inner == 0,
        lambda: f"'packs'[{i}].inner must divide its chunk and nbytes")

@@ -660,6 +660,7 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
 
   for i, r in reads.items():
     p = r.want.rec.packed
+    _check_memory(p.nbytes, r.want.rec, src.location)
     if p.pack not in packs:
       pack = src.manifest.packs[p.pack]
       packs[p.pack] = _store.open_array(_store.pack_spec(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import hashlib
 import itertools
 import os
@@ -195,21 +196,38 @@ class _Plan:
   my_pack: dict[str, Any] | None
   data_dir: str
   values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
+  holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
 
 
-def _visible(data: Any) -> bool:
-  return isinstance(data, np.ndarray) or data.is_fully_addressable or data.is_fully_replicated
+def _holders(data: Any) -> str:
+  """Who holds an array leaf: "host" (numpy), "local" (jax, on this process's devices only:
+  process 0's value is saved), "all" (replicated on every process), or "some" (sharded, or
+  replicated on some processes). Alike on every process but for "local" (on another
+  process, an array held by one process is "some"), which the tree agreement then reports."""
+  if isinstance(data, np.ndarray):
+    return "host"
+  if data.is_fully_addressable:
+    return "local"
+  if data.is_fully_replicated and len(_processes(data.sharding)) == jax.process_count():
+    return "all"
+  return "some"
+
+
+@functools.lru_cache(maxsize=256)
+def _processes(sharding: Any) -> frozenset[int]:
+  return frozenset(d.process_index for d in sharding.device_set)
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
           zstd: int | None) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
   queries)."""
-  records, arrays, problems, candidates, per_process = [], [], [], [], []
+  records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
   me, nproc = jax.process_index(), jax.process_count()
   for path, leaf in leaves:
     if isinstance(leaf, _perprocess.PerProcess):
       records.append({"path": [list(e) for e in path], "kind": "perprocess"})
+      holders.append(None)
       per_process.append((path, leaf))
       continue
     try:
@@ -218,6 +236,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
       problems.append(str(e))
       continue
     records.append(rec)
+    holders.append(None if data is None else _holders(data))
     if data is None:
       continue
     if isinstance(data, jax.Array) and data.is_deleted():
@@ -226,14 +245,16 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
       continue
     dtype, shape = np.dtype(data.dtype), tuple(data.shape)
     size = _layout.nbytes(shape, dtype.itemsize)
-    if size <= inline_bytes and _visible(data):
+    whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
+    if size <= inline_bytes and whole:
       rec["inline"] = _host_bytes(data) if me == 0 else b""
-    elif size <= pack_bytes and _visible(data):
-      replicated = isinstance(data, jax.Array) and data.is_fully_replicated and nproc > 1
+    elif size <= pack_bytes and whole:
       candidates.append((len(records) - 1, data, _packing.PackItem(
-          len(records) - 1, size, None if replicated else 0)))
+          len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
     else:
       arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, zstd))
+      if holders[-1] == "local" and me != 0:
+        arrays[-1].units = []  # a non-global array: process 0's value, written by it alone
   values = None
   try:
     values = _perprocess.encode(per_process) if per_process else None
@@ -253,7 +274,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     if p == me:
       packed.append((i, data))
   return _Plan(records, arrays, packed, packs, packs[index_of[me]] if me in index_of else None,
-               data_dir, values)
+               data_dir, values, holders)
 
 
 def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
@@ -366,10 +387,11 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     session = _collective.Session(location, barrier_timeout_s)
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
+    _check_sizes(inline_bytes, pack_bytes)
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
-    _agree(session, plan.records)
+    _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session)
     budget = _process_budget(budget_bytes or default_budget_bytes())
@@ -394,6 +416,15 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   _reached(location, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
+  for name, v, hi, default in (
+      ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
+      ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES)):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+      raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
+                            f"the default is {default}.")
 
 
 def _walk_in_background(session: _collective.Session) -> None:
@@ -572,20 +603,27 @@ def _skeleton(rec: dict[str, Any]) -> bytes:
   return msgpack.packb(keep, use_bin_type=True)
 
 
-def _agree(session: _collective.Session, records: list[dict[str, Any]]) -> None:
+def _agree(session: _collective.Session, records: list[dict[str, Any]],
+           holders: list[str | None]) -> None:
   """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
   inline): compare each leaf's digest with process 0's; a difference fails every process,
   naming the first differing key path (save() publishes the error; the others raise it at the
   'agreed' barrier)."""
   if not session.multi:
     return
-  mine = [(_tree.keystr(r["path"]), hashlib.sha256(_skeleton(r)).hexdigest()[:16], _brief(r))
-          for r in records]
+  mine = [(_tree.keystr(r["path"]),
+           hashlib.sha256(_skeleton(r) + str(h).encode()).hexdigest()[:16],
+           _brief(r) + (f" ({_HELD[h]})" if h else ""))
+          for r, h in zip(records, holders)]
   shared = session.share("tree", zlib.compress(msgpack.packb(mine), 1))
   theirs = [tuple(x) for x in msgpack.unpackb(zlib.decompress(shared), use_list=False)]
   if [m[:2] for m in mine] != [t[:2] for t in theirs]:
     raise CheckpointError(_disagreement(session.location, mine, theirs))
   session.barrier("agreed")
+
+
+_HELD = {"host": "numpy", "local": "on this process only", "all": "on every process",
+         "some": "on some processes"}
 
 
 def _brief(rec: dict[str, Any]) -> str:

@@ -82,7 +82,10 @@ class Writer:
     self._drain.set()
 
   def put(self, chunk: Chunk) -> None:
+    """Queue a staged chunk (its cost already taken from the budget); after a failure, give
+    the cost back and raise the failure."""
     if self.error is not None:
+      self.budget.release(chunk.cost)
       raise self.error
     self._queue.put(chunk)
 
@@ -146,6 +149,8 @@ class Writer:
         err = error or self.abort_error or self.error
         if err is not None and not isinstance(err, CheckpointError):
           err = _wrap_phase(err, self.location, self.phase, self.committed)
+        elif err is not None and self.committed is not False:
+          err = _with_commit_state(err, self.committed)
         self.session.fail(err)
         self.session.abort()
         error = err
@@ -175,6 +180,23 @@ class Writer:
     self.session.barrier("committed")
     self.commit_s = time.perf_counter() - t0
     self._reached("committed")
+
+
+def _with_commit_state(err: CheckpointError, committed: bool | None) -> CheckpointError:
+  """A late failure (e.g. a timeout at the last barrier) must not hide that the marker was
+  (or may have been) written."""
+  text = str(err)
+  if "is committed" in text or "may have committed" in text:
+    return err
+  text = text.replace(" Nothing was committed; earlier checkpoints are intact.", "")
+  after = (" The checkpoint itself is committed (its marker was written); only this last step "
+           "failed." if committed else " Process 0 may have committed the checkpoint; check "
+           "with fnckpt.metadata or `fnckpt ls`.")
+  try:
+    return type(err)(text + after)
+  except TypeError:  # a subclass with another constructor: keep it, add a note
+    err.add_note(after.strip())
+    return err
 
 
 def _wrap_phase(e: BaseException, location: str, phase: str,

@@ -515,6 +515,7 @@ def _chunks_of_array(src: _restore.Source, rec: _records.Leaf) -> Any:
       raw = rec.inline
     else:
       p = rec.packed
+      _restore._check_memory(p.nbytes, rec, src.location)  # a lying manifest: an error
       pack = _open_stored(src, _spec(src, p.pack), check_metadata=False)
       raw = pack[p.offset:p.offset + p.nbytes].read().result().tobytes()
     full = np.frombuffer(raw, dtype=dtype).reshape(rec.shape)

@@ -28,6 +28,14 @@ def main(cfg):
   if cfg["mode"] == "apart":
     apart(cfg["path"], me)
     return
+  if cfg["mode"] == "local":
+    dev = jax.local_devices()[0]
+    small = [jax.device_put(np.full(10000, me, np.float32), dev) for _ in range(4)]  # packed
+    big = jax.device_put(np.full(2 << 20, me, np.float32), dev)  # 8 MiB: its own array
+    fnckpt.save({"small": small, "big": big, "step": me}, cfg["path"],
+                barrier_timeout_s=120).wait()
+    mp_worker.result({"saved": True})
+    return
   if cfg["mode"] == "save":
     fnckpt.save(state(me), cfg["path"], barrier_timeout_s=120).wait()
     mp_worker.result({"saved": True})

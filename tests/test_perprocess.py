@@ -3,6 +3,7 @@ own (issue 10.3). One process here, and 2 real jax.distributed processes (saving
 restoring on 2 and on 1 process)."""
 
 import glob
+import hashlib
 import json
 import os
 
@@ -82,7 +83,8 @@ def test_unsavable_values_are_refused_before_anything_is_written(tmp_path):
 @pytest.mark.parametrize("damage, expect", [
     ("delete", r"The per-process values of process 0 \(.*/pp/0\) are missing: the checkpoint "
                r"is damaged"),
-    ("garbage", r"The per-process values at '.*/pp/0' are (corrupt|invalid)"),
+    ("garbage", r"The per-process values at '.*/pp/0' are corrupt"),
+    ("bitflip", r"The per-process values at '.*/pp/0' are corrupt \(SHA-256 mismatch\)"),
     ("stored", r"The per-process values at '.*/pp/0' are invalid: .*leaf #0 must hold its "
                r"value inline"),
 ])
@@ -94,14 +96,23 @@ def test_damaged_per_process_file_is_a_clear_error(tmp_path, damage, expect):
   elif damage == "garbage":
     with open(f, "wb") as out:
       out.write(b"\xc1\xff\x00garbage")
-  else:
+  elif damage == "bitflip":
     with open(f, "rb") as fin:
-      m = msgpack.unpackb(fin.read(), raw=False)
+      raw = bytearray(fin.read())
+    raw[-3] ^= 1  # inside the payload: an array value's byte
+    with open(f, "wb") as out:
+      out.write(bytes(raw))
+  else:  # a consistent file (its digest recomputed) with an invalid record
+    with open(f, "rb") as fin:
+      outer = msgpack.unpackb(fin.read(), raw=False)
+    m = msgpack.unpackb(outer["payload"], raw=False)
     rec = m["leaves"][0]
     del rec["inline"]
     rec["store"] = {"dir": "x", "chunks": [3], "inner": [3], "zstd": None}
+    payload = msgpack.packb(m, use_bin_type=True)
     with open(f, "wb") as out:
-      out.write(msgpack.packb(m, use_bin_type=True))
+      out.write(msgpack.packb({"sha256": hashlib.sha256(payload).hexdigest(),
+                               "payload": payload}, use_bin_type=True))
   with pytest.raises(fnckpt.CheckpointError, match=expect):
     fnckpt.restore(tmp_path / "c")
 
@@ -149,3 +160,16 @@ def test_processes_restoring_different_leaves_need_no_collective(tmp_path):
   by jax.device_put, which would run a cross-process check)."""
   got = _run({"mode": "apart", "path": str(tmp_path / "c")}, 2, devices=2)
   assert [(r["name"], r["ok"], r["shards"]) for r in got] == [("b", True, 2), ("f", True, 2)]
+
+
+def test_arrays_on_one_process_save_process_0s_value(tmp_path):
+  """Non-global jax arrays (each process's own, on its own device) are process 0's in the
+  checkpoint, like numpy leaves: a packed one is packed by process 0 (never by whichever
+  process the balancer picks), a large one is written by process 0 alone (never by every
+  process, the last writer winning)."""
+  path = str(tmp_path / "c")
+  _run({"mode": "local", "path": path}, 2)
+  got = fnckpt.restore(path)
+  assert [float(np.abs(s).max()) for s in got["small"]] == [0.0] * 4
+  assert not got["big"].any() and got["step"] == 0
+  assert [l.packed.pack for l in fnckpt.metadata(path).leaves if l.packed] == [0] * 4

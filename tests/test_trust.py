@@ -200,3 +200,60 @@ def test_cli_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0 and r.stderr == "", r.stderr
   assert "fnckpt format 2" in r.stdout
+
+
+def test_a_failed_save_gives_back_its_budget_and_the_next_save_runs(tmp_path, monkeypatch):
+  """Chunks staged after the writer failed are charged and then refused: their bytes must go
+  back to the process's budget, else every later save waits forever for bytes nobody frees."""
+  real = _store.write_chunk
+
+  def broken(store, index, data):
+    raise OSError("disk on fire (simulated)")
+  monkeypatch.setattr(_store, "write_chunk", broken)
+  state = {f"l{i}": np.full((256, 1024), i, np.float32) for i in range(6)}  # 1 MiB each
+  with pytest.raises(fnckpt.CheckpointError, match="disk on fire"):
+    fnckpt.save(state, tmp_path / "a", pack_bytes=0, budget_bytes=3 << 20).wait()
+  assert _save._budget.held == 0
+  monkeypatch.setattr(_store, "write_chunk", real)
+  fnckpt.save(state, tmp_path / "b", pack_bytes=0, budget_bytes=3 << 20).wait(timeout=120)
+  assert fnckpt.restore(tmp_path / "b")["l5"][0, 0] == 5
+
+
+def test_a_packed_leaf_larger_than_memory_is_refused_not_allocated(tmp_path):
+  """A manifest (with a matching COMMIT) that claims a packed leaf of 2**42 float32 inside a
+  huge pack: a CheckpointError naming the leaf, never an allocation that aborts."""
+  path = str(tmp_path / "c")
+  fnckpt.save({"a": np.ones(8192, np.float32)}, path).wait()
+
+  def lie(m):
+    m["packs"][0]["nbytes"] = 2 ** 44
+    _leaf(m, "a")["shape"] = [2 ** 42]
+  _rewrite_manifest(path, lie)
+  with pytest.raises(fnckpt.CheckpointError,
+                     match=r"Cannot restore \['a'\] .*more than this machine's memory"):
+    fnckpt.restore(path)
+
+
+def test_a_committed_barrier_timeout_says_the_checkpoint_is_committed():
+  """A failure after the marker was written (here: the last barrier's deadline, as a
+  CheckpointError) keeps its type and says the checkpoint is committed."""
+  from fnckpt import _writer
+  err = _writer._with_commit_state(fnckpt.BarrierTimeoutError(
+      "Barrier 'committed' of the save to 'x' failed. Nothing was committed; earlier "
+      "checkpoints are intact."), True)
+  assert isinstance(err, fnckpt.BarrierTimeoutError)
+  assert "Nothing was committed" not in str(err)
+  assert "The checkpoint itself is committed (its marker was written)" in str(err)
+  maybe = _writer._with_commit_state(fnckpt.CheckpointError("Barrier failed."), None)
+  assert "Process 0 may have committed the checkpoint" in str(maybe)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"pack_bytes": -1}, r"save\(pack_bytes=-1\): expected an int in \[0, 67108864\]"),
+    ({"pack_bytes": 1 << 30}, r"save\(pack_bytes=1073741824\): expected an int in \[0, "),
+    ({"inline_bytes": "16k"}, r"save\(inline_bytes='16k'\): expected an int in \[0, "),
+])
+def test_size_options_are_checked(tmp_path, kwargs, message):
+  with pytest.raises(fnckpt.CheckpointError, match=message):
+    fnckpt.save({"a": np.ones(3)}, tmp_path / "c", **kwargs)
+  assert not os.path.exists(tmp_path / "c" / "COMMIT")
