@@ -198,14 +198,13 @@ class CheckpointManager:
     if not (force or self._preemption.is_save_step(step) or step % self.save_interval_steps == 0):
       return None
     user = _user_metadata(step, metrics, metadata)
-    _check_order(self._claims, self._index, step, force, self.directory)
+    # Decided on process 0 for all: every process calls the collective save, or none does.
+    _coordination.from_process_0(
+        self.path(step), "may-save", lambda: _check_may_save(
+            self._claims, self._index, step, force, self.directory, self._storage_options),
+        self._timeout)
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
-      if not force and _commit.is_committed(_paths.open_kvstore(self.path(step),
-                                                                self._storage_options)):
-        raise CheckpointError(
-            f"Step {step} is already committed in {self.directory!r}. Pass force=True to "
-            "replace it, or save a new step.")
       handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
                            storage_options=self._storage_options, **self._save_options)
     except BaseException:
@@ -375,9 +374,10 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _check_order(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
-                 directory: str) -> None:
-  """save(): refuse an older step or one being saved (no I/O: the same on every process)."""
+def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
+                    directory: str, storage_options: dict[str, Any] | None) -> None:
+  """save(): refuse an older step, one being saved, or one committed already (unless
+  ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
   if force:
     return
   newest = max(claims.saving() | {index.newest_known() or -1})
@@ -389,6 +389,10 @@ def _check_order(claims: StepClaims, index: _steps.StepIndex, step: int, force: 
   if handle is not False and (handle is None or not handle.done()):
     raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
                           "force=True to replace it.")
+  if _commit.is_committed(_paths.open_kvstore(index.path(step), storage_options)):
+    raise CheckpointError(
+        f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
+        "or save a new step.")
 
 
 def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
