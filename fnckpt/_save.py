@@ -103,6 +103,7 @@ class SaveHandle:
     self._event = threading.Event()
     self._error: BaseException | None = None
     self._seq = next(_order)   # fnckpt.wait() reports failures in the order of the saves
+    self.replaced = False      # overwrite=True removed what was at the location
 
   def done(self) -> bool:
     """Whether the save has finished (committed or failed); never blocks."""
@@ -118,6 +119,8 @@ class SaveHandle:
     return self.stats
 
   def _finish(self, error: BaseException | None, reported: bool = False) -> None:
+    if error is not None and self.replaced:
+      error = _after_replace(error)
     self._error = error
     with _pending_lock:
       if error is None or reported:
@@ -393,7 +396,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
-    _prepare_location(kv, location, overwrite, session)
+    _prepare_location(kv, location, overwrite, session, handle)
     budget = _process_budget(budget_bytes or default_budget_bytes())
     writer = Writer(location, session, budget, lambda p: _reached(location, p),
                     lambda err: _done(handle, writer, err, t0))
@@ -411,7 +414,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
         session.fail(err)
         _walk_in_background(session)
     handle._finish(err, reported=True)
-    raise err from (e if err is not e else None)
+    raise handle._error from (e if handle._error is not e else None)
   writer.close(commit)
   _reached(location, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
@@ -693,7 +696,7 @@ def _is_ours(key: str) -> bool:
 
 
 def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
-                      session: _collective.Session) -> None:
+                      session: _collective.Session, handle: SaveHandle) -> None:
   """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
   it before any new byte lands (new data goes to this save's own directory anyway)."""
   # an I/O error here is wrapped by save(): "Saving to ... failed while checking the location"
@@ -714,9 +717,24 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
   # Every process must have looked before any of them writes (or deletes): else a fast
   # process 0 creating files makes a slow one see "an interrupted save" and give up.
   session.barrier("checked")
+  handle.replaced = leftovers  # (every process: an error from here on must say so)
   if leftovers and jax.process_index() == 0:
     _paths.clear(kv, first=(_manifest.COMMIT,))
   session.barrier("cleared")
+
+
+def _after_replace(err: BaseException) -> BaseException:
+  """A failed overwrite: the old checkpoint at the location is gone (marker first), so
+  "earlier checkpoints are intact" must not be said of it."""
+  text = str(err)
+  if not isinstance(err, CheckpointError) or "earlier checkpoints are intact" not in text:
+    return err
+  text = text.replace("earlier checkpoints are intact", "the checkpoint that was at this "
+                      "path was removed first (overwrite=True); other checkpoints are intact")
+  try:
+    return type(err)(text)
+  except TypeError:
+    return err
 
 
 def _wrap(e: BaseException, location: str, phase: str,

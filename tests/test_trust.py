@@ -257,3 +257,24 @@ def test_size_options_are_checked(tmp_path, kwargs, message):
   with pytest.raises(fnckpt.CheckpointError, match=message):
     fnckpt.save({"a": np.ones(3)}, tmp_path / "c", **kwargs)
   assert not os.path.exists(tmp_path / "c" / "COMMIT")
+
+
+def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, monkeypatch):
+  """overwrite=True removes the old checkpoint (marker first) before writing: if the new save
+  then fails, its error must say so, not "earlier checkpoints are intact"."""
+  state = {"w": np.arange(1 << 16, dtype=np.float32)}
+  fnckpt.save(state, tmp_path / "c", pack_bytes=0).wait()
+
+  def broken(store, index, data):
+    raise OSError("disk on fire (simulated)")
+  monkeypatch.setattr(_store, "write_chunk", broken)
+  with pytest.raises(fnckpt.CheckpointError) as e:
+    fnckpt.save(state, tmp_path / "c", pack_bytes=0, overwrite=True).wait()
+  assert "disk on fire" in str(e.value)
+  assert ("Nothing was committed; the checkpoint that was at this path was removed first "
+          "(overwrite=True); other checkpoints are intact.") in str(e.value)
+  with pytest.raises(fnckpt.CheckpointError):
+    fnckpt.restore(tmp_path / "c")
+  with pytest.raises(fnckpt.CheckpointError) as fresh:  # nothing was there: no such words
+    fnckpt.save(state, tmp_path / "new", pack_bytes=0).wait()
+  assert "Nothing was committed; earlier checkpoints are intact." in str(fresh.value)
