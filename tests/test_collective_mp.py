@@ -31,13 +31,14 @@ NOTHING_COMMITTED = "Nothing was committed; earlier checkpoints are intact."
 GROUP_KILL_S = 400  # a hang shows as BarrierTimeoutError at 120 s first
 
 
-def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120):
-  """Run ``attempts`` on 2 processes; per process, its list of outcomes."""
+def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2):
+  """Run ``attempts`` on 2 processes of 2 devices (or 4 of 1: the same 2x2 mesh); per
+  process, its list of outcomes."""
   for a in attempts:
     a["path"] = str(tmp_path / a["path"])
-  results = hp.run_group({"mode": "attempts", "devices": 2, "mesh": MESH, "leaves": leaves,
-                          "attempts": attempts, "barrier_s": barrier_s}, 2,
-                         timeout=GROUP_KILL_S)
+  results = hp.run_group({"mode": "attempts", "devices": 4 // processes, "mesh": MESH,
+                          "leaves": leaves, "attempts": attempts, "barrier_s": barrier_s},
+                         processes, timeout=GROUP_KILL_S)
   for r in results:
     assert r.returncode == 0 and not r.timed_out and r.result, r.describe()
   return [r.result["outcomes"] for r in results]
@@ -254,3 +255,29 @@ def test_replicated_medium_arrays_are_packed_once_balanced_and_restore(tmp_path)
   assert written == sum(p["nbytes"] for p in m["packs"]) + zarr
   assert p0[0]["checked_shards"] == p1[0]["checked_shards"] == 10 * 2 + 1
   check_restores(path, PACK_LEAVES)
+
+
+def test_four_processes_disagree_or_fail_and_all_learn_it_then_retry(tmp_path):
+  """4 processes of 1 device (same 2x2 mesh): process 2 passes another dtype, then process 3
+  fails while staging; every process raises naming the failing process, nothing is
+  committed; the retry (overwrite=True) commits and restores bitwise on all 4 and here."""
+  b = LEAVES["b"]
+  outcomes = run(tmp_path, [
+      {"path": "d", "change": {"2": {"leaves": {"b": {**b, "dtype": "int32"}}}}},
+      {"path": "s", "fault": {"process": 3, "phase": "staging", "action": "raise"}},
+      {"path": "s", "overwrite": True, "restore": True},
+  ], processes=4)
+  d, s = str(tmp_path / "d"), str(tmp_path / "s")
+  failed(outcomes[2][0], "CheckpointError", f"Saving to {d!r}: processes 2 and 0 passed "
+         "different trees", "the leaf at ['b'] is jax int32[128, 64]")
+  for p in (0, 1, 3):
+    failed(outcomes[p][0], "PeerFailedError", f"Saving to {d!r} failed on process 2",
+           "the leaf at ['b'] is jax int32[128, 64]")
+  staging = "RuntimeError: injected failure at staging"
+  failed(outcomes[3][1], "CheckpointError", staging, NOTHING_COMMITTED)
+  for p in (0, 1, 2):
+    failed(outcomes[p][1], "PeerFailedError", f"Saving to {s!r} failed on process 3",
+           staging, NOTHING_COMMITTED)
+  assert all("ok" in o[2] for o in outcomes), [o[2] for o in outcomes]
+  assert sum(o[2]["checked_shards"] for o in outcomes) == 4 * 4  # e, a, b, f on each device
+  check_restores(s)
