@@ -8,7 +8,9 @@ failure starts clean. When a process fails, it publishes its error and then *arr
 remaining barrier of the attempt; every process checks for published errors after each
 barrier (and while waiting for process 0's shared data), so all of them learn of the failure
 at the next barrier (not at its deadline) and walk the remaining barriers too: nobody is left
-waiting. With one process all of this is a no-op.
+waiting. It fails closed: a process that cannot publish its error arrives at no further
+barrier (the others time out; none commits without its data), and a process that cannot read
+the published errors stops the save. With one process all of this is a no-op.
 
 Keys of attempt k live under ``fnckpt/<location hash>/<k>/``. Process 0 deletes the nonce and
 the shared data once every process has passed the first barrier (all have read them then), and
@@ -132,11 +134,12 @@ class Session:
         # A failure another process published explains a failed barrier better (say this
         # process came late to a barrier whose deadline had passed for process 0).
         if phase != PHASES[-1]:
-          self.raise_peer_error(f"at barrier '{phase}', which failed")
+          self.raise_peer_error(f"at barrier '{phase}', which failed", strict=False)
         raise
     if phase == PHASES[0] and jax.process_index() == 0:
       self._tidy()
-    self.raise_peer_error(f"at barrier '{phase}'", phase)
+    # (past the last barrier the checkpoint is committed: an unreadable list is no failure)
+    self.raise_peer_error(f"at barrier '{phase}'", phase, strict=phase != PHASES[-1])
 
   def _arrive(self, phase: str) -> None:
     try:
@@ -159,26 +162,32 @@ class Session:
       except Exception:  # tidiness only
         pass
 
-  def peer_error(self) -> tuple[int, str] | None:
-    """The first published error of another process, as (process, text) (None if none)."""
+  def peer_error(self, strict: bool = True) -> tuple[int, str] | None:
+    """The first published error of another process, as (process, text) (None if none).
+    ``strict``: a list that cannot be read is an error (fail closed: not knowing is not "no
+    error"); else it reads as none (when a failure is being raised anyway)."""
     if not self.multi:
       return None
     try:
       entries = self.client.key_value_dir_get(f"{self.prefix}/{self.nonce}/error/")
-    except Exception as e:  # fail closed: not knowing is not "no error"
+    except Exception as e:
+      if not strict:
+        return None
       raise CheckpointError(
           f"Saving to {self.location!r}: cannot read the other processes' errors from the "
-          f"coordination service ({type(e).__name__}: {e}); not going on with this save. "
-          "Nothing was committed by this process; check the job's coordinator.") from e
+          f"coordination service ({type(e).__name__}: {e}), so this process stops the save "
+          "rather than risk committing without another's data. Check the job's "
+          "coordinator.") from e
     me = jax.process_index()
     found = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries
                    if k.rsplit("/", 1)[-1].isdigit() and int(k.rsplit("/", 1)[-1]) != me)
     return found[0] if found else None
 
-  def raise_peer_error(self, when: str, phase: str | None = None) -> None:
+  def raise_peer_error(self, when: str, phase: str | None = None,
+                       strict: bool = True) -> None:
     """Raise :class:`PeerFailedError` if another process published a failure (``when``: what
     this process was doing; ``phase``: the barrier it just passed)."""
-    found = self.peer_error()
+    found = self.peer_error(strict)
     if found is None:
       return
     who, text = found
