@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fnckpt
 import helpers_proc as hp
@@ -173,3 +175,44 @@ def test_arrays_on_one_process_save_process_0s_value(tmp_path):
   assert [float(np.abs(s).max()) for s in got["small"]] == [0.0] * 4
   assert not got["big"].any() and got["step"] == 0
   assert [l.packed.pack for l in fnckpt.metadata(path).leaves if l.packed] == [0] * 4
+
+
+def _valid_values_file():
+  from fnckpt import _perprocess
+  return _perprocess.encode([((("dict", "loader"),), fnckpt.PerProcess(
+      {"epoch": 3, "pos": np.arange(4), "rng": np.random.default_rng(1), "name": "a",
+       "big": 2 ** 70, "key": None, "items": [1.5, (2, "x")]}))])
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) |
+                     st.floats(allow_nan=True) | st.text(max_size=8) | st.binary(max_size=8),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6),
+                                                                          c, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_per_process_file_decodes_or_is_a_checkpoint_error(data):
+  """Untrusted input: random bytes, and valid files with one field of one record replaced
+  (their digest recomputed, so validation itself is exercised): records or CheckpointError,
+  never another exception."""
+  from fnckpt import _perprocess
+  if data.draw(st.booleans()):
+    raw = data.draw(st.binary(max_size=64))
+  else:
+    outer = msgpack.unpackb(_valid_values_file(), raw=False)
+    m = msgpack.unpackb(outer["payload"], raw=False, strict_map_key=False)
+    rec = data.draw(st.sampled_from(m["leaves"]))
+    field = data.draw(st.sampled_from(sorted(rec) + ["extra"]))
+    rec[field] = data.draw(_json)
+    payload = msgpack.packb(m, use_bin_type=True)
+    raw = msgpack.packb({"sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
+                        use_bin_type=True)
+  try:
+    leaves = _perprocess.decode(raw, "x/pp/0")
+  except fnckpt.CheckpointError as e:
+    assert "x/pp/0" in str(e)
+    return
+  for leaf in leaves:  # what decoded must also rebuild
+    _perprocess.value_at(leaves, leaf.path[:1], None, "x/pp/0")
