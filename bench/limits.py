@@ -7,7 +7,11 @@ figures are medians). Latency (fsync) is a median.
 * disk write GB/s: buffered ``os.write`` of a file + ``fsync`` (the time includes the fsync);
 * disk read GB/s, cold: after ``fsync`` + ``posix_fadvise(DONTNEED)`` evicts the file's pages;
   warm: the same file read again (page cache);
-* fsync latency: small write + fsync, the per-commit cost that dominates tiny checkpoints.
+* fsync latency: small write + fsync, the per-commit cost that dominates tiny checkpoints;
+* raw TensorStore, per state (:func:`tensorstore_rw`, run in a worker that has the state's
+  arrays on the host): the state written as one plain zarr3 array per leaf (codecs ``bytes`` +
+  ``crc32c``, no ``sharding_indexed``), each chunk once, until durable; then read back cold.
+  What a checkpointer built on TensorStore could do with nothing of its own on top.
 
 Also the helpers the runners share: evicting a directory from the page cache, counting the
 files/bytes of a checkpoint, describing the machine and the disk under a directory.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import time
@@ -115,6 +120,85 @@ def fsync_ms(directory: str, repeats: int = 50) -> float:
     times.append(time.perf_counter() - t)
     os.unlink(path)
   return statistics.median(times) * 1e3
+
+
+def fsync_dirs(path: str) -> None:
+  """``fsync`` every directory under ``path`` and its parent: new entries become durable
+  (TensorStore's file kvstore fsyncs each file and the directory it renames it into, not the
+  directories it creates)."""
+  dirs = [os.path.dirname(os.path.abspath(path))] + [d for d, _, _ in os.walk(path)]
+  for d in dirs:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def _zarr3_spec(path: str, x: np.ndarray | None, chunk: tuple[int, ...] | None) -> dict:
+  """A plain zarr3 array on the file kvstore: regular chunks, ``bytes`` + ``crc32c``."""
+  spec: dict = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path + "/"}}
+  if x is not None:
+    codec = {"name": "bytes"}
+    if x.dtype.itemsize > 1:
+      codec["configuration"] = {"endian": "little"}
+    spec["metadata"] = {
+        "shape": list(x.shape), "data_type": x.dtype.name, "codecs": [codec, {"name": "crc32c"}],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}}}
+    spec["create"] = True
+  return spec
+
+
+def _ts_write(ts, root: str, arrays: list) -> None:
+  """Create every array, write each whole (chunk-aligned: each chunk once), all concurrently."""
+  ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+  opens = [ts.open(_zarr3_spec(os.path.join(root, name), x, chunk), context=ctx)
+           for name, x, chunk in arrays]
+  writes = [f.result().write(x, can_reference_source_data_indefinitely=True)
+            for f, (_, x, _) in zip(opens, arrays)]
+  for w in writes:
+    w.result()
+  fsync_dirs(root)
+
+
+def _ts_read(ts, root: str, arrays: list) -> list[np.ndarray]:
+  """Open every array (reads its zarr.json) and read it whole into a new numpy array."""
+  ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+  opens = [ts.open(_zarr3_spec(os.path.join(root, name), None, None), context=ctx)
+           for name, _, _ in arrays]
+  reads = [f.result().read() for f in opens]
+  return [r.result() for r in reads]
+
+
+def tensorstore_rw(directory: str, arrays: list, repeats: int = 3) -> dict[str, float]:
+  """Best write (to durable) and best cold read of ``arrays``, ``[(name, host numpy array,
+  chunk shape)]``, as one plain zarr3 array per leaf under ``directory`` (file kvstore).
+
+  The write creates every array and writes it whole from host memory (TensorStore's defaults:
+  each chunk file fsynced and renamed into place), then fsyncs every directory; the read
+  evicts the files from the page cache (as the restore workers do) and reads each array whole.
+  The first read is checked against the data written.
+  """
+  import tensorstore as ts
+  nbytes = sum(x.nbytes for _, x, _ in arrays)
+  w, r, stats = [], [], {}
+  for i in range(repeats):
+    root = os.path.join(directory, f"run{i}")
+    shutil.rmtree(root, ignore_errors=True)
+    t = time.perf_counter()
+    _ts_write(ts, root, arrays)
+    w.append(time.perf_counter() - t)
+    stats = dir_stats(root)
+    evict(root)
+    t = time.perf_counter()
+    got = _ts_read(ts, root, arrays)
+    r.append(time.perf_counter() - t)
+    if i == 0 and not all(np.array_equal(g, x) for g, (_, x, _) in zip(got, arrays)):
+      raise AssertionError("raw TensorStore read back other values than it wrote")
+    del got
+    shutil.rmtree(root, ignore_errors=True)
+  return {"ts_write_s": min(w), "ts_read_s": min(r), "ts_bytes": nbytes,
+          "ts_files": stats.get("files"), "ts_disk_bytes": stats.get("bytes")}
 
 
 def measure(directory: str, nbytes: int) -> dict[str, float]:

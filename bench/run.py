@@ -1,8 +1,8 @@
 """fnckpt vs Orbax vs the machine's limits, all measured in one run.
 
-    python bench/run.py --quick          # ~3 minutes on 2 cores: 250 MiB state, 2 runs each
-    python bench/run.py                  # full: 1.45 GiB state, 5 runs each (~12 minutes)
-    python bench/run.py --dir /mnt/nvme/bench --libs fnckpt,orbax --states transformer,small
+    python bench/run.py --quick          # ~3.5 minutes on 2 cores: 250 MiB state, 2 runs each
+    python bench/run.py                  # full: 1.45 GiB state + mixed, 5 runs each (~19 minutes)
+    python bench/run.py --dir /mnt/nvme/bench --libs fnckpt,orbax --states transformer,small,mixed
 
 Every measurement runs in a fresh worker process (``bench/runners.py``); runs of the two
 libraries alternate so that drift on a shared machine hits both. Figures are medians over runs;
@@ -33,6 +33,9 @@ if REPO not in sys.path:
 
 from bench import limits  # noqa: E402  (numpy + os only; no JAX in this process)
 from bench.runners import LIBS, RESULT_MARK  # noqa: E402
+
+STATES = ("transformer", "small", "mixed")   # bench/states.py (not imported here: no JAX)
+QUICK_STATES = ("transformer", "small")       # mixed adds ~2.5 min (Orbax: ~20 s per save of it)
 
 MiB = 2**20
 GB = 1e9
@@ -136,9 +139,13 @@ ROWS = [
     ("save_block_s", "save: caller blocked (steady)", "s", "d2h_s", "device→host, best way"),
     ("save_block_first_s", "save: caller blocked (1st in process)", "s", "d2h_s", "device→host, best way"),
     ("save_commit_s", "save: to committed (steady)", "s", "write_s", "max(D2H, write+fsync)"),
+    ("save_commit_s", "save: to committed (steady), vs raw TensorStore", "s", "ts_write_s",
+     "raw TensorStore write"),
     ("save_commit_first_s", "save: to committed (1st)", "s", "write_s", "max(D2H, write+fsync)"),
     ("save_gbps", "save throughput (state / to committed)", "gbps", "disk_write_gbps", "disk write (+fsync)"),
     ("restore_a_s", "restore, same mesh (cold cache)", "s", "read_a_s", "max(cold read, host→device)"),
+    ("restore_a_s", "restore, same mesh, vs raw TensorStore", "s", "ts_read_s",
+     "raw TensorStore read, cold"),
     ("restore_b_s", "restore, other mesh + specs", "s", "read_b_s", "max(cold read, host→device)"),
     ("restore_gbps", "restore throughput, same mesh", "gbps", "disk_read_cold_gbps", "disk read, cold"),
     ("save_cpu_s", "save: CPU time, all threads (steady)", "s", None, ""),
@@ -179,6 +186,32 @@ def state_table(s: dict, libs: list[str]) -> list[str]:
   return lines
 
 
+def state_header(name: str, s: dict, libs: list[str]) -> list[str]:
+  d = s["limits"]
+  ts_res = s.get("ts_limits") or {}
+  if ts_res.get("ok"):
+    raw_ts = (f"write {fmt(d.get('ts_write_s'), 's')} ({fmt(d.get('ts_write_gbps'), 'gbps')}), "
+              f"cold read {fmt(d.get('ts_read_s'), 's')} ({fmt(d.get('ts_read_gbps'), 'gbps')}), "
+              f"{fmt(d.get('ts_files'), 'n')} files")
+  else:
+    raw_ts = f"error: {ts_res.get('error', 'not measured')}"
+  return [
+      f"## State `{name}`: {d.get('leaves', '?')} leaves, {fmt(d.get('state_bytes'), 'mib')} "
+      f"({fmt(d.get('device_bytes'), 'mib')} on devices with replicas); "
+      f"save on mesh (2,4), restore on (2,4) and on (4,2) with other PartitionSpecs", "",
+      f"Device limits: device→host `jax.device_get` {fmt(d.get('device_get_gbps'), 'gbps')}, "
+      f"`np.array` per leaf {fmt(d.get('np_array_gbps'), 'gbps')}, "
+      f"copy of each unique shard into new buffers {fmt(d.get('shards_copy_gbps'), 'gbps')}, "
+      f"into preallocated ones {fmt(d.get('shards_copyto_gbps'), 'gbps')} "
+      f"(the state at memcpy speed: {fmt(d.get('memcpy_s'), 's')}); host→device "
+      f"`jax.device_put` onto the saved mesh {fmt(d.get('h2d_a_gbps'), 'gbps')}, "
+      f"onto the other mesh {fmt(d.get('h2d_b_gbps'), 'gbps')}.  ",
+      "Raw TensorStore (one plain zarr3 array per leaf, chunk = saved shard, `bytes` + `crc32c`, "
+      f"file kvstore, from host memory; best of {ts_res.get('repeats', '?')}): {raw_ts}.  ",
+      "Values verified after restore (checksums, run 1): " + ", ".join(
+          f"{lib} {s['aggregate'].get(lib, {}).get('verified', '?')}" for lib in libs), ""]
+
+
 def markdown(report: dict) -> str:
   m, lim, libs = report["machine"], report["limits"], report["libs"]
   out = [f"# fnckpt benchmark — {report['date']}", "",
@@ -197,19 +230,7 @@ def markdown(report: dict) -> str:
          f"{fmt(lim.get('disk_read_cold_gbps'), 'gbps')} | {fmt(lim.get('disk_read_warm_gbps'), 'gbps')} | "
          f"{lim.get('fsync_ms', 0):.2f} ms |", ""]
   for name, s in report["states"].items():
-    d = s["limits"]
-    out += [f"## State `{name}`: {d.get('leaves', '?')} leaves, {fmt(d.get('state_bytes'), 'mib')} "
-            f"({fmt(d.get('device_bytes'), 'mib')} on devices with replicas); "
-            f"save on mesh (2,4), restore on (2,4) and on (4,2) with other PartitionSpecs", "",
-            f"Device limits: device→host `jax.device_get` {fmt(d.get('device_get_gbps'), 'gbps')}, "
-            f"`np.array` per leaf {fmt(d.get('np_array_gbps'), 'gbps')}, "
-            f"copy of each unique shard into new buffers {fmt(d.get('shards_copy_gbps'), 'gbps')}, "
-            f"into preallocated ones {fmt(d.get('shards_copyto_gbps'), 'gbps')} "
-            f"(the state at memcpy speed: {fmt(d.get('memcpy_s'), 's')}); host→device "
-            f"`jax.device_put` onto the saved mesh {fmt(d.get('h2d_a_gbps'), 'gbps')}, "
-            f"onto the other mesh {fmt(d.get('h2d_b_gbps'), 'gbps')}.  ",
-            "Values verified after restore (checksums, run 1): " + ", ".join(
-                f"{lib} {s['aggregate'].get(lib, {}).get('verified', '?')}" for lib in libs), ""]
+    out += state_header(name, s, libs)
     out += state_table(s, libs)
     for lib in libs:
       st = s["aggregate"].get(lib, {}).get("lib_stats")
@@ -266,6 +287,56 @@ def s3_location(enabled: bool):
   raise NotImplementedError("--s3 is not wired yet: see the S3 HOOK in bench/run.py")
 
 
+def state_limits(machine_lim: dict, dev: dict, ts_res: dict, sb: int | None) -> dict:
+  """The limits of one state: the machine's, the device worker's and raw TensorStore's."""
+  lim = dict(machine_lim)
+  lim.update({k: dev.get(k) for k in ("leaves", "device_bytes", "device_get_s")})
+  lim.update({k: ts_res.get(k) for k in ("ts_write_s", "ts_read_s", "ts_files", "ts_disk_bytes")})
+  lim["state_bytes"] = sb
+  if not sb:
+    return lim
+  d2h = [dev[k] for k in ("device_get_s", "np_array_s", "shards_copy_s", "shards_copyto_s")
+         if dev.get(k)]
+  lim["d2h_s"] = min(d2h) if d2h else None
+  times = {**dev, "ts_write_s": lim["ts_write_s"], "ts_read_s": lim["ts_read_s"]}
+  for k in ("device_get", "np_array", "shards_copy", "shards_copyto", "h2d_a", "h2d_b",
+            "ts_write", "ts_read"):
+    if times.get(f"{k}_s"):
+      lim[f"{k}_gbps"] = sb / times[f"{k}_s"] / GB
+  lim["memcpy_s"] = sb / (lim["memcpy_gbps"] * GB)
+  lim["write_s"] = max(lim["d2h_s"] or 0, sb / (lim["disk_write_gbps"] * GB) + lim["fsync_ms"] / 1e3)
+  read = sb / (lim["disk_read_cold_gbps"] * GB)
+  lim["read_a_s"] = max(read, dev.get("h2d_a_s") or 0)
+  lim["read_b_s"] = max(read, dev.get("h2d_b_s") or 0)
+  return lim
+
+
+def aggregate(libs: list[str], save_res: dict, rest_res: dict, sb: int | None) -> tuple[dict, dict]:
+  """Per-run metrics per library, and their medians, errors, own stats and ratios."""
+  agg: dict[str, Any] = {}
+  per: dict[str, dict[str, list]] = {}
+  for lib in libs:
+    m = metrics_for(save_res[lib], rest_res[lib])
+    if sb:
+      m["save_gbps"] = [sb / x / GB if x else None for x in m["save_commit_s"]]
+      m["restore_gbps"] = [sb / x / GB if x else None for x in m["restore_a_s"]]
+    per[lib] = m
+    stats = per_run(save_res[lib], lambda r: r["saves"][-1]["lib_stats"])
+    keys = sorted({k for st in stats if isinstance(st, dict) for k, v in st.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    errors = sorted({r["error"] for r in save_res[lib] + rest_res[lib]["a"] + rest_res[lib]["b"]
+                     if not r.get("ok")})
+    agg[lib] = {"median": {k: median(v) for k, v in m.items()}, "errors": errors,
+                "lib_stats": {k: median([st.get(k) for st in stats if isinstance(st, dict)])
+                              for k in keys},
+                "verified": f"same mesh {verified(rest_res[lib]['a'])}, "
+                            f"other mesh {verified(rest_res[lib]['b'])}"}
+  if "fnckpt" in libs and len(libs) > 1:
+    other = [l for l in libs if l != "fnckpt"][0]
+    agg["ratio"] = {k: pair_ratio(per["fnckpt"][k], per[other][k]) for k in per["fnckpt"]}
+  return per, agg
+
+
 def run_state(name: str, a, dirs: dict, log: list) -> dict:
   mode, libs, runs, timeout = a.mode, a.libs, a.runs, a.timeout
   base = os.path.join(a.dir, name)
@@ -273,8 +344,12 @@ def run_state(name: str, a, dirs: dict, log: list) -> dict:
   os.makedirs(base)
   fp_file = os.path.join(base, "fingerprint.json")
   print(f"state {name}:", file=sys.stderr)
-  dev = worker({"op": "device_limits", "state": name, "mode": mode,
-                "repeats": 2 if mode == "quick" else 3}, timeout, log)
+  repeats = 2 if mode == "quick" else 3
+  dev = worker({"op": "device_limits", "state": name, "mode": mode, "repeats": repeats},
+               timeout, log)
+  ts_res = worker({"op": "ts_limits", "state": name, "mode": mode, "repeats": repeats,
+                   "root": os.path.join(base, "raw_tensorstore")}, timeout, log)
+  ts_res["repeats"] = repeats
 
   save_res: dict[str, list] = {lib: [] for lib in libs}
   kept: dict[str, tuple[str, int]] = {}         # lib -> (root, step) used by the restores
@@ -318,59 +393,24 @@ def run_state(name: str, a, dirs: dict, log: list) -> dict:
   if not a.keep:
     shutil.rmtree(base, ignore_errors=True)
 
-  # limits for this state
-  lim = dict(dirs["limits"])
-  sb = dev.get("state_bytes") or next(
+  sb = dev.get("state_bytes") or ts_res.get("state_bytes") or next(
       (r["state_bytes"] for rs in save_res.values() for r in rs if r.get("ok")), None)
-  lim.update({k: dev.get(k) for k in ("leaves", "device_bytes", "device_get_s")})
-  lim["state_bytes"] = sb
-  if sb:
-    d2h = [dev[k] for k in ("device_get_s", "np_array_s", "shards_copy_s", "shards_copyto_s")
-           if dev.get(k)]
-    lim["d2h_s"] = min(d2h) if d2h else None
-    for k in ("device_get", "np_array", "shards_copy", "shards_copyto", "h2d_a", "h2d_b"):
-      if dev.get(f"{k}_s"):
-        lim[f"{k}_gbps"] = sb / dev[f"{k}_s"] / GB
-    lim["memcpy_s"] = sb / (lim["memcpy_gbps"] * GB)
-    lim["write_s"] = max(lim["d2h_s"] or 0, sb / (lim["disk_write_gbps"] * GB) + lim["fsync_ms"] / 1e3)
-    read = sb / (lim["disk_read_cold_gbps"] * GB)
-    lim["read_a_s"] = max(read, dev.get("h2d_a_s") or 0)
-    lim["read_b_s"] = max(read, dev.get("h2d_b_s") or 0)
-
-  agg: dict[str, Any] = {}
-  per: dict[str, dict[str, list]] = {}
-  for lib in libs:
-    m = metrics_for(save_res[lib], rest_res[lib])
-    if sb:
-      m["save_gbps"] = [sb / x / GB if x else None for x in m["save_commit_s"]]
-      m["restore_gbps"] = [sb / x / GB if x else None for x in m["restore_a_s"]]
-    per[lib] = m
-    stats = per_run(save_res[lib], lambda r: r["saves"][-1]["lib_stats"])
-    keys = sorted({k for st in stats if isinstance(st, dict) for k, v in st.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    errors = sorted({r["error"] for r in save_res[lib] + rest_res[lib]["a"] + rest_res[lib]["b"]
-                     if not r.get("ok")})
-    agg[lib] = {"median": {k: median(v) for k, v in m.items()}, "errors": errors,
-                "lib_stats": {k: median([st.get(k) for st in stats if isinstance(st, dict)])
-                              for k in keys},
-                "verified": f"same mesh {verified(rest_res[lib]['a'])}, "
-                            f"other mesh {verified(rest_res[lib]['b'])}"}
-  if "fnckpt" in libs and len(libs) > 1:
-    other = [l for l in libs if l != "fnckpt"][0]
-    agg["ratio"] = {k: pair_ratio(per["fnckpt"][k], per[other][k]) for k in per["fnckpt"]}
-  return {"limits": lim, "device_limits": dev, "per_run": per, "aggregate": agg,
-          "raw": {"save": save_res, "restore": rest_res}}
+  lim = state_limits(dirs["limits"], dev, ts_res, sb)
+  per, agg = aggregate(libs, save_res, rest_res, sb)
+  return {"limits": lim, "device_limits": dev, "ts_limits": ts_res, "per_run": per,
+          "aggregate": agg, "raw": {"save": save_res, "restore": rest_res}}
 
 
 def parse(argv: list[str]):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--quick", action="store_true", help="250 MiB state, 2 runs (about 3 minutes)")
+  p.add_argument("--quick", action="store_true", help="250 MiB state, 2 runs (about 3.5 minutes)")
   p.add_argument("--dir", default=os.path.join(REPO, "tmp", "bench"),
                  help="data directory on the disk to measure (default: <repo>/tmp/bench)")
   p.add_argument("--runs", type=int, help="runs per figure (default: quick 2, full 5)")
   p.add_argument("--n-saves", type=int, default=2, help="saves per save process (default 2)")
   p.add_argument("--libs", default=",".join(LIBS), help="comma-separated: fnckpt,orbax")
-  p.add_argument("--states", default="transformer,small", help="comma-separated: transformer,small")
+  p.add_argument("--states", help=f"comma-separated, of {','.join(STATES)} (default: all; "
+                                  f"quick: {','.join(QUICK_STATES)})")
   p.add_argument("--save-kwargs", type=json.loads, default=None,
                  help='extra fnckpt.save arguments as JSON, e.g. \'{"budget_bytes": 268435456}\'')
   p.add_argument("--timeout", type=float, help="seconds per worker (default: quick 180, full 900)")
@@ -385,7 +425,8 @@ def parse(argv: list[str]):
   a.runs = a.runs or (2 if a.quick else 5)
   a.timeout = a.timeout or (180 if a.quick else 900)
   a.libs = [l for l in a.libs.split(",") if l]
-  a.states = [s for s in a.states.split(",") if s]
+  a.states = ([s for s in a.states.split(",") if s] if a.states
+              else list(QUICK_STATES if a.quick else STATES))
   a.dir = os.path.abspath(a.dir)
   return a
 

@@ -11,6 +11,9 @@ prints one line ``BENCH_RESULT {json}`` on stdout. Operations:
   leaf, a copy of each unique shard into fresh buffers and into preallocated ones (the best of
   them is what a checkpointer must at least do before ``save`` may return); host -> device: ``jax.device_put`` of host copies onto the
   restore targets' shardings (what a restore must at least do after reading);
+* ``ts_limits``: raw TensorStore: the state's arrays, copied to the host first, written as one
+  plain zarr3 array per leaf (chunk = the leaf's shard on the saved mesh, whole leaf if
+  replicated) until durable, then read back cold (``limits.tensorstore_rw``); best of repeats;
 * ``save``: ``n_saves`` saves in one process (the 1st pays first-call costs, later ones are the
   steady state of a training loop); per save: time the caller is blocked, time to committed,
   peak RSS over the baseline, files and bytes on disk;
@@ -196,6 +199,32 @@ def op_device_limits(a: dict) -> dict:
   return out
 
 
+def op_ts_limits(a: dict) -> dict:
+  jax = setup_jax()
+  import shutil
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from bench import limits, states
+  leaves = states.leaves_for(a["state"], a["mode"])
+  mesh = states.make_mesh("a")
+  tree = states.build(leaves, mesh)
+  arrays = []
+  for leaf in leaves:
+    node = tree
+    for k in leaf.path:
+      node = node[k]
+    chunk = NamedSharding(mesh, leaf.spec_a).shard_shape(leaf.shape)
+    arrays.append((".".join(leaf.path), np.asarray(jax.device_get(node)), tuple(chunk)))
+  del tree, node
+  gc.collect()
+  root = a["root"]
+  try:
+    out = limits.tensorstore_rw(root, arrays, a.get("repeats", 3))
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return {"state_bytes": states.state_bytes(leaves), "leaves": len(leaves), **out}
+
+
 def op_save(a: dict) -> dict:
   setup_jax()
   from bench import limits, states
@@ -329,7 +358,8 @@ def _import_lib(lib: str):
 
 
 OPS: dict[str, Callable[[dict], dict]] = {
-    "device_limits": op_device_limits, "save": op_save, "restore": op_restore}
+    "device_limits": op_device_limits, "ts_limits": op_ts_limits, "save": op_save,
+    "restore": op_restore}
 
 
 def main(argv: list[str]) -> int:

@@ -1,11 +1,13 @@
 """Benchmark states: builders, shardings, restore targets (same mesh and a different one).
 
-Two states, each defined as a flat list of leaves ``(key path, shape, dtype, spec_a, spec_b)``:
+Three states, each defined as a flat list of leaves ``(key path, shape, dtype, spec_a, spec_b)``:
 
 * ``transformer``: params + AdamW ``mu`` (bf16) / ``nu`` (fp32) of a decoder stack, leaves fully
   sharded, partially replicated and replicated on mesh A = (2, 4) ``('data', 'model')``;
   ``spec_b`` gives *different* PartitionSpecs for mesh B = (4, 2) (restore with resharding).
 * ``small``: thousands of 4 KiB leaves (half replicated, half sharded 8 ways).
+* ``mixed``: 2,000 leaves of 4 to 128 KiB (sizes cycling 4, 8, ..., 128 KiB; half replicated,
+  half sharded 8 ways, each size in both halves).
 
 Values come from an integer hash of the element index (cheap on 2 cores, not compressible to
 nothing, identical for every run). :func:`fingerprint` is an exact integer checksum per leaf that
@@ -37,6 +39,9 @@ SMALL_SIZES = {
     "quick": (100, 20),     # 2000 leaves x 4 KiB
     "full": (100, 20),
 }
+
+MIXED_LEAVES = 2000
+MIXED_KIB = (4, 8, 16, 32, 64, 128)       # float32 leaf sizes, cycling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +97,33 @@ def small_leaves(n_blocks: int, per_block: int) -> list[Leaf]:
   return leaves
 
 
+def mixed_leaves(n: int = MIXED_LEAVES, kib: tuple[int, ...] = MIXED_KIB) -> list[Leaf]:
+  """``n`` float32 leaves, sizes cycling through ``kib``; replicated when ``i % 4 < 2``, else
+  sharded 8 ways over both axes, so every size is in both halves (with a cycle of 6 sizes,
+  ``i % 2`` would replicate only the 4, 16 and 64 KiB leaves). On mesh B: replicated ->
+  ``P('data')``, sharded -> replicated (as in ``small``)."""
+  leaves = []
+  for i in range(n):
+    if i % 4 < 2:
+      sa, sb = P(), P("data")
+    else:
+      sa, sb = P(("data", "model")), P()
+    shape = (kib[i % len(kib)] * 256,)
+    leaves.append(Leaf((f"group_{i // 20:03d}", f"w{i % 20:02d}"), shape, jnp.float32, sa, sb))
+  return leaves
+
+
+STATES = ("transformer", "small", "mixed")
+
+
 def leaves_for(name: str, mode: str) -> list[Leaf]:
   if name == "transformer":
     return transformer_leaves(*TRANSFORMER_SIZES[mode])
   if name == "small":
     return small_leaves(*SMALL_SIZES[mode])
-  raise ValueError(f"unknown state {name!r} (transformer, small)")
+  if name == "mixed":
+    return mixed_leaves()
+  raise ValueError(f"unknown state {name!r} ({', '.join(STATES)})")
 
 
 def state_bytes(leaves: list[Leaf]) -> int:
