@@ -184,7 +184,7 @@ def _valid_values_file():
        "big": 2 ** 70, "key": None, "items": [1.5, (2, "x")]}))])
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) |
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) |
                      st.floats(allow_nan=True) | st.text(max_size=8) | st.binary(max_size=8),
                      lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6),
                                                                           c, max_size=4),
