@@ -72,6 +72,19 @@ def to_little_endian(a: np.ndarray) -> np.ndarray:
   return a
 
 
+def host_bytes(data: Any) -> bytes:
+  """An array's C-order little-endian bytes (as stored inline), from numpy or a jax.Array
+  this process holds whole."""
+  host = data if isinstance(data, np.ndarray) else host_value(data)
+  return to_little_endian(np.ascontiguousarray(host)).tobytes()
+
+
+def inline_array(leaf: "_records.Leaf") -> np.ndarray:
+  """An inline array leaf's value: a writable copy (results must be writable like read ones;
+  ``frombuffer`` over bytes is read-only)."""
+  return np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(leaf.shape).copy()
+
+
 def host_value(x: jax.Array) -> np.ndarray:
   """A process-local copy of a small jax.Array that this process can fully see."""
   if x.is_fully_addressable:

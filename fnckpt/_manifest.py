@@ -29,7 +29,8 @@ def _pack(obj: Any) -> bytes:
   return msgpack.packb(obj, use_bin_type=True, strict_types=False)
 
 
-def _unpack(data: bytes) -> Any:
+def unpack(data: bytes) -> Any:
+  """msgpack bytes -> Python data (maps with int keys kept, lists for arrays)."""
   return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
 
 
@@ -76,7 +77,7 @@ def decode(data: bytes, location: str) -> _records.Manifest:
   """Bytes -> validated :class:`_records.Manifest`: a clear error for corrupt bytes, a foreign
   file, a checkpoint from a newer format version, or any invalid field."""
   try:
-    manifest = _unpack(data)
+    manifest = unpack(data)
   except Exception as e:  # msgpack raises several unrelated types
     raise CheckpointError(
         f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
@@ -107,7 +108,7 @@ def encode_commit(manifest_bytes: bytes, committed_at: float) -> bytes:
 
 def decode_commit(data: bytes, location: str) -> dict[str, Any]:
   try:
-    commit = _unpack(data)
+    commit = unpack(data)
   except Exception as e:
     raise CheckpointError(f"The commit marker of {location!r} is corrupt ({e}).") from None
   _check_header(commit, location, "commit marker")

@@ -15,9 +15,8 @@ from typing import Any, Sequence
 
 import jax
 import msgpack
-import numpy as np
 
-from . import _leaves, _records, _tree
+from . import _leaves, _manifest, _records, _tree
 from ._errors import CheckpointError
 
 __all__ = ["PerProcess", "values_key", "encode", "decode", "value_at"]
@@ -73,8 +72,7 @@ def _record(where: _tree.Path, leaf: Any) -> dict[str, Any]:
       raise CheckpointError(
           f"The array at {_tree.keystr(where)} is inside fnckpt.PerProcess but spans several "
           "processes; a per-process value must be held whole by its process.")
-    host = data if isinstance(data, np.ndarray) else _leaves.host_value(data)
-    rec["inline"] = _leaves.to_little_endian(np.ascontiguousarray(host)).tobytes()
+    rec["inline"] = _leaves.host_bytes(data)
   return rec
 
 
@@ -83,14 +81,13 @@ def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:
   SHA-256 must match (a flipped bit is an error, never another value), then the records are
   validated like the manifest's."""
   try:
-    outer = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    outer = _manifest.unpack(data)
     ok = (isinstance(outer, dict) and set(outer) == {"sha256", "payload"}
           and isinstance(outer["payload"], bytes) and isinstance(outer["sha256"], str))
     if ok and hashlib.sha256(outer["payload"]).hexdigest() != outer["sha256"]:
       raise CheckpointError(f"The per-process values at {where!r} are corrupt (SHA-256 "
                             "mismatch); restore an earlier checkpoint.")
-    m = msgpack.unpackb(outer["payload"], raw=False, strict_map_key=False,
-                        use_list=True) if ok else None
+    m = _manifest.unpack(outer["payload"]) if ok else None
   except CheckpointError:
     raise
   except Exception as e:  # msgpack raises several unrelated types
@@ -129,6 +126,5 @@ def value_at(leaves: Sequence[_records.Leaf], path: _tree.Path, template: Any,
 def _value(leaf: _records.Leaf) -> Any:
   if not leaf.is_array:
     return _leaves.decode_value(leaf)
-  host = np.frombuffer(leaf.inline, dtype=_leaves.dtype_of(leaf.dtype)).reshape(
-      leaf.shape).copy()
+  host = _leaves.inline_array(leaf)
   return jax.random.wrap_key_data(host, impl=leaf.impl) if leaf.kind == "key" else host

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import (_commit, _layout, _leaves, _manifest, _paths, _perprocess, _records, _store,
-               _tree)
+from . import _commit, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
 from ._errors import CheckpointError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -439,10 +438,7 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
   for i, r in reads.items():
     rec = r.want.rec
     if rec.inline is not None:
-      # a copy: frombuffer over bytes is read-only, and results must be writable like read ones
-      host = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype)).reshape(
-          r.shape).copy()
-      r.parts[None] = _convert(r.want, host)
+      r.parts[None] = _convert(r.want, _leaves.inline_array(rec))
     elif rec.stored is not None:
       stream.read_array(i)
   stream.finish()

@@ -250,7 +250,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     size = _layout.nbytes(shape, dtype.itemsize)
     whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
     if size <= inline_bytes and whole:
-      rec["inline"] = _host_bytes(data) if me == 0 else b""
+      rec["inline"] = _leaves.host_bytes(data) if me == 0 else b""
     elif size <= pack_bytes and whole:
       candidates.append((len(records) - 1, data, _packing.PackItem(
           len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
@@ -295,11 +295,6 @@ def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
   rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, zstd)
   units = units if _layout.nbytes(shape, 1) else []
   return _Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
-
-
-def _host_bytes(data: Any) -> bytes:
-  host = data if isinstance(data, np.ndarray) else _leaves.host_value(data)
-  return _leaves.to_little_endian(np.ascontiguousarray(host)).tobytes()
 
 
 def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:

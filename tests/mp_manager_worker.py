@@ -7,13 +7,11 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -196,18 +194,5 @@ def mode_preempt(cfg):
   mgr.close()
 
 
-def main() -> None:
-  cfg = json.loads(sys.argv[1])
-  cfg.setdefault("devices", 2)
-  mp_worker.setup(cfg)
-  try:
-    globals()["mode_" + cfg["mode"]](cfg)
-  except BaseException:
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(3)
-
-
 if __name__ == "__main__":
-  main()
+  mp_worker.main(globals(), devices=2)

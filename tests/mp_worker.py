@@ -495,11 +495,15 @@ def mode_attempts(cfg):
   result({"process": jax.process_index(), "outcomes": outcomes})
 
 
-def main() -> None:
+def main(modes: dict[str, Any] | None = None, devices: int | None = None) -> None:
+  """Run ``mode_<cfg["mode"]>`` from ``modes`` (default: this module's); any failure exits 3
+  with its traceback (``devices``: the default device count)."""
   cfg = json.loads(sys.argv[1])
+  if devices is not None:
+    cfg.setdefault("devices", devices)
   setup(cfg)
   try:
-    globals()["mode_" + cfg["mode"]](cfg)
+    (modes or globals())["mode_" + cfg["mode"]](cfg)
   except BaseException:
     traceback.print_exc()
     sys.stdout.flush()

@@ -132,11 +132,23 @@ def _failing_save(tmp_path, name):
   return str(tmp_path / name)
 
 
-def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
-  def hook(phase):
-    if phase == "written":
-      raise OSError("injected write failure")
+def _fail_at(monkeypatch, phase, error):
+  """Make every save fail with ``error`` as it passes ``phase`` (``_save._phase`` hook)."""
+  def hook(name):
+    if name == phase:
+      raise error
   monkeypatch.setattr(_save, "_phase", hook)
+
+
+def _break_writes(monkeypatch):
+  """Every chunk write fails (``_store.write_chunk``), as on a failing disk."""
+  def broken(store, index, data):
+    raise OSError("disk on fire (simulated)")
+  monkeypatch.setattr(_store, "write_chunk", broken)
+
+
+def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
+  _fail_at(monkeypatch, "written", OSError("injected write failure"))
   h1 = fnckpt.save(tree(1.0), str(tmp_path / "one"))
   h2 = fnckpt.save(tree(2.0), str(tmp_path / "two"))
   with pytest.raises(fnckpt.CheckpointError, match=r"2 saves failed:\n  - Saving to .*one.* "
@@ -148,10 +160,7 @@ def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
 
 
 def test_a_failure_after_the_marker_says_the_checkpoint_is_committed(tmp_path, monkeypatch):
-  def hook(phase):
-    if phase == "committed":
-      raise OSError("injected late failure")
-  monkeypatch.setattr(_save, "_phase", hook)
+  _fail_at(monkeypatch, "committed", OSError("injected late failure"))
   h = fnckpt.save(tree(1.0), str(tmp_path / "c"))
   with pytest.raises(fnckpt.CheckpointError, match="The checkpoint itself is committed"):
     h.wait()
@@ -205,16 +214,12 @@ def test_cli_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
 def test_a_failed_save_gives_back_its_budget_and_the_next_save_runs(tmp_path, monkeypatch):
   """Chunks staged after the writer failed are charged and then refused: their bytes must go
   back to the process's budget, else every later save waits forever for bytes nobody frees."""
-  real = _store.write_chunk
-
-  def broken(store, index, data):
-    raise OSError("disk on fire (simulated)")
-  monkeypatch.setattr(_store, "write_chunk", broken)
+  _break_writes(monkeypatch)
   state = {f"l{i}": np.full((256, 1024), i, np.float32) for i in range(6)}  # 1 MiB each
   with pytest.raises(fnckpt.CheckpointError, match="disk on fire"):
     fnckpt.save(state, tmp_path / "a", pack_bytes=0, budget_bytes=3 << 20).wait()
   assert _save._budget.held == 0
-  monkeypatch.setattr(_store, "write_chunk", real)
+  monkeypatch.undo()
   fnckpt.save(state, tmp_path / "b", pack_bytes=0, budget_bytes=3 << 20).wait(timeout=120)
   assert fnckpt.restore(tmp_path / "b")["l5"][0, 0] == 5
 
@@ -264,10 +269,7 @@ def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, 
   then fails, its error must say so, not "earlier checkpoints are intact"."""
   state = {"w": np.arange(1 << 16, dtype=np.float32)}
   fnckpt.save(state, tmp_path / "c", pack_bytes=0).wait()
-
-  def broken(store, index, data):
-    raise OSError("disk on fire (simulated)")
-  monkeypatch.setattr(_store, "write_chunk", broken)
+  _break_writes(monkeypatch)
   with pytest.raises(fnckpt.CheckpointError) as e:
     fnckpt.save(state, tmp_path / "c", pack_bytes=0, overwrite=True).wait()
   assert "disk on fire" in str(e.value)
