@@ -641,16 +641,20 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
   window: list[tuple[int, ts.Future]] = []
   held = 0
 
+  batch: list[ts.Batch | None] = [None]
+
   def land() -> None:
     nonlocal held
+    if batch[0] is not None:
+      batch[0].submit()  # one window's reads together: an inner chunk two leaves share is read once
+      batch[0] = None
     for i, fut in window:
       r = reads[i]
       try:
-        raw = fut.result()
+        raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
       except Exception as e:
         raise _read_error(src, r.want.rec, e) from None
-      host = np.frombuffer(raw.tobytes(), dtype=_leaves.dtype_of(r.want.rec.dtype))
-      r.parts[None] = _convert(r.want, host.reshape(r.shape).copy())
+      r.parts[None] = _convert(r.want, _as_leaf(raw, r.want.rec.dtype, r.shape))
     window.clear()
     held = 0
 
@@ -664,9 +668,20 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
     if window and held + p.nbytes > budget:
       land()
     store = packs[p.pack].result()
-    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),))))
+    if batch[0] is None:
+      batch[0] = ts.Batch()
+    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),), batch[0])))
     held += p.nbytes
   land()
+
+
+def _as_leaf(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+  """A packed leaf's bytes as its array: a view of ``raw`` (a fresh TensorStore read result,
+  used by nobody else) when it is contiguous and writable, else a copy."""
+  want = _leaves.dtype_of(dtype)
+  if raw.flags.c_contiguous and raw.flags.writeable:
+    return raw.view(want).reshape(shape)
+  return np.frombuffer(raw.tobytes(), dtype=want).reshape(shape).copy()
 
 
 def _check_memory(n: int, rec: _records.Leaf, location: str) -> None:
