@@ -128,6 +128,7 @@ class Stored:
   chunks: tuple[int, ...]
   inner: tuple[int, ...]
   zstd: int | None
+  blosc: tuple[tuple[str, Any], ...] | None = None  # blosc's configuration (sorted items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +410,7 @@ def _array(i, path, rec, version, packs) -> Leaf:
 
 
 def _stored(s: Any, shape, dtype: str, version: int) -> Stored:
-  _keys(s, "'store'", ("dir", "chunks", "inner", "zstd"))
+  _keys(s, "'store'", ("dir", "chunks", "inner", "zstd"), ("blosc",) if version >= 2 else ())
   d = check_dir(s["dir"], "'store'.dir")
   if version == 1:
     _req(re.fullmatch(r"d/[0-9]{1,9}", d) is not None, "'store'.dir must be d/<n>")
@@ -426,7 +427,22 @@ def _stored(s: Any, shape, dtype: str, version: int) -> Stored:
   z = s["zstd"]
   _req(z is None or (isinstance(z, int) and not isinstance(z, bool) and -131072 <= z <= 22),
        "'store'.zstd must be nil or a zstd level")
-  return Stored(d, chunks, inner, z)
+  blosc = _blosc(s.get("blosc"))
+  _req(not z or blosc is None, "'store' has both zstd and blosc")
+  return Stored(d, chunks, inner, z, blosc)
+
+
+def _blosc(b: Any) -> tuple[tuple[str, Any], ...] | None:
+  if b is None:
+    return None
+  from ._store import BLOSC_CNAMES, BLOSC_SHUFFLES
+  _keys(b, "'store'.blosc", ("cname", "clevel", "shuffle"))
+  _req(b["cname"] in BLOSC_CNAMES, lambda: f"'store'.blosc.cname must be one of "
+       f"{sorted(BLOSC_CNAMES)}, found {_short(b['cname'])}")
+  _int(b["clevel"], "'store'.blosc.clevel", 0, 9)
+  _req(b["shuffle"] in BLOSC_SHUFFLES, lambda: f"'store'.blosc.shuffle must be one of "
+       f"{sorted(BLOSC_SHUFFLES)}, found {_short(b['shuffle'])}")
+  return tuple(sorted(b.items()))
 
 
 def _sharding(s: Any, ndim: int) -> Sharding | None:

@@ -222,7 +222,7 @@ def _processes(sharding: Any) -> frozenset[int]:
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
-          zstd: int | None) -> _Plan:
+          codecs: dict[str, Any]) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
   queries)."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
@@ -255,7 +255,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
       candidates.append((len(records) - 1, data, _packing.PackItem(
           len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
     else:
-      arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, zstd))
+      arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, codecs))
       if holders[-1] == "local" and me != 0:
         arrays[-1].units = []  # a non-global array: process 0's value, written by it alone
   values = None
@@ -280,7 +280,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
                data_dir, values, holders)
 
 
-def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
+def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any]) -> _Array:
   """A large leaf's zarr array and the chunks this process writes: planned from the
   sharding's structure (O(local devices), cached), ``salt=i`` spreading replicated leaves'
   writes over processes."""
@@ -292,7 +292,7 @@ def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:
   else:
     chunks, units = _layout.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
   inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
-  rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, zstd)
+  rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, codecs)
   units = units if _layout.nbytes(shape, 1) else []
   return _Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
 
@@ -337,7 +337,8 @@ def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
-         pack_bytes: int = _packing.PACK_LEAF_BYTES, zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+         pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
+         zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
          storage_options: dict[str, Any] | None = None) -> SaveHandle:
   """Save a pytree to ``path``; return once its arrays are copied off the devices.
 
@@ -358,7 +359,10 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
     pack_bytes: larger arrays up to this size that this process sees whole share one packed
       array per process (fewer, larger files); 0 gives each its own zarr array.
-    zstd: compress chunks with zstd at this level (default: no compression).
+    compression: compress the chunks of arrays stored on their own (not inline or packed):
+      ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
+      README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
+    zstd: short for ``compression="zstd:<zstd>"``.
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
 
@@ -386,9 +390,10 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
     _check_sizes(inline_bytes, pack_bytes)
+    codecs = _codecs(compression, zstd)
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
-    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, zstd)
+    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -423,6 +428,13 @@ def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
       raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
                             f"the default is {default}.")
+
+
+def _codecs(compression: Any, zstd: Any) -> dict[str, Any]:
+  try:
+    return _store.compression_options(compression, zstd)
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
 
 
 def _walk_in_background(session: _collective.Session) -> None:

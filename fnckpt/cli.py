@@ -280,8 +280,10 @@ def _value_text(rec: _records.Leaf) -> str:
     if rec.packed is not None:
       return f"pack {rec.packed.pack} bytes {rec.packed.offset}+{rec.packed.nbytes}"
     store = rec.stored
+    blosc = dict(store.blosc or ())
     return f"{store.dir}/ chunks {_shape(store.chunks)}" + (
-        f" zstd {store.zstd}" if store.zstd else "")
+        f" zstd {store.zstd}" if store.zstd else "") + (
+        f" blosc {blosc['cname']} {blosc['shuffle']}" if blosc else "")
   if kind == "npgen":
     return f"numpy Generator ({rec.value['bit_generator']})"
   if kind == "empty":

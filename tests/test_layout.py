@@ -397,6 +397,36 @@ def test_zstd_is_an_inner_codec_before_crc32c(tmp_path):
   assert np.array_equal(fnckpt.restore(tmp_path / "c")["w"], np.zeros((64, 64), np.float32))
 
 
+@pytest.mark.parametrize("kwargs, codec, field", [
+    ({"compression": "blosc"}, "blosc", "blosc"),
+    ({"compression": "zstd:5"}, "zstd", "zstd"),
+    ({"compression": "zstd"}, "zstd", "zstd"),
+])
+def test_compression_is_an_inner_codec_before_crc32c(tmp_path, kwargs, codec, field):
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal((256, 64)) * 0.02).astype(jnp.bfloat16)  # compressible exponents
+  fnckpt.save({"w": x}, tmp_path / "c", inline_bytes=0, pack_bytes=0, **kwargs).wait()
+  rec = _leaves(tmp_path / "c")[("dict", "w")]
+  conf = _zarr_json(tmp_path / "c", rec.stored.dir)["codecs"][0]["configuration"]
+  assert [c["name"] for c in conf["codecs"]] == ["bytes", codec, "crc32c"]
+  assert getattr(rec.stored, field)
+  got = fnckpt.restore(tmp_path / "c")["w"]
+  assert got.dtype == x.dtype and np.array_equal(got.view(np.uint16), x.view(np.uint16))
+  stored = sum(f.stat().st_size for f in (tmp_path / "c").rglob("c/*") if f.is_file())
+  assert stored < x.nbytes  # it did compress
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"compression": "gzip"}, r"save\(compression='gzip'\): expected None, 'blosc'"),
+    ({"compression": "zstd:99"}, r"'zstd:<level>' \(level 1..22"),
+    ({"compression": "blosc", "zstd": 3}, r"give one of them"),
+])
+def test_bad_compression_is_refused_before_anything_is_written(tmp_path, kwargs, match):
+  with pytest.raises(fnckpt.CheckpointError, match=match):
+    fnckpt.save({"w": np.zeros((64, 64), np.float32)}, tmp_path / "c", **kwargs).wait()
+  assert not (tmp_path / "c" / "COMMIT").exists()
+
+
 @pytest.mark.parametrize("spec, n_chunks", [
     (P("a", "b"), 8),   # fully sharded: 8 distinct shards
     (P("a"), 2),        # 4 replicas of each of 2 shards

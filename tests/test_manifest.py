@@ -78,6 +78,8 @@ def _wire_leaf(leaf):
       s = leaf.stored
       rec["store"] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
                       "zstd": s.zstd}
+      if s.blosc is not None:
+        rec["store"]["blosc"] = dict(s.blosc)
     else:
       rec["pack"] = {"index": leaf.packed.pack, "offset": leaf.packed.offset}
       assert leaf.packed.nbytes == leaf.nbytes
@@ -212,6 +214,10 @@ def _manifests(draw):
         rec["store"] = {"dir": f"{DATA}/a/{i}", "chunks": chunks,
                         "inner": [draw(st.sampled_from(_divisors(c))) for c in chunks],
                         "zstd": draw(st.sampled_from([None, 0, 3, -5]))}
+        if not rec["store"]["zstd"] and draw(st.booleans()):
+          rec["store"]["blosc"] = {"cname": draw(st.sampled_from(["lz4", "zstd"])),
+                                   "clevel": draw(st.integers(0, 9)),
+                                   "shuffle": draw(st.sampled_from(["shuffle", "bitshuffle"]))}
       else:
         k = draw(st.integers(0, 2))
         offset = used.get(k, 0) + draw(st.integers(0, 3))  # leaves may have gaps between
@@ -375,6 +381,15 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
     (_packed(_manifest_dict([_array("a", store={"dir": f"{DATA}/a/0", "chunks": [4],
                                                 "inner": [3], "zstd": None})])),
      r"the record of \['a'\] is invalid: inner chunks must divide chunks"),
+    (_packed(_manifest_dict([_array("a", store={
+        "dir": f"{DATA}/a/0", "chunks": [4], "inner": [4], "zstd": None,
+        "blosc": {"cname": "snappy", "clevel": 5, "shuffle": "shuffle"}})])),
+     r"the record of \['a'\] is invalid: 'store'\.blosc\.cname must be one of \['blosclz', "
+     r"'lz4', 'lz4hc', 'zlib', 'zstd'\], found 'snappy'"),
+    (_packed(_manifest_dict([_array("a", store={
+        "dir": f"{DATA}/a/0", "chunks": [4], "inner": [4], "zstd": 3,
+        "blosc": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}})])),
+     r"the record of \['a'\] is invalid: 'store' has both zstd and blosc"),
     (_packed(_manifest_dict([{"path": [["dict", "a"]], "kind": "perprocess", "value": 1}])),
      r"the record of \['a'\] is invalid: it has an unknown field 'value'"),
     (_packed(_manifest_dict([_scalar("a", 1), _scalar("a", 2)])),
@@ -391,7 +406,7 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
         "absolute-data", "dotdot-data", "pack-inner", "pack-dir", "bad-kind", "no-path",
         "not-a-record", "unknown-record-key", "inline-size", "dtype", "two-storages",
         "pack-range", "pack-index", "no-pack", "store-dir", "chunk-too-large", "inner-chunk",
-        "perprocess-value", "duplicate-path", "leaf-and-parent", "sequence-gap", "mixed-children"])
+        "blosc-cname", "zstd-and-blosc", "perprocess-value", "duplicate-path", "leaf-and-parent", "sequence-gap", "mixed-children"])
 def test_decode_rejects_bad_manifests_with_a_clear_error(data, match):
   with pytest.raises(CheckpointError, match=match):
     _manifest.decode(data, LOC)
