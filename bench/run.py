@@ -106,6 +106,7 @@ def metrics_for(saves: list[dict], restores: dict[str, list[dict]]) -> dict[str,
     m[f"restore_{mesh}_s"] = per_run(rs, lambda r: r["restore_s"])
     m[f"restore_{mesh}_rss"] = per_run(rs, lambda r: r["rss_extra_bytes"])
     m[f"restore_{mesh}_cpu_s"] = per_run(rs, lambda r: r["cpu_s"])
+    m[f"restore_{mesh}_read"] = per_run(rs, lambda r: r.get("read_bytes"))
   return m
 
 
@@ -155,6 +156,10 @@ ROWS = [
     ("save_rss", "save: peak RSS over baseline (steady)", "mib", "state_bytes", "state size"),
     ("restore_a_rss", "restore same mesh: peak RSS beyond result", "mib", "state_bytes", "state size"),
     ("restore_b_rss", "restore other mesh: peak RSS beyond result", "mib", "state_bytes", "state size"),
+    ("restore_a_read", "restore same mesh: bytes read from storage", "mib", "state_bytes",
+     "state size (bytes needed)"),
+    ("restore_b_read", "restore other mesh: bytes read from storage", "mib", "state_bytes",
+     "state size (bytes needed)"),
     ("disk_bytes", "bytes on disk", "mib", "state_bytes", "state size"),
     ("files", "files on disk", "n", None, ""),
 ]

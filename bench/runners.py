@@ -302,6 +302,7 @@ def op_restore(a: dict) -> dict:
   target = states.target(leaves, states.make_mesh(a["mesh"]), a["mesh"])
   path = ckpt_path(lib, root, step)
   limits.evict(path)
+  read0 = _ts_bytes_read()
   with PeakRSS() as mem:
     prof = _profiler(a.get("profile"))
     c0 = _cpu_s()
@@ -322,7 +323,8 @@ def op_restore(a: dict) -> dict:
   # On CPU "devices" live in host RAM: the restored arrays (replicas included) are part of the
   # peak; rss_extra_bytes is what the restore needed beyond its result.
   result_bytes = sum(s.data.nbytes for x in jax.tree.leaves(restored) for s in x.addressable_shards)
-  out: dict[str, Any] = {"restore_s": dt, "cpu_s": cpu, "rss_peak_bytes": mem.peak_over_base,
+  out: dict[str, Any] = {"restore_s": dt, "cpu_s": cpu, "read_bytes": _ts_bytes_read() - read0,
+                         "rss_peak_bytes": mem.peak_over_base,
                          "rss_base_bytes": mem.base_bytes, "result_device_bytes": result_bytes,
                          "rss_extra_bytes": mem.peak_over_base - result_bytes}
   fp_file = a.get("fp_file")
@@ -337,6 +339,14 @@ def op_restore(a: dict) -> dict:
     if bad or shard_bad:
       out["verify_errors"] = (bad + [f"sharding {k}" for k in shard_bad])[:10]
   return out
+
+
+def _ts_bytes_read() -> int:
+  """Bytes TensorStore's file kvstore has read in this process so far (its own metric: both
+  libraries read through it)."""
+  import tensorstore as ts
+  got = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+  return sum(int(v.get("value", 0)) for m in got for v in m.get("values", []))
 
 
 def _zip_paths(tree, target):

@@ -418,6 +418,7 @@ class _Read:
   shape: tuple[int, ...]
   sharding: jax.sharding.Sharding | None       # None: one host numpy array
   parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
+  placed: Any = None  # a packed leaf's jax.Array, placed as soon as its read window landed
 
 
 def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
@@ -446,7 +447,9 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
   placed = dict(zip(whole, _place_all([reads[i].parts[None] for i in whole],
                                       [reads[i].sharding for i in whole])))
   for i, r in reads.items():
-    if i in placed:  # one host array (inline or packed) placed with its sharding
+    if r.placed is not None:  # a packed leaf
+      value = r.placed
+    elif i in placed:  # one host array (inline) placed with its sharding
       value = placed[i]
     elif None in r.parts:  # a host target
       value = r.parts[None]
@@ -636,7 +639,8 @@ def _finish_leaf(w: _Want, value: Any) -> Any:
 
 def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
   """Packed leaves (format 2): read their byte ranges of the packs, a window at a time; each
-  lands whole on the host (``parts[None]``), to be placed with its sharding."""
+  lands whole on the host and is placed with its sharding (``placed``) before the next
+  window is read; host targets keep the host array (``parts[None]``)."""
   packs: dict[int, ts.Future] = {}
   window: list[tuple[int, ts.Future]] = []
   held = 0
@@ -655,6 +659,7 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
       except Exception as e:
         raise _read_error(src, r.want.rec, e) from None
       r.parts[None] = _convert(r.want, _as_leaf(raw, r.want.rec.dtype, r.shape))
+    _place_landed([reads[i] for i, _ in window])
     window.clear()
     held = 0
 
@@ -673,6 +678,15 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
     window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),), batch[0])))
     held += p.nbytes
   land()
+
+
+def _place_landed(rs: list["_Read"]) -> None:
+  """Whole host arrays that just landed, placed with their shardings now (one batched
+  ``device_put``): host memory then holds one read window of them at a time, not all."""
+  todo = [r for r in rs if r.sharding is not None]
+  for r, arr in zip(todo, _place_all([r.parts[None] for r in todo], [r.sharding for r in todo])):
+    r.placed = arr
+    del r.parts[None]
 
 
 def _as_leaf(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
