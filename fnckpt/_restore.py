@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
+from . import _commit, _foreign, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
 from ._errors import CheckpointError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -86,6 +86,7 @@ class CheckpointMetadata:
   created: float
   process_count: int
   leaves: tuple[_records.Leaf, ...] = dataclasses.field(repr=False, default=())
+  format: str = "fnckpt"        # or "orbax", "safetensors" (then version, created, count are 0)
 
 
 def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
@@ -124,6 +125,23 @@ class Source:
   kv: ts.KvStore
   manifest: _records.Manifest
   commit: bytes
+  format: str = "fnckpt"
+  reader: Any = None       # a foreign format's slice reader (_foreign); None for fnckpt's own
+
+
+def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
+  """fnckpt's own checkpoint at ``path``, else an Orbax or safetensors one (``_foreign``)."""
+  if _foreign.is_file_location(path):
+    opened = _foreign.open_foreign(path, storage_options)
+  else:
+    try:
+      return open_source(path, storage_options)
+    except CheckpointError:  # also NotCommittedError: Orbax's OCDBT data is in d/, as format 1's
+      opened = _foreign.open_foreign(path, storage_options)  # None: not one either
+      if opened is None:
+        raise
+  return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
+                opened.format, opened.reader)
 
 
 def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:
@@ -141,7 +159,9 @@ def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Sou
 
 
 def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
-  """Describe a committed checkpoint without reading array data.
+  """Describe a committed checkpoint without reading array data (also an Orbax PyTree
+  checkpoint or safetensors, see :func:`restore`: their arrays' zarr metadata or headers are
+  read, and Orbax scalars).
 
   >>> import numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -149,11 +169,12 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
   >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
   (2, 3)
   """
-  src = open_source(path, storage_options)
-  return _describe(src.location, src.manifest)
+  src = _open_any(path, storage_options)
+  return _describe(src.location, src.manifest, src.format)
 
 
-def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
+def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
+              ) -> CheckpointMetadata:
   leaves = manifest.leaves
   values = [_array_metadata(r) if r.is_array else
             _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
@@ -161,7 +182,7 @@ def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
   return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
                             dict(manifest.versions), manifest.created, manifest.process_count,
-                            leaves)
+                            leaves, format)
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------
@@ -368,7 +389,11 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   """Restore a committed checkpoint.
 
   Args:
-    path: the checkpoint's location (as given to :func:`fnckpt.save`).
+    path: the checkpoint's location (as given to :func:`fnckpt.save`). Also an Orbax PyTree
+      checkpoint (its item directory, or a step directory holding one PyTree item), a
+      ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory of
+      ``.safetensors`` files (tensor names split on ``.`` are the key paths), with the same
+      matching rules.
     target: what to restore into. ``None``: host values in plain containers (dicts for dict
       keys and attributes, lists for sequences): every array as a writable ``np.ndarray``,
       typed PRNG keys as key arrays on the default device, scalars, strings, None, empty
@@ -394,7 +419,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
-  src = open_source(path, storage_options)
+  src = _open_any(path, storage_options)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:
     wants, treedef = [_Want(r) for r in records], None
@@ -520,9 +545,12 @@ class _Stream:
     """Queue every distinct slice this process's devices need of stored leaf ``i``."""
     r = self.reads[i]
     rec = r.want.rec
-    store = _store.open_array(  # no I/O: the manifest has the metadata
-        _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
-                         rec.shape), self.src.ctx, mode="read").result()
+    if self.src.reader is not None:  # Orbax, safetensors
+      read = self.src.reader.slice_reader(rec)
+    else:
+      read = functools.partial(_store.read_slice, _store.open_array(  # no I/O: the manifest
+          _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
+                           rec.shape), self.src.ctx, mode="read").result())
     itemsize = _leaves.dtype_of(rec.dtype).itemsize
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
@@ -537,7 +565,7 @@ class _Stream:
         self._flush()
       if self.batch is None:
         self.batch = ts.Batch()
-      self.pending.append((i, _store.read_slice(store, index, self.batch), devices, n))
+      self.pending.append((i, read(index, self.batch), devices, n))
       self.held += n
 
   def finish(self) -> None:
@@ -689,6 +717,8 @@ def _memory_bytes() -> int:
 
 
 def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointError:
+  if src.reader is not None:
+    return src.reader.read_error(rec, e)
   location = src.location
   if not _commit.unchanged(src.kv, src.commit):
     return _commit.changed_error(location)
