@@ -82,8 +82,10 @@ def header_length(prefix: bytes, file: str) -> int:
   return n
 
 
-def parse_header(header: bytes, file: str) -> tuple[list[Tensor], Any, int]:
+def parse_header(header: bytes, file: str, key: str | None = None
+                 ) -> tuple[list[Tensor], Any, int]:
   """The header's tensors (in buffer order), its ``__metadata__`` and the data length.
+  ``file`` names the file in errors; ``key`` (default ``file``) is its key in the kvstore.
 
   >>> h = b'{"a.0":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}'
   >>> ts_, meta, n = parse_header(h, "m.safetensors")
@@ -102,7 +104,7 @@ def parse_header(header: bytes, file: str) -> tuple[list[Tensor], Any, int]:
       isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
     raise _bad(file, "its '__metadata__' must map strings to strings")
   start = 8 + len(header)
-  tensors = [_tensor(name, entry, file, start) for name, entry in raw.items()]
+  tensors = [_tensor(name, entry, file, start, key or file) for name, entry in raw.items()]
   tensors.sort(key=lambda t: (t.begin, t.end))
   at, prev = start, None
   for t in tensors:
@@ -116,7 +118,7 @@ def parse_header(header: bytes, file: str) -> tuple[list[Tensor], Any, int]:
   return tensors, meta, at - start
 
 
-def _tensor(name: Any, entry: Any, file: str, start: int) -> Tensor:
+def _tensor(name: Any, entry: Any, file: str, start: int, key: str) -> Tensor:
   if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
     raise _bad(file, f"a tensor name must be a string of 1 to {MAX_NAME} characters")
   where = f"tensor {name!r}"
@@ -141,7 +143,7 @@ def _tensor(name: Any, entry: Any, file: str, start: int) -> Tensor:
   if end - begin != nbytes:
     raise _bad(file, f"{where}: data_offsets {offsets} hold {end - begin} bytes, its dtype "
                f"{dtype} and shape {shape} need {nbytes}")
-  return Tensor(name, file, DTYPES[dtype], tuple(shape), start + begin, start + end)
+  return Tensor(name, key, DTYPES[dtype], tuple(shape), start + begin, start + end)
 
 
 def key_paths(names: Sequence[str], where: str) -> list[tuple[tuple[str, Any], ...]]:
@@ -201,7 +203,7 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
   """Read and validate one file's header; check that the file is exactly as long as it says."""
   n = header_length(_value(_read(kv, key, slice(0, 8)), location, "its header length"), location)
   header = _value(_read(kv, key, slice(8, 8 + n)), location, f"its {n}-byte header")
-  tensors, meta, data = parse_header(header, location)
+  tensors, meta, data = parse_header(header, location, key)
   end = 8 + n + data
   last, past = _read(kv, key, slice(end - 1, end)), _read(kv, key, slice(end, end + 1))
   try:
