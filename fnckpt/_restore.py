@@ -556,8 +556,10 @@ class _Stream:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
       plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
+    held = getattr(self.src.reader, "read_bytes", None)  # a reader that reads more than n
     for index, devices in plan.items():
       n = _layout.nbytes([b - a for a, b in index], itemsize)
+      n = max(n, held(rec, index)) if held else n
       _check_memory(n, rec, self.src.location)
       while self.pending and self.held + n > self.budget:
         self._land()

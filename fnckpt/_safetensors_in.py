@@ -90,7 +90,7 @@ def parse_header(header: bytes, file: str, key: str | None = None
   >>> h = b'{"a.0":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}'
   >>> ts_, meta, n = parse_header(h, "m.safetensors")
   >>> ts_[0].dtype, ts_[0].begin, n
-  ('bfloat16', 66, 4)
+  ('bfloat16', 65, 4)
   """
   try:
     text = header.decode("utf-8")
@@ -247,6 +247,11 @@ class Reader:
     t = self.tensors[rec.index]
     return lambda index, batch=None: _Rows(self.kv, t, index, batch)
 
+  def read_bytes(self, rec: _records.Leaf, index) -> int:
+    """What reading one slice holds in memory (for restore's read budget)."""
+    t = self.tensors[rec.index]
+    return raw_bytes(t.shape, index, _records.itemsize(t.dtype))
+
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
     if isinstance(e, CheckpointError):
       return e
@@ -258,39 +263,72 @@ class Reader:
         "is complete and readable.")
 
 
+MAX_RUNS = 4096   # byte ranges per slice read
+
+
+def plan_runs(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: int,
+              max_runs: int = MAX_RUNS) -> tuple[int, list[int], int]:
+  """How to read one slice of a C-order tensor: ``(k, starts, run)``, byte ranges
+  ``[s, s + run)`` relative to the tensor's first byte, one per index of the slice's first
+  ``k`` axes, each covering the slice's range of axis ``k`` and the whole of the axes after
+  it. ``k`` is the last axis the slice does not cover whole, or an earlier one so that there
+  are at most ``max_runs`` ranges (then the ranges hold more than the slice).
+
+  >>> plan_runs((4, 6), ((1, 3), (0, 6)), 1)    # whole rows: one range
+  (0, [6], 12)
+  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1)    # columns 2..3: one range per row
+  (1, [2, 8, 14, 20], 2)
+  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1, max_runs=2)  # too many: whole rows instead
+  (0, [0], 24)
+  """
+  partial = [j for j, (lo, hi) in enumerate(index) if (lo, hi) != (0, shape[j])]
+  k = partial[-1] if partial else 0
+  while k > 0 and math.prod(hi - lo for lo, hi in index[:k]) > max_runs:
+    k -= 1
+  strides = [math.prod(shape[j + 1:]) * itemsize for j in range(len(shape))]
+  if not shape:
+    return 0, [0], itemsize
+  starts = [index[k][0] * strides[k]]
+  for j in range(k - 1, -1, -1):  # outer axes, C order
+    lo, hi = index[j]
+    starts = [i * strides[j] + s for i in range(lo, hi) for s in starts]
+  return k, starts, (index[k][1] - index[k][0]) * strides[k]
+
+
+def raw_bytes(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: int) -> int:
+  """Bytes :class:`_Rows` reads (and holds) for one slice."""
+  _, starts, run = plan_runs(shape, index, itemsize)
+  return len(starts) * run
+
+
 class _Rows:
-  """One slice of a tensor being read: the rows of its first axis that the slice covers, as
-  one byte range; ``result()`` gives the slice as a new, writable array."""
+  """One slice of a tensor being read: the byte ranges of :func:`plan_runs`; ``result()``
+  gives the slice as a new, writable array."""
 
   def __init__(self, kv: ts.KvStore, t: Tensor, index, batch):
     self.t, self.index = t, tuple(index)
-    dtype = _records.np_dtype(t.dtype)
-    self.dtype = dtype
-    if t.shape:
-      lo, hi = self.index[0]
-      row = math.prod(t.shape[1:]) * dtype.itemsize
-      self.rows = (hi - lo,) + t.shape[1:]
-      self.range = (t.begin + lo * row, t.begin + hi * row)
-    else:
-      self.rows, self.range = (), (t.begin, t.end)
-    n = self.range[1] - self.range[0]
-    self.fut = _read(kv, t.file, slice(*self.range), batch) if n else None
+    self.dtype = _records.np_dtype(t.dtype)
+    self.k, starts, self.run = plan_runs(t.shape, self.index, self.dtype.itemsize)
+    self.futs = [_read(kv, t.file, slice(t.begin + s, t.begin + s + self.run), batch)
+                 for s in starts] if self.run else []
 
   def result(self) -> np.ndarray:
-    want = self.range[1] - self.range[0]
-    if self.fut is None:
-      data = b""
-    else:
-      got = self.fut.result()
-      data = got.value if got.state == "value" else None
-      if data is None or len(data) != want:
+    parts = []
+    for f in self.futs:
+      got = f.result()
+      if got.state != "value" or len(got.value) != self.run:
         raise CheckpointError(
-            f"Tensor {self.t.name!r} of {self.t.file!r}: bytes [{self.range[0]}, "
-            f"{self.range[1]}) could not be read ({'missing' if data is None else len(data)} "
-            "bytes came back); the file changed or is truncated. Check the file.")
-    rows = np.frombuffer(data, dtype=self.dtype).reshape(self.rows)
-    rest = tuple(slice(a, b) for a, b in self.index[1:])
-    return np.array(rows[(slice(None),) + rest] if self.rows else rows)  # own copy
+            f"Tensor {self.t.name!r} of {self.t.file!r}: a byte range of {self.run} bytes "
+            f"could not be read ({'missing' if got.state != 'value' else len(got.value)} bytes "
+            "came back); the file changed or is truncated. Check the file.")
+      parts.append(got.value)
+    k, shape, index = self.k, self.t.shape, self.index
+    if not shape:
+      return np.frombuffer(b"".join(parts), dtype=self.dtype).reshape(()).copy()
+    raw_shape = tuple(hi - lo for lo, hi in index[:k + 1]) + tuple(shape[k + 1:])
+    raw = np.frombuffer(b"".join(parts), dtype=self.dtype).reshape(raw_shape)
+    rest = tuple(slice(lo, hi) for lo, hi in index[k + 1:])
+    return np.array(raw[(slice(None),) * (k + 1) + rest])  # own, writable
 
 
 def open_file(kv: ts.KvStore, key: str, location: str, prefix: str = ""

@@ -149,9 +149,10 @@ def bytes_read():
 
 
 def test_a_sharded_restore_reads_each_row_once(tmp_path):
-  """Each slice's rows are one byte range: a target sharded 8 ways along the first axis reads
-  the tensor's bytes once (plus the header), and a slice of rows reads just those rows. (That
-  each process of a job reads only its own rows: test_orbax_in's 2-process safetensors test.)"""
+  """A target sharded 8 ways along the first axis reads the tensor's bytes once (plus the
+  header); a slice of rows is one byte range, a block of columns one range per row: each reads
+  exactly its bytes. (That each process of a job reads only its own rows: test_orbax_in's
+  2-process safetensors test.)"""
   big = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)  # 1 MiB
   path = str(tmp_path / "m.safetensors")
   save_file({"big": big, "small": np.arange(10, dtype=np.float32)}, path)
@@ -169,9 +170,13 @@ def test_a_sharded_restore_reads_each_row_once(tmp_path):
   opened = _foreign.open_foreign(path, None)
   rec = next(r for r in opened.manifest.leaves if r.path == (("dict", "big"),))
   before = bytes_read()
-  rows = opened.reader.slice_reader(rec)(((256, 512), (64, 128))).result()
-  assert bytes_read() - before == 256 * 256 * 4  # rows 256..511, all columns, nothing else
-  assert same(rows, big[256:512, 64:128]) and rows.flags.writeable
+  rows = opened.reader.slice_reader(rec)(((256, 512), (0, 256))).result()
+  assert bytes_read() - before == 256 * 256 * 4  # rows 256..511: one range, nothing else
+  assert same(rows, big[256:512]) and rows.flags.writeable
+  before = bytes_read()
+  block = opened.reader.slice_reader(rec)(((256, 512), (64, 128))).result()
+  assert bytes_read() - before == 256 * 64 * 4  # one range per row: just those columns
+  assert same(block, big[256:512, 64:128]) and block.flags.writeable
 
 
 def test_rows_of_a_column_sharded_slice(tmp_path):
@@ -185,6 +190,14 @@ def test_rows_of_a_column_sharded_slice(tmp_path):
                                                         sharding=NamedSharding(mesh, P("b", "a")))})
   for shard in got["x"].addressable_shards:
     assert same(shard.data, x[shard.index])
+  # 80 x 64 = 5120 runs per slice along the last axis is more than MAX_RUNS (4096): read
+  # whole rows of the second axis instead (80 ranges), sliced on the host; a small budget
+  y = np.arange(80 * 64 * 16, dtype=np.float32).reshape(80, 64, 16)
+  save_file({"y": y}, path)
+  mesh = jax.make_mesh((8,), ("x",))
+  got = fnckpt.restore(path, {"y": NamedSharding(mesh, P(None, None, "x"))}, budget_bytes=4096)
+  for shard in got["y"].addressable_shards:
+    assert same(shard.data, y[shard.index])
 
 
 # --- header damage: every case a CheckpointError naming the file and the tensor ------------
