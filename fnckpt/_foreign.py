@@ -79,17 +79,20 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
   kv_spec, ctx, kv = _resolve(path, options)
   probes = {k: kv.read(k) for k in (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA,
                                     _safetensors_in.INDEX_NAME)}
-  try:
+  try:  # (fnckpt's own reader looked first: its error says more about an unreadable place)
     found = {k for k, f in probes.items() if f.result().state == "value"}
-  except Exception as e:
-    raise _paths.io_error(e, path, "looking for a checkpoint") from e
+  except Exception:
+    return None
   if found & {_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA}:
     return _open_orbax(path, location, kv_spec, ctx, kv, options)
   if _safetensors_in.INDEX_NAME in found:
     manifest, reader = _safetensors_in.open_index(kv, _safetensors_in.INDEX_NAME,
                                                   location + "/")
     return Opened(location, "safetensors", kv_spec, ctx, kv, manifest, reader)
-  files = [k.decode("utf-8", "replace") for k in kv.list().result()]
+  try:
+    files = [k.decode("utf-8", "replace") for k in kv.list().result()]
+  except Exception:
+    return None
   files = [f for f in files if "/" not in f and f.endswith(".safetensors")]
   if files:
     manifest, reader = _safetensors_in.open_dir(kv, files, location)

@@ -288,8 +288,8 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
     try:
       value = fut.result()
     except Exception as ex:
-      raise Reader(location, {}, {i: e.name}).read_error(
-          _records.Leaf(i, e.path, "array"), ex) from None
+      raise _bad(location, f"the scalar at {_records.keystr(e.path)} ({e.name!r}) cannot be "
+                 f"read ({_paths.error_text(ex)[:300]})") from None
     leaves[i] = _scalar_leaf(i, e, np.asarray(value), location)
   manifest = _records.Manifest(0, 0.0, 0, {"format": "orbax"}, options["custom_metadata"],
                                tuple(leaves))

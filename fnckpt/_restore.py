@@ -136,8 +136,12 @@ def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
   else:
     try:
       return open_source(path, storage_options)
-    except CheckpointError:  # also NotCommittedError: Orbax's OCDBT data is in d/, as format 1's
-      opened = _foreign.open_foreign(path, storage_options)  # None: not one either
+    except CheckpointError as e:  # also NotCommittedError: Orbax's OCDBT data is in d/, as
+      opened = _foreign.open_foreign(path, storage_options)  # format 1's; None: not one either
+      if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
+        raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
+                              "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
+                              "model.safetensors.index.json).") from None
       if opened is None:
         raise
   return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
