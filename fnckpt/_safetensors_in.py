@@ -19,6 +19,7 @@ import json
 import math
 import re
 import struct
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -242,10 +243,11 @@ class Reader:
 
   def __init__(self, kv: ts.KvStore, location: str, tensors: list[Tensor], prefix: str = ""):
     self.kv, self.location, self.tensors, self.prefix = kv, location, tensors, prefix
+    self.shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # -> _Raw
 
   def slice_reader(self, rec: _records.Leaf):
     t = self.tensors[rec.index]
-    return lambda index, batch=None: _Rows(self.kv, t, index, batch)
+    return lambda index, batch=None: _Rows(self.kv, t, index, batch, self.shared)
 
   def read_bytes(self, rec: _records.Leaf, index) -> int:
     """What reading one slice holds in memory (for restore's read budget)."""
@@ -264,30 +266,36 @@ class Reader:
 
 
 MAX_RUNS = 4096   # byte ranges per slice read
+MIN_RUN = 64 << 10  # shorter ranges cost more in requests than reading whole rows does (slices
+                    # of the same rows in one read window are then fetched once: ts.Batch)
 
 
 def plan_runs(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: int,
-              max_runs: int = MAX_RUNS) -> tuple[int, list[int], int]:
+              max_runs: int = MAX_RUNS, min_run: int = MIN_RUN) -> tuple[int, list[int], int]:
   """How to read one slice of a C-order tensor: ``(k, starts, run)``, byte ranges
   ``[s, s + run)`` relative to the tensor's first byte, one per index of the slice's first
   ``k`` axes, each covering the slice's range of axis ``k`` and the whole of the axes after
   it. ``k`` is the last axis the slice does not cover whole, or an earlier one so that there
-  are at most ``max_runs`` ranges (then the ranges hold more than the slice).
+  are at most ``max_runs`` ranges of at least ``min_run`` bytes (then the ranges hold more
+  than the slice).
 
   >>> plan_runs((4, 6), ((1, 3), (0, 6)), 1)    # whole rows: one range
   (0, [6], 12)
-  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1)    # columns 2..3: one range per row
+  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1, min_run=1)    # columns 2..3: a range per row
   (1, [2, 8, 14, 20], 2)
-  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1, max_runs=2)  # too many: whole rows instead
+  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1, max_runs=2, min_run=1)  # too many: whole rows
+  (0, [0], 24)
+  >>> plan_runs((4, 6), ((0, 4), (2, 4)), 1)    # ranges too short: whole rows
   (0, [0], 24)
   """
   partial = [j for j, (lo, hi) in enumerate(index) if (lo, hi) != (0, shape[j])]
   k = partial[-1] if partial else 0
-  while k > 0 and math.prod(hi - lo for lo, hi in index[:k]) > max_runs:
-    k -= 1
-  strides = [math.prod(shape[j + 1:]) * itemsize for j in range(len(shape))]
   if not shape:
     return 0, [0], itemsize
+  strides = [math.prod(shape[j + 1:]) * itemsize for j in range(len(shape))]
+  while k > 0 and (math.prod(hi - lo for lo, hi in index[:k]) > max_runs or
+                   (index[k][1] - index[k][0]) * strides[k] < min_run):
+    k -= 1
   starts = [index[k][0] * strides[k]]
   for j in range(k - 1, -1, -1):  # outer axes, C order
     lo, hi = index[j]
@@ -301,32 +309,52 @@ def raw_bytes(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: 
   return len(starts) * run
 
 
-class _Rows:
-  """One slice of a tensor being read: the byte ranges of :func:`plan_runs`; ``result()``
-  gives the slice as a new, writable array."""
+class _Raw:
+  """The byte ranges of one read, shared by every slice of a restore that needs the same ones
+  (slices of the same rows, different columns): fetched and converted once."""
 
-  def __init__(self, kv: ts.KvStore, t: Tensor, index, batch):
+  def __init__(self, kv: ts.KvStore, t: Tensor, starts: list[int], run: int, batch):
+    self.t, self.run, self.data = t, run, None
+    self.futs = [_read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
+                 for s in starts] if run else []
+
+  def bytes(self) -> bytes:
+    if self.data is None:
+      parts = []
+      for f in self.futs:
+        got = f.result()
+        value = got.value if got.state == "value" else None  # (each .value is a new copy)
+        if value is None or len(value) != self.run:
+          raise CheckpointError(
+              f"Tensor {self.t.name!r} of {self.t.file!r}: a byte range of {self.run} bytes "
+              f"could not be read ({'missing' if value is None else len(value)} bytes came "
+              "back); the file changed or is truncated. Check the file.")
+        parts.append(value)
+      self.data, self.futs = b"".join(parts), []
+    return self.data
+
+
+class _Rows:
+  """One slice of a tensor being read: the byte ranges of :func:`plan_runs` (shared through
+  ``shared`` with slices needing the same); ``result()`` gives the slice as a new, writable
+  array."""
+
+  def __init__(self, kv: ts.KvStore, t: Tensor, index, batch, shared):
     self.t, self.index = t, tuple(index)
     self.dtype = _records.np_dtype(t.dtype)
-    self.k, starts, self.run = plan_runs(t.shape, self.index, self.dtype.itemsize)
-    self.futs = [_read(kv, t.file, slice(t.begin + s, t.begin + s + self.run), batch)
-                 for s in starts] if self.run else []
+    self.k, starts, run = plan_runs(t.shape, self.index, self.dtype.itemsize)
+    key = (t.file, t.begin, self.k, starts[0], len(starts), run, self.index[:self.k + 1])
+    self.raw = shared.get(key)
+    if self.raw is None:
+      self.raw = shared[key] = _Raw(kv, t, starts, run, batch)
 
   def result(self) -> np.ndarray:
-    parts = []
-    for f in self.futs:
-      got = f.result()
-      if got.state != "value" or len(got.value) != self.run:
-        raise CheckpointError(
-            f"Tensor {self.t.name!r} of {self.t.file!r}: a byte range of {self.run} bytes "
-            f"could not be read ({'missing' if got.state != 'value' else len(got.value)} bytes "
-            "came back); the file changed or is truncated. Check the file.")
-      parts.append(got.value)
     k, shape, index = self.k, self.t.shape, self.index
+    data = self.raw.bytes()
     if not shape:
-      return np.frombuffer(b"".join(parts), dtype=self.dtype).reshape(()).copy()
+      return np.frombuffer(data, dtype=self.dtype).reshape(()).copy()
     raw_shape = tuple(hi - lo for lo, hi in index[:k + 1]) + tuple(shape[k + 1:])
-    raw = np.frombuffer(b"".join(parts), dtype=self.dtype).reshape(raw_shape)
+    raw = np.frombuffer(data, dtype=self.dtype).reshape(raw_shape)
     rest = tuple(slice(lo, hi) for lo, hi in index[k + 1:])
     return np.array(raw[(slice(None),) * (k + 1) + rest])  # own, writable
 

@@ -150,8 +150,8 @@ def bytes_read():
 
 def test_a_sharded_restore_reads_each_row_once(tmp_path):
   """A target sharded 8 ways along the first axis reads the tensor's bytes once (plus the
-  header); a slice of rows is one byte range, a block of columns one range per row: each reads
-  exactly its bytes. (That each process of a job reads only its own rows: test_orbax_in's
+  header); a slice of rows is one byte range, a block of columns one range per row when those
+  are at least 64 KiB (else whole rows). (That each process of a job reads only its own rows: test_orbax_in's
   2-process safetensors test.)"""
   big = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)  # 1 MiB
   path = str(tmp_path / "m.safetensors")
@@ -175,8 +175,15 @@ def test_a_sharded_restore_reads_each_row_once(tmp_path):
   assert same(rows, big[256:512]) and rows.flags.writeable
   before = bytes_read()
   block = opened.reader.slice_reader(rec)(((256, 512), (64, 128))).result()
-  assert bytes_read() - before == 256 * 64 * 4  # one range per row: just those columns
+  assert bytes_read() - before == 256 * 256 * 4  # 256-byte pieces of rows: whole rows instead
   assert same(block, big[256:512, 64:128]) and block.flags.writeable
+  wide = np.arange(32 * 32768, dtype=np.float32).reshape(32, 32768)   # rows of 128 KiB
+  save_file({"wide": wide}, path)
+  opened = _foreign.open_foreign(path, None)
+  before = bytes_read()
+  half = opened.reader.slice_reader(opened.manifest.leaves[0])(((8, 24), (16384, 32768)))
+  assert same(half.result(), wide[8:24, 16384:])
+  assert bytes_read() - before == 16 * 16384 * 4  # 64 KiB pieces: one range per row
 
 
 def test_rows_of_a_column_sharded_slice(tmp_path):
