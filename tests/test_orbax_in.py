@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,9 @@ def saved(tmp_path_factory):
   paths["manager-step"] = str(root / "manager" / "7")
   paths["manager-item"] = str(root / "manager" / "7" / "default")
   paths["v1"] = str(root / "v1")
-  ocp.v1.save_pytree(paths["v1"], state)
+  with warnings.catch_warnings():  # 0.12.8: "Use `save` instead" (the contract names save_pytree)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    ocp.v1.save_pytree(paths["v1"], state)
   return paths, state, mesh
 
 
@@ -104,7 +107,6 @@ KINDS = ["standard", "pytree-ocdbt1-zarr3", "pytree-ocdbt1-zarr2", "pytree-ocdbt
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.filterwarnings("ignore:Use `save` instead:DeprecationWarning")
 def test_restore_same_and_other_mesh_bitwise(saved, kind):
   paths, state, mesh = saved
   path = paths[kind]
@@ -308,3 +310,41 @@ def test_safetensors_rows_read_per_process(tmp_path):
   for r in out:
     assert r["checked_shards"] == 4
     assert half <= r["bytes_read"] <= half + 4096, r
+
+
+def upload(local_dir, url, options):
+  """Every file under ``local_dir`` to the directory ``url`` (through TensorStore's kvstore)."""
+  from fnckpt import _paths
+  kv = _paths.open_kvstore(url, options)
+  for root, _, files in os.walk(local_dir):
+    for f in files:
+      full = os.path.join(root, f)
+      kv.write(os.path.relpath(full, local_dir), open(full, "rb").read()).result()
+
+
+def test_orbax_and_safetensors_on_s3(saved, s3_env, tmp_path):
+  """The same readers on a real local S3 server (SeaweedFS): an Orbax OCDBT checkpoint (a
+  manager step) and a safetensors index with its shards, restored onto sharded targets."""
+  from safetensors.numpy import save_file
+  paths, state, mesh = saved
+  options = s3_env.storage_options
+  url = s3_env.unique_url("orbax")
+  upload(os.path.dirname(paths["manager-step"]), url, options)
+  target = target_on(mesh, state, {"['params']['w']": P("model", "data")})
+  got = fnckpt.restore(url + "/7", target, storage_options=options)
+  assert_restored(got, jax.tree.map(np.asarray, state), target)
+  assert fnckpt.metadata(url + "/7", storage_options=options).format == "orbax"
+  d = tmp_path / "st"
+  d.mkdir()
+  w = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+  save_file({"a.w": w}, str(d / "one.safetensors"))
+  save_file({"b": np.ones(3, np.int8)}, str(d / "two.safetensors"))
+  (d / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"a.w": "one.safetensors", "b": "two.safetensors"}}))
+  url = s3_env.unique_url("st")
+  upload(str(d), url, options)
+  got = fnckpt.restore(url + "/model.safetensors.index.json",
+                       {"a": {"w": NamedSharding(mesh, P("data", "model"))}}, partial=True,
+                       storage_options=options)
+  assert same(got["a"]["w"], w) and got["a"]["w"].sharding.spec == P("data", "model")
+  assert same(fnckpt.restore(url, storage_options=options)["b"], np.ones(3, np.int8))
