@@ -132,6 +132,8 @@ def test_metadata(saved, kind):
   assert w.shape == (64, 32) and w.dtype == np.float32 and w.stored == "params.w"
   assert w.sharding.spec == P("data", "model") and w.sharding.sizes == (2, 4)
   assert meta.tree["params"]["e"].dtype == jnp.bfloat16
+  assert meta.tree["params"]["e"].sharding.spec == P(None, "data")
+  assert meta.tree["params"]["b"].sharding.spec == P()
   assert meta.tree["host"].sharding is None and meta.tree["host"].shape == (10,)
   assert meta.tree["step"] == 7 and meta.tree["lr"] == 0.25
   assert meta.location.endswith("default" if kind == "manager-step" else
