@@ -208,8 +208,10 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
   end = 8 + n + data
   last, past = _read(kv, key, slice(end - 1, end)), _read(kv, key, slice(end, end + 1))
   try:
-    last_ok = last.result().state == "value" and len(last.result().value) == 1
-  except Exception:
+    last_ok = last.result().state == "value"
+  except ValueError as e:
+    if "OUT_OF_RANGE" not in str(e):
+      raise CheckpointError(f"Cannot read {location!r} (its last byte): {e}") from None
     last_ok = False
   if not last_ok:
     who = tensors[-1].name if tensors else "the header"
