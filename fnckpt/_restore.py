@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _foreign, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
+from . import _commit, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
 from ._errors import CheckpointError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -131,6 +131,7 @@ class Source:
 
 def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
   """fnckpt's own checkpoint at ``path``, else an Orbax or safetensors one (``_foreign``)."""
+  from . import _foreign  # (imported here: the CLI and save never need it)
   if _foreign.is_file_location(path):
     opened = _foreign.open_foreign(path, storage_options)
   else:
