@@ -350,3 +350,31 @@ def test_orbax_and_safetensors_on_s3(saved, s3_env, tmp_path):
                        storage_options=options)
   assert same(got["a"]["w"], w) and got["a"]["w"].sharding.spec == P("data", "model")
   assert same(fnckpt.restore(url, storage_options=options)["b"], np.ones(3, np.int8))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
+    ["", "a", "0", "..", "a/b", "jax.Array", "scalar", "Dict", "key", "key_type"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["key", "key_type", "key_metadata", "value_metadata", "value_type", "x"]), inner,
+        max_size=3), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=st.dictionaries(st.text(max_size=4), _JSON, max_size=4),
+       use_ocdbt=st.sampled_from([True, False, 1, None]))
+def test_any_metadata_json_is_an_error_or_valid_entries(tree, use_ocdbt):
+  """_METADATA is untrusted JSON: parsing gives well-formed entries or a CheckpointError."""
+  from fnckpt import _orbax_in
+  try:
+    entries, options = _orbax_in.parse_metadata(
+        {"tree_metadata": tree, "use_ocdbt": use_ocdbt}, "loc")
+  except fnckpt.CheckpointError as e:
+    assert "'loc'" in str(e)
+    return
+  assert options["use_ocdbt"] in (True, False)
+  for e in entries:
+    assert e.path and all(kind in ("seq", "dict") for kind, _ in e.path)
+    assert ".." not in e.name.split("/")

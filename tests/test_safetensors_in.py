@@ -346,3 +346,77 @@ def test_a_file_changed_after_its_header_was_read(tmp_path):
     opened.reader.slice_reader(rec)(((0, 1000),)).result()
   err = opened.reader.read_error(rec, info.value)
   assert isinstance(err, fnckpt.CheckpointError) and "'w'" in str(err)
+
+
+# --- any damage to a header: a CheckpointError or a valid read, nothing else ----------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SMALL = {"a.0": np.arange(6, dtype=np.float32).reshape(2, 3),
+          "a.1": np.arange(4).astype(ml_dtypes.bfloat16), "b": np.array([1, 2], np.uint8)}
+
+
+def _small_file() -> bytes:
+  from safetensors.numpy import save
+  return save(_SMALL, metadata={"k": "v"})
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_header_damage_is_an_error_or_a_valid_header(data):
+  """Flipped, replaced, inserted or removed header bytes, and any cut of the file: parsing
+  (and checking the file's length against the header) raises CheckpointError or gives tensors
+  that tile the file's data exactly; never another exception."""
+  from fnckpt import _safetensors_in as sti
+  raw = bytearray(_small_file())
+  n = struct.unpack("<Q", raw[:8])[0]
+  edit = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "cut"]))
+  at = data.draw(st.integers(0, 8 + n - 1))
+  if edit == "flip":
+    raw[at] ^= 1 << data.draw(st.integers(0, 7))
+  elif edit == "set":
+    raw[at] = data.draw(st.sampled_from(b'{}[]",:0123456789 .-eE\x00\xff'))
+  elif edit == "insert":
+    raw[at:at] = data.draw(st.binary(min_size=1, max_size=4))
+  elif edit == "delete":
+    del raw[at]
+  else:
+    raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+  try:
+    length = sti.header_length(bytes(raw[:8]), "f")
+    if len(raw) < 8 + length:
+      return  # (read_tensors reports it: test_header_damage_is_a_checkpoint_error)
+    tensors, _, size = sti.parse_header(bytes(raw[8:8 + length]), "f")
+  except fnckpt.CheckpointError:
+    return
+  assert sum(t.end - t.begin for t in tensors) == size
+  for t in tensors:
+    assert t.end - t.begin == int(np.prod(t.shape)) * np.dtype(jnp.dtype(t.dtype)).itemsize
+
+
+def test_damaged_files_through_restore(tmp_path):
+  """The same kinds of damage through fnckpt.restore on real files: CheckpointError, or a
+  read of tensors of the saved shapes (a flipped data byte is read as it is: safetensors has
+  no checksums)."""
+  raw = _small_file()
+  n = struct.unpack("<Q", raw[:8])[0]
+  rng = np.random.default_rng(0)
+  path = tmp_path / "f.safetensors"
+  outcomes = set()
+  for i in range(60):
+    b = bytearray(raw)
+    at = int(rng.integers(0, len(b))) if i % 3 else int(rng.integers(0, 8 + n))
+    b[at] ^= 1 << int(rng.integers(0, 8))
+    if i % 5 == 0:
+      b = b[:int(rng.integers(0, len(b)))]
+    path.write_bytes(bytes(b))
+    try:
+      got = fnckpt.restore(str(path))
+    except fnckpt.CheckpointError as e:
+      assert "f.safetensors" in str(e)
+      outcomes.add("error")
+      continue
+    outcomes.add("read")
+    assert {np.shape(x) for x in jax.tree.leaves(got)} <= {(2, 3), (4,), (2,)}
+  assert "error" in outcomes
