@@ -177,6 +177,24 @@ def test_strings_and_empty_containers(tmp_path):
   assert got["lst"] == [] and same(got["x"], np.arange(3))
 
 
+def test_optax_state_into_its_own_classes(tmp_path):
+  """Orbax saves attribute names (optax's namedtuples) as dict keys; fnckpt matches by key, so
+  an Orbax-saved AdamW state restores into the target's own classes."""
+  import optax
+  params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+  opt = optax.adamw(1e-3)
+  state = {"params": params, "opt": jax.tree.map(lambda x: x + 1, opt.init(params)), "step": 3}
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(str(tmp_path / "o"), state)
+  ckpt.wait_until_finished()
+  target = jax.eval_shape(lambda: {"params": params, "opt": opt.init(params), "step": 0})
+  got = fnckpt.restore(str(tmp_path / "o"), target)
+  assert jax.tree.structure(got) == jax.tree.structure(state)
+  assert type(got["opt"][0]).__name__ == "ScaleByAdamState" and int(got["opt"][0].count) == 1
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+    assert same(g, np.asarray(w, dtype=np.asarray(g).dtype))
+
+
 def copy(src, dst):
   shutil.copytree(src, dst)
   return str(dst)
