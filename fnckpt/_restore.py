@@ -77,7 +77,10 @@ class ArrayMetadata:
 @dataclasses.dataclass(frozen=True)
 class CheckpointMetadata:
   """A checkpoint's description. ``tree``: nested dicts/lists with :class:`ArrayMetadata` for
-  arrays and the values themselves for everything else."""
+  arrays and the values themselves for everything else. ``format``: ``"fnckpt"``, or
+  ``"orbax"`` / ``"safetensors"`` for checkpoints of those libraries (their
+  ``format_version``, ``created`` and ``process_count`` are 0: not recorded; an Orbax
+  checkpoint's ``custom_metadata`` or a safetensors ``__metadata__`` is ``user_metadata``)."""
   location: str
   tree: Any
   user_metadata: Any
@@ -86,7 +89,7 @@ class CheckpointMetadata:
   created: float
   process_count: int
   leaves: tuple[_records.Leaf, ...] = dataclasses.field(repr=False, default=())
-  format: str = "fnckpt"        # or "orbax", "safetensors" (then version, created, count are 0)
+  format: str = "fnckpt"
 
 
 def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
