@@ -46,21 +46,25 @@ def _bytes_read() -> int:
   return 0
 
 
-def mode_safetensors_rows(cfg):
-  """Restore the tensor ``name`` (``shape``, float32, values ``arange``) of the safetensors
-  file ``path`` sharded along its rows over every device of the job; check this process's
-  shards and report how many bytes this process read."""
+def rows_value(shape) -> np.ndarray:
+  """The test tensor of the per-process read tests: random (incompressible) float32."""
+  return np.random.default_rng(0).standard_normal(tuple(shape), dtype=np.float32)
+
+
+def mode_rows(cfg):
+  """Restore the tensor ``name`` (``shape``, values :func:`rows_value`) of the checkpoint at
+  ``path`` (safetensors or Orbax) sharded along its rows over every device of the job; check
+  this process's shards and report how many bytes of files this process read."""
   import jax
   import fnckpt
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = make_mesh([jax.device_count()], ["x"])
   shape = tuple(cfg["shape"])
-  want = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
   before = _bytes_read()
   got = fnckpt.restore(cfg["path"], {cfg["name"]: jax.ShapeDtypeStruct(
       shape, np.float32, sharding=NamedSharding(mesh, P("x")))}, partial=True)
   used = _bytes_read() - before
-  checked = mp_worker.check_addressable(cfg["name"], got[cfg["name"]], want)
+  checked = mp_worker.check_addressable(cfg["name"], got[cfg["name"]], rows_value(shape))
   result({"process": jax.process_index(), "bytes_read": used, "checked_shards": checked})
 
 

@@ -317,19 +317,33 @@ def test_2_process_orbax_save_restored_on_4_processes(two_process_save):
   assert [r["checked_shards"] for r in out] == [8] * 4
 
 
-def test_safetensors_rows_read_per_process(tmp_path):
-  """2 processes restore one safetensors tensor sharded along its rows: each reads its own
-  half of the tensor's bytes (plus the header), not the whole file."""
+def test_each_process_reads_only_its_rows(tmp_path):
+  """2 processes restore one tensor sharded along its rows, from a safetensors file and from
+  an Orbax checkpoint (OCDBT, saved with 8 row shards): each reads its own half of the
+  tensor's bytes (plus headers and metadata), not the whole."""
   from safetensors.numpy import save_file
-  shape = (1024, 512)                          # 2 MiB of float32
+  import interop_worker
+  shape = (1024, 512)                          # 2 MiB of random float32
+  value = interop_worker.rows_value(shape)
   path = str(tmp_path / "m.safetensors")
-  save_file({"w": np.arange(np.prod(shape), dtype=np.float32).reshape(shape),
-             "other": np.zeros((256, 1024), np.float32)}, path)
-  out = group({"mode": "safetensors_rows", "path": path, "name": "w", "shape": list(shape)}, 2)
-  half = 1024 * 512 * 4 // 2
+  save_file({"w": value, "other": np.zeros((256, 1024), np.float32)}, path)
+  out = group({"mode": "rows", "path": path, "name": "w", "shape": list(shape)}, 2)
+  half = value.nbytes // 2
   for r in out:
     assert r["checked_shards"] == 4
     assert half <= r["bytes_read"] <= half + 4096, r
+  mesh = jax.make_mesh((8,), ("x",))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(str(tmp_path / "orbax"), {"w": jax.device_put(value, NamedSharding(mesh, P("x"))),
+                                      "other": np.zeros((256, 1024), np.float32)})
+  ckpt.wait_until_finished()
+  out = group({"mode": "rows", "path": str(tmp_path / "orbax"), "name": "w",
+               "shape": list(shape)}, 2)
+  stored = sum(os.path.getsize(os.path.join(root, f))  # every file Orbax wrote: chunks
+               for root, _, files in os.walk(tmp_path / "orbax") for f in files)  # (zstd) + all
+  for r in out:
+    assert r["checked_shards"] == 4
+    assert 0.4 * stored <= r["bytes_read"] <= 0.6 * stored, (r, stored)
 
 
 def upload(local_dir, url, options):
