@@ -236,8 +236,8 @@ class Reader:
                  _paths.read_failure(e), f"reading failed ({type(e).__name__}: {text})")
     return CheckpointError(
         f"Cannot restore {rec.where} from the Orbax checkpoint at {self.location!r} (array "
-        f"{self.names[rec.index]!r}): {cause}. Check the checkpoint (Orbax's own restore "
-        f"reports the same damage). [{text}]")
+        f"{self.names[rec.index]!r}): {cause}. The checkpoint is damaged or incomplete; "
+        f"restore an earlier step. [{text}]")
 
 
 def _open_arrays(kv_spec, ctx, entries, options) -> dict[int, ts.Future]:
