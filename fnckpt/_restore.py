@@ -77,7 +77,10 @@ class ArrayMetadata:
 @dataclasses.dataclass(frozen=True)
 class CheckpointMetadata:
   """A checkpoint's description. ``tree``: nested dicts/lists with :class:`ArrayMetadata` for
-  arrays and the values themselves for everything else."""
+  arrays and the values themselves for everything else. ``format``: ``"fnckpt"``, or
+  ``"orbax"`` / ``"safetensors"`` for checkpoints of those libraries (their
+  ``format_version``, ``created`` and ``process_count`` are 0: not recorded; an Orbax
+  checkpoint's ``custom_metadata`` or a safetensors ``__metadata__`` is ``user_metadata``)."""
   location: str
   tree: Any
   user_metadata: Any
@@ -86,6 +89,7 @@ class CheckpointMetadata:
   created: float
   process_count: int
   leaves: tuple[_records.Leaf, ...] = dataclasses.field(repr=False, default=())
+  format: str = "fnckpt"
 
 
 def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
@@ -124,6 +128,28 @@ class Source:
   kv: ts.KvStore
   manifest: _records.Manifest
   commit: bytes
+  format: str = "fnckpt"
+  reader: Any = None       # a foreign format's slice reader (_foreign); None for fnckpt's own
+
+
+def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
+  """fnckpt's own checkpoint at ``path``, else an Orbax or safetensors one (``_foreign``)."""
+  from . import _foreign  # (imported here: the CLI and save never need it)
+  if _foreign.is_file_location(path):
+    opened = _foreign.open_foreign(path, storage_options)
+  else:
+    try:
+      return open_source(path, storage_options)
+    except CheckpointError as e:  # also NotCommittedError: Orbax's OCDBT data is in d/, as
+      opened = _foreign.open_foreign(path, storage_options)  # format 1's; None: not one either
+      if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
+        raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
+                              "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
+                              "model.safetensors.index.json).") from None
+      if opened is None:
+        raise
+  return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
+                opened.format, opened.reader)
 
 
 def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:
@@ -141,7 +167,9 @@ def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Sou
 
 
 def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
-  """Describe a committed checkpoint without reading array data.
+  """Describe a committed checkpoint without reading array data (also an Orbax PyTree
+  checkpoint or safetensors, see :func:`restore`: their arrays' zarr metadata or headers are
+  read, and Orbax scalars).
 
   >>> import numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -149,11 +177,12 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
   >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
   (2, 3)
   """
-  src = open_source(path, storage_options)
-  return _describe(src.location, src.manifest)
+  src = _open_any(path, storage_options)
+  return _describe(src.location, src.manifest, src.format)
 
 
-def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
+def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
+              ) -> CheckpointMetadata:
   leaves = manifest.leaves
   values = [_array_metadata(r) if r.is_array else
             _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
@@ -161,7 +190,7 @@ def _describe(location: str, manifest: dict[str, Any]) -> CheckpointMetadata:
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
   return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
                             dict(manifest.versions), manifest.created, manifest.process_count,
-                            leaves)
+                            leaves, format)
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------
@@ -368,7 +397,11 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   """Restore a committed checkpoint.
 
   Args:
-    path: the checkpoint's location (as given to :func:`fnckpt.save`).
+    path: the checkpoint's location (as given to :func:`fnckpt.save`). Also an Orbax PyTree
+      checkpoint (its item directory, or a step directory holding one PyTree item), a
+      ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory of
+      ``.safetensors`` files (tensor names split on ``.`` are the key paths), with the same
+      matching rules.
     target: what to restore into. ``None``: host values in plain containers (dicts for dict
       keys and attributes, lists for sequences): every array as a writable ``np.ndarray``,
       typed PRNG keys as key arrays on the default device, scalars, strings, None, empty
@@ -394,7 +427,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
-  src = open_source(path, storage_options)
+  src = _open_any(path, storage_options)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:
     wants, treedef = [_Want(r) for r in records], None
@@ -523,16 +556,21 @@ class _Stream:
     """Queue every distinct slice this process's devices need of stored leaf ``i``."""
     r = self.reads[i]
     rec = r.want.rec
-    store = _store.open_array(  # no I/O: the manifest has the metadata
-        _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
-                         rec.shape), self.src.ctx, mode="read").result()
+    if self.src.reader is not None:  # Orbax, safetensors
+      read = self.src.reader.slice_reader(rec)
+    else:
+      read = functools.partial(_store.read_slice, _store.open_array(  # no I/O: the manifest
+          _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
+                           rec.shape), self.src.ctx, mode="read").result())
     itemsize = _leaves.dtype_of(rec.dtype).itemsize
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
       plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
+    held = getattr(self.src.reader, "read_bytes", None)  # a reader that reads more than n
     for index, devices in plan.items():
       n = _layout.nbytes([b - a for a, b in index], itemsize)
+      n = max(n, held(rec, index)) if held else n
       _check_memory(n, rec, self.src.location)
       while self.pending and self.held + n > self.budget:
         self._land()
@@ -540,7 +578,7 @@ class _Stream:
         self._flush()
       if self.batch is None:
         self.batch = ts.Batch()
-      self.pending.append((i, _store.read_slice(store, index, self.batch), devices, n))
+      self.pending.append((i, read(index, self.batch), devices, n))
       self.held += n
 
   def finish(self) -> None:
@@ -718,6 +756,8 @@ def _memory_bytes() -> int:
 
 
 def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointError:
+  if src.reader is not None:
+    return src.reader.read_error(rec, e)
   location = src.location
   if not _commit.unchanged(src.kv, src.commit):
     return _commit.changed_error(location)
