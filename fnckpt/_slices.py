@@ -4,8 +4,10 @@
 leaf cut into C-order contiguous blocks (:func:`blocks`, aligned to the stored inner chunks
 where they fit), so the pieces of a leaf concatenated are its bytes in C order. Reads go
 through restore's code (``_restore.Source``, ``_store`` specs opened without I/O, restore's
-error classification); at most ``window`` bytes are held at once, counting the piece the
-caller is working on, and several reads are in flight so storage stays busy. Inline leaves
+error classification); at most ``window`` bytes of host memory are held at once, counting
+the piece the caller is working on and charging each read twice its size (TensorStore holds
+the raw bytes beside the decoded piece, as save's budget counts them), with several reads in
+flight so storage stays busy. Inline leaves
 come from the manifest, packed ones as byte ranges of their pack, stored ones as slices of
 their zarr3 array.
 """
@@ -40,8 +42,8 @@ class Piece:
 class Window:
   """The read window: its limit, and what it saw (for stats and tests)."""
   limit: int
-  peak: int = 0                   # most bytes held at once
-  largest: int = 0                # the largest single piece
+  peak: int = 0                   # most bytes held at once (reads charged twice their size)
+  largest: int = 0                # the largest single read (as charged)
   reads: int = 0
 
 
@@ -122,18 +124,18 @@ class _Reader:
 def pieces(src: _restore.Source, leaves: Sequence[_records.Leaf], window: Window
            ) -> Iterator[Piece]:
   """Every array leaf of ``leaves``, in order, as C-order pieces (see the module). Blocks are
-  at most a quarter of the window (so about four reads are in flight), or one aligned inner
-  chunk row when that fits the window; a read error is restore's CheckpointError naming the
-  leaf and its storage path."""
+  at most an eighth of the window (so about four reads are in flight, each charged twice), or
+  one aligned inner chunk row when that fits; a read error is restore's CheckpointError
+  naming the leaf and its storage path."""
   reader = _Reader(src)
   pending: collections.deque = collections.deque()
   held = 0
   for leaf in leaves:
     size = _records.itemsize(leaf.dtype)
     align = leaf.stored.inner if leaf.stored is not None else None
-    limit = max(window.limit // 4, _aligned_row(leaf, size, window.limit))
+    limit = max(window.limit // 8, _aligned_row(leaf, size, window.limit // 2))
     for index in blocks(leaf.shape, size, limit, align):
-      n = math.prod(b - a for a, b in index) * size
+      n = math.prod(b - a for a, b in index) * size * (1 if leaf.inline is not None else 2)
       while pending and held + n > window.limit:
         held -= yield from _land(reader, pending)
       pending.append((leaf, index, reader.start(leaf, index), n))
