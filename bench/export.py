@@ -11,7 +11,10 @@ RSS counter (``/proc/self/clear_refs``), and reports:
 
 - ``MB/s``: tensor bytes written / wall time of ``export_safetensors`` (fsync included);
 - ``peak RSS over baseline``: VmHWM after the export minus VmRSS just before it;
-- ``window peak``: the most checkpoint bytes the export held at once (``peak_read_bytes``).
+- ``CPU seconds``: user + system time of the process during the export (less sensitive than
+  wall time to other work on the machine);
+- ``window peak``: the most bytes the export's reads held at once (``peak_read_bytes``; each
+  read charged twice its size).
 
 Modes: one ``.safetensors`` file; a directory of 256 MB shards; one file cast to bfloat16.
 For contrast, ``restore + save_file`` does what a user would write without export: restore
@@ -39,7 +42,7 @@ MiB = 1 << 20
 
 # Runs in a fresh interpreter: argv = checkpoint, out, mode, window bytes.
 WORKER = r"""
-import json, os, sys, time
+import json, os, resource, sys, time
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, sys.argv[5])
 import numpy as np, fnckpt
@@ -53,6 +56,7 @@ fnckpt.metadata(ckpt)  # imports and first-use costs outside the measurement
 limits.evict(ckpt)
 open("/proc/self/clear_refs", "w").write("5")
 base = status("VmRSS")
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 if mode == "restore+save_file":
   from safetensors.numpy import save_file
@@ -65,7 +69,9 @@ else:
   r = fnckpt.export_safetensors(ckpt, out, budget_bytes=window, **kw)
   nbytes, peak = r.bytes, r.peak_read_bytes
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "bytes": nbytes, "rss_over_base": status("VmHWM") - base,
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "bytes": nbytes, "rss_over_base": status("VmHWM") - base,
                   "window_peak": peak}))
 """
 
@@ -109,8 +115,10 @@ def main(argv=None) -> int:
     print(f"state {state_bytes / MiB:.0f} MiB, read window {args.window_mib} MiB, "
           f"{args.runs} run(s) per mode; disk write+fsync {disk['disk_write_gbps']:.2f} GB/s, "
           f"cold read {disk['disk_read_cold_gbps']:.2f} GB/s\n")
-    print("| mode | MB/s (median) | seconds | peak RSS over baseline | window peak |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(f"load average at start: {os.getloadavg()[0]:.1f}\n")
+    print("| mode | MB/s (median) | seconds | CPU seconds | peak RSS over baseline | "
+          "window peak |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     results = {"disk": disk, "state_bytes": state_bytes, "window": window, "modes": {}}
     for mode in args.modes.split(","):
       runs = []
@@ -120,10 +128,12 @@ def main(argv=None) -> int:
         shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else os.unlink(out)
       results["modes"][mode] = runs
       secs = statistics.median(r["seconds"] for r in runs)
+      cpu = statistics.median(r["cpu_seconds"] for r in runs)
       rss = max(r["rss_over_base"] for r in runs)
       peak = runs[0]["window_peak"]
-      print(f"| {mode} | {runs[0]['bytes'] / secs / 1e6:.0f} | {secs:.2f} | "
+      print(f"| {mode} | {runs[0]['bytes'] / secs / 1e6:.0f} | {secs:.2f} | {cpu:.2f} | "
             f"{rss / MiB:.0f} MiB (max) | {'-' if peak is None else f'{peak / MiB:.0f} MiB'} |")
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
     if args.json:
       with open(args.json, "w") as f:
         json.dump(results, f, indent=2)

@@ -420,3 +420,15 @@ def test_plan_splits_files_in_order_and_aligns_tensors():
                                        "model-00002-of-00002.safetensors"]
   assert all(len(f.header) % 8 == 0 for f in p.files)
   assert json.loads(p.index)["metadata"]["total_size"] == 827 == p.total_bytes
+
+
+def test_from_s3(s3_env, tmp_path):
+  """A checkpoint on S3 (local SeaweedFS) exported with its storage_options."""
+  url = s3_env.unique_url("export")
+  host = {"w": np.arange(300_000, dtype=np.float32).reshape(600, 500),  # its own zarr array
+          "b": np.arange(8, dtype=np.int16)}
+  fnckpt.save(host, url, storage_options=s3_env.storage_options, pack_bytes=0).wait()
+  out = tmp_path / "s3.safetensors"
+  fnckpt.export_safetensors(url, out, storage_options=s3_env.storage_options,
+                            budget_bytes=256 << 10)
+  assert_same(read_back(out), host)
