@@ -218,8 +218,7 @@ def _publish(tmp: str, target: str, overwrite: bool) -> None:
       if overwrite:
         os.replace(tmp, target)
       else:  # exclusive: fails if it appeared meanwhile
-        os.link(tmp, target)
-        os.unlink(tmp)
+        _link_or_rename(tmp, target)
     else:
       _publish_dir(tmp, target, overwrite)
     fd = os.open(parent, os.O_RDONLY)
@@ -233,6 +232,21 @@ def _publish(tmp: str, target: str, overwrite: bool) -> None:
   except OSError as e:
     raise CheckpointError(f"Cannot move the export into place at {target!r} "
                           f"({type(e).__name__}: {e}).") from None
+
+
+def _link_or_rename(tmp: str, target: str) -> None:
+  """Move a file to ``target`` unless something is there: ``os.link`` (atomic), or, where the
+  file system has no hard links, a check then ``os.rename``."""
+  try:
+    os.link(tmp, target)
+  except FileExistsError:
+    raise
+  except OSError:
+    if os.path.lexists(target):
+      raise FileExistsError(target) from None
+    os.rename(tmp, target)
+    return
+  os.unlink(tmp)
 
 
 def _publish_dir(tmp: str, target: str, overwrite: bool) -> None:
