@@ -217,8 +217,8 @@ def _check_names(tensors, metadata, location: str) -> None:
   problems = []
   for name, leaf, _ in tensors:
     if not name:
-      problems.append(f"{leaf.where}: its name is empty (the selection is this one array); "
-                      "give prefix=")
+      problems.append(f"{leaf.where}: its name is empty (the checkpoint is one array, or "
+                      "rename= left nothing of it); give prefix=")
     elif name == "__metadata__" or name in seen:
       other = seen.get(name, "the header's __metadata__")
       problems.append(f"{leaf.where}: its name {name!r} is also that of {other}; rename= or "
