@@ -120,7 +120,7 @@ def _selected(leaves: Sequence[_records.Leaf], select: tuple[str, ...], select_a
     keys = tuple(str(k) for _, k in leaf.path)
     if keys[:n] == select:
       out.append((leaf, keys[n:] or keys[-1:]))
-  if not out:
+  if not out and select:
     tops = sorted({str(l.path[0][1]) for l in leaves if l.path})
     raise CheckpointError(
         f"select={select_arg!r} matches no key path of the checkpoint at {location!r}; its "

@@ -197,6 +197,10 @@ def test_select_dtype_prefix_rename(saved, tmp_path):
   out2 = tmp_path / "ints.safetensors"
   fnckpt.export_safetensors(path, out2, select=["ints"], dtype="float8_e4m3fn")
   assert_same(read_back(out2), arrays(host, ["ints"]))
+  out_fp8 = tmp_path / "fp8.safetensors"
+  fnckpt.export_safetensors(path, out_fp8, select="params.dense", dtype="float8_e5m2")
+  assert_same(read_back(out_fp8), {k: a.astype(ml_dtypes.float8_e5m2)
+                                   for k, a in arrays(host, ["params", "dense"]).items()})
   out3 = tmp_path / "one.safetensors"
   fnckpt.export_safetensors(path, out3, select="params.layers.0.w", dtype=jnp.float32)
   assert_same(read_back(out3), {"w": host["params"]["layers"][0]["w"].astype(np.float32)})
@@ -432,3 +436,28 @@ def test_from_s3(s3_env, tmp_path):
   fnckpt.export_safetensors(url, out, storage_options=s3_env.storage_options,
                             budget_bytes=256 << 10)
   assert_same(read_back(out), host)
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs=st.lists(st.tuples(st.sampled_from(sorted(_export_plan.SAFETENSORS_DTYPES)),
+                                st.lists(st.integers(0, 5), max_size=3)), max_size=8),
+       max_size=st.integers(1, 200), single=st.booleans())
+def test_planned_headers_are_valid_safetensors(specs, max_size, single):
+  """Any plan's files, filled with zeros, are parsed by the library with the planned names,
+  dtypes and shapes, and the index maps every name to its file."""
+  leaves = [_records.Leaf(i, (("dict", "t"), ("seq", i)), "array", dt, tuple(shape),
+                          inline=bytes(math.prod(shape) * _records.itemsize(dt)))
+            for i, (dt, shape) in enumerate(specs)]
+  p = _export_plan.plan(leaves, "c", single="x.safetensors" if single else None,
+                        max_shard_size=None if single else max_size)
+  found = {}
+  for f in p.files:
+    data = f.header + bytes(f.size - len(f.header))
+    for name, v in deserialize(data):
+      found[name] = (v["dtype"], tuple(v["shape"]), len(v["data"]), f.name)
+  assert found == {f"t.{l.index}": (_export_plan.SAFETENSORS_DTYPES[l.dtype], l.shape,
+                                    l.nbytes, found[f"t.{l.index}"][3]) for l in leaves}
+  if not single:
+    index = json.loads(p.index)
+    assert index["weight_map"] == {k: v[3] for k, v in found.items()}
+    assert index["metadata"]["total_size"] == sum(l.nbytes for l in leaves)
