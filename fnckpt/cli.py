@@ -1,4 +1,4 @@
-"""The ``fnckpt`` command: look at checkpoints without devices or user code.
+"""The ``fnckpt`` command: look at (and export) checkpoints without devices or user code.
 
     fnckpt ls DIR            steps under a CheckpointManager directory (or one checkpoint)
     fnckpt inspect PATH      the saved tree: key path, kind, dtype, shape, sharding, bytes
@@ -12,7 +12,7 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started. ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
+is started. ``export`` writes local files only (``fnckpt._export``). ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
 ``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
 is opened and read as restore does (``_restore.open_source``, its read window and context).
 """
