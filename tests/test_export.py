@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import safetensors
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import TensorSpec, deserialize, safe_open, serialize
