@@ -460,3 +460,22 @@ def test_planned_headers_are_valid_safetensors(specs, max_size, single):
     index = json.loads(p.index)
     assert index["weight_map"] == {k: v[3] for k, v in found.items()}
     assert index["metadata"]["total_size"] == sum(l.nbytes for l in leaves)
+
+
+def test_a_failed_write_leaves_nothing(saved, tmp_path, monkeypatch):
+  """A write that fails midway (a full disk, injected on the third piece): the export raises
+  naming the file and the cause, and neither the file nor a temporary one is left."""
+  from fnckpt import _export
+  path, _ = saved
+  real, calls = _export._to_bytes, []
+
+  def failing(data):
+    calls.append(1)
+    if len(calls) == 3:
+      raise OSError(28, "No space left on device")
+    return real(data)
+  monkeypatch.setattr(_export, "_to_bytes", failing)
+  with pytest.raises(fnckpt.CheckpointError, match=r"Cannot write '.*/m.safetensors' "
+                     r"\(OSError: \[Errno 28\] No space left on device\)\. Check the free space"):
+    fnckpt.export_safetensors(path, tmp_path / "m.safetensors", budget_bytes=64 << 10)
+  assert os.listdir(tmp_path) == [] and len(calls) == 3
