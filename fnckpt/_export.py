@@ -29,8 +29,8 @@ __all__ = ["export_safetensors", "ExportResult"]
 class ExportResult:
   """What :func:`fnckpt.export_safetensors` wrote: the files (shards, then the index), how
   many tensors and bytes of tensor data, the header's ``__metadata__``, the key paths left out
-  (and why), the time taken, and the read window's peak (bytes of checkpoint data held at
-  once; at most ``budget_bytes``)."""
+  (and why), the time taken, and the read window's peak (bytes held at once, each read
+  charged twice its size; at most ``budget_bytes``)."""
   out: str
   files: tuple[str, ...]
   tensors: int
@@ -63,7 +63,8 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
       bool arrays keep theirs.
     prefix: prepended to every name (``"model"``: ``model.dense.kernel``).
     rename: ``{OLD: NEW}`` key prefixes (whole keys) replaced in the names, before ``prefix``.
-    budget_bytes: bytes of checkpoint data held at once (default: restore's 128 MiB window).
+    budget_bytes: host memory for reads held at once, each read charged twice its size
+      (default: restore's 128 MiB window).
     storage_options: settings for a ``gs://``/``s3://`` checkpoint.
 
   Arrays of a dtype safetensors cannot hold (int4, complex128, ...) and PRNG keys are refused
@@ -117,10 +118,11 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
   if "://" in text:
     raise CheckpointError(f"out={text!r}: export writes local files only. Export to a local "
                           "path, then copy it (e.g. gsutil cp / aws s3 cp).")
-  target = os.path.abspath(text)
-  if text.endswith(os.sep) or not os.path.basename(target):
+  target = os.path.abspath(text)  # "hf/" is the directory "hf"
+  if not os.path.basename(target):
     raise CheckpointError(f"out={text!r}: give a file (NAME.safetensors) or a directory name.")
-  return target, (os.path.basename(target) if target.endswith(".safetensors") else None)
+  single = target.endswith(".safetensors") and not text.endswith(os.sep)
+  return target, (os.path.basename(target) if single else None)
 
 
 def _check_target(target: str, overwrite: bool) -> None:

@@ -330,8 +330,9 @@ def test_output_is_atomic_and_overwrite_is_explicit(saved, tmp_path):
   assert_same(read_back(out), arrays(host, ["ints"]))
 
   d = tmp_path / "dir"
-  d.mkdir()  # an empty directory is fine
-  fnckpt.export_safetensors(path, d, select="ints")
+  d.mkdir()  # an empty directory is fine, with or without a trailing slash
+  fnckpt.export_safetensors(path, f"{d}/", select="ints")
+  assert len(os.listdir(d)) == 2
   with pytest.raises(fnckpt.CheckpointError, match="already exists"):
     fnckpt.export_safetensors(path, d, select="params")
   fnckpt.export_safetensors(path, d, select="params", max_shard_size=10**6, overwrite=True)
