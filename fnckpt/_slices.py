@@ -84,29 +84,36 @@ def _first(index: Index, shape: Sequence[int]) -> int:
 
 
 class _Reader:
-  """Opens each stored array and pack once (no I/O) and starts the read of one block."""
+  """Opens each stored array (the current leaf's) and pack once, without I/O, and starts the
+  read of one block."""
 
   def __init__(self, src: _restore.Source):
-    self.src, self.packs = src, {}
+    self.src, self.packs, self.stored = src, {}, (None, None)
 
   def start(self, leaf: _records.Leaf, index: Index) -> ts.Future | np.ndarray:
     if leaf.inline is not None:
       return _leaves.inline_array(leaf)[tuple(slice(a, b) for a, b in index) + (...,)]
-    if leaf.packed is not None:
-      p = leaf.packed
-      if p.pack not in self.packs:
-        pk = self.src.manifest.packs[p.pack]
-        self.packs[p.pack] = _store.open_array(_store.pack_spec(
-            self.src.kv_spec, pk.dir, pk.nbytes, pk.chunk, pk.inner), self.src.ctx,
-            mode="read").result()
-      size = _records.itemsize(leaf.dtype)
-      first = p.offset + _first(index, leaf.shape) * size
-      count = math.prod(b - a for a, b in index) * size
-      return _store.read_slice(self.packs[p.pack], ((first, first + count),))
-    store = _store.open_array(_store.zarr_spec(
-        self.src.kv_spec, dataclasses.asdict(leaf.stored), leaf.dtype, leaf.shape),
-        self.src.ctx, mode="read").result()
-    return _store.read_slice(store, index)
+    try:
+      if leaf.packed is not None:
+        size = _records.itemsize(leaf.dtype)
+        first = leaf.packed.offset + _first(index, leaf.shape) * size
+        count = math.prod(b - a for a, b in index) * size
+        return _store.read_slice(self._pack(leaf.packed.pack), ((first, first + count),))
+      if self.stored[0] != leaf.index:
+        self.stored = (leaf.index, _store.open_array(_store.zarr_spec(
+            self.src.kv_spec, dataclasses.asdict(leaf.stored), leaf.dtype, leaf.shape),
+            self.src.ctx, mode="read").result())
+      return _store.read_slice(self.stored[1], index)
+    except Exception as e:  # TensorStore refused the spec or the read
+      raise _restore._read_error(self.src, leaf, e) from None
+
+  def _pack(self, k: int) -> ts.TensorStore:
+    if k not in self.packs:
+      pk = self.src.manifest.packs[k]
+      self.packs[k] = _store.open_array(_store.pack_spec(
+          self.src.kv_spec, pk.dir, pk.nbytes, pk.chunk, pk.inner), self.src.ctx,
+          mode="read").result()
+    return self.packs[k]
 
   def finish(self, leaf: _records.Leaf, index: Index, got: ts.Future | np.ndarray
              ) -> np.ndarray:
