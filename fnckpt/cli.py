@@ -1,9 +1,10 @@
-"""The ``fnckpt`` command: look at checkpoints without devices or user code.
+"""The ``fnckpt`` command: look at (and export) checkpoints without devices or user code.
 
     fnckpt ls DIR            steps under a CheckpointManager directory (or one checkpoint)
     fnckpt inspect PATH      the saved tree: key path, kind, dtype, shape, sharding, bytes
     fnckpt verify PATH       read every chunk, check every checksum (PATH may be a run DIR)
     fnckpt diff A B          key paths added / removed / changed; --values compares the data
+    fnckpt export CKPT OUT   the arrays as safetensors (OUT.safetensors, or a directory of shards)
 
 Exit status: 0 all is well; 1 damage found (verify), differences found (diff) or nothing to
 list (ls); 2 a usage error or a location that cannot be read.
@@ -11,7 +12,7 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started. ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
+is started. ``export`` writes local files only (``fnckpt._export``). ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
 ``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
 is opened and read as restore does (``_restore.open_source``, its read window and context).
 """
@@ -639,6 +640,42 @@ def _diff(args: argparse.Namespace) -> int:
   return 1
 
 
+# --- export --------------------------------------------------------------------------------
+
+def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
+  """``--rename OLD=NEW`` pairs as export_safetensors' ``rename``.
+
+  >>> _renames(["params=model", "head.out=lm_head"])
+  {'params': 'model', 'head.out': 'lm_head'}
+  """
+  out = {}
+  for pair in pairs or ():
+    old, eq, new = pair.partition("=")
+    if not eq or not old.strip("."):
+      raise CheckpointError(f"--rename {pair!r}: expected OLD=NEW, e.g. --rename "
+                            "params=model (NEW may be empty to drop OLD).")
+    out[old] = new
+  return out
+
+
+def _export(args: argparse.Namespace) -> int:
+  from ._export import export_safetensors
+  r = export_safetensors(args.checkpoint, args.out, select=args.select, dtype=args.dtype,
+                         prefix=args.prefix, rename=_renames(args.rename),
+                         max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                         storage_options=args.storage_options)
+  for line in r.skipped:
+    print(f"note: skipped {line}", file=sys.stderr)
+  rate = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
+  extra = {k: v for k, v in r.metadata.items() if k != "format"}
+  print(f"wrote {r.tensors} tensor(s), {_human(r.bytes)}, to {r.out} in {r.seconds:.2f} s "
+        f"({rate:.0f} MB/s)" + (f"; {len(r.files) - 1} shard(s) and "
+                                 "model.safetensors.index.json" if len(r.files) > 1 else ""))
+  if extra:
+    print(f"__metadata__: {_compact(json.dumps(extra), -200)}")
+  return 0
+
+
 # --- entry point -----------------------------------------------------------------------------
 
 _STORAGE_OPTION_HELP = (
@@ -655,7 +692,8 @@ def _add_storage_option(p: argparse.ArgumentParser, dest: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="fnckpt", description="Inspect and check fnckpt checkpoints (no devices needed).",
+      prog="fnckpt", description="Inspect, check and export fnckpt checkpoints (no devices "
+      "needed).",
       epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
              "(ls); 2 usage error or unreadable location.")
   # Accepted before and after the command; two dests, since a subparser's value would replace
@@ -690,7 +728,28 @@ def _parser() -> argparse.ArgumentParser:
   dif.add_argument("b")
   dif.add_argument("--values", action="store_true", help="also compare the data, bitwise")
   dif.set_defaults(run=_diff, locations=("a", "b"))
+  _add_export(sub, common)
   return p
+
+
+def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+  exp = sub.add_parser("export", parents=[common], help="write the arrays as safetensors",
+                       description="Write a checkpoint's arrays as safetensors, streamed in "
+                       "a bounded window: OUT ending in .safetensors is one file, anything "
+                       "else a directory of model-0000i-of-0000N.safetensors shards with "
+                       "model.safetensors.index.json. Names are key paths joined with '.'.")
+  exp.add_argument("checkpoint")
+  exp.add_argument("out")
+  exp.add_argument("--select", help="export this subtree only (e.g. params, params.dense); "
+                   "names are relative to it")
+  exp.add_argument("--dtype", help="convert floating-point arrays (e.g. bfloat16)")
+  exp.add_argument("--prefix", help="prepend to every name (e.g. model)")
+  exp.add_argument("--rename", action="append", metavar="OLD=NEW",
+                   help="replace the key prefix OLD of names by NEW (repeatable)")
+  exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest shard of a directory OUT (default 5GB; e.g. 500MB, 2GiB)")
+  exp.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+  exp.set_defaults(run=_export, locations=("checkpoint",))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
