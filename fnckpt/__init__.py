@@ -11,6 +11,7 @@ from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
+from ._interval import optimal_interval_s as optimal_interval_s
 from ._manager import CheckpointManager as CheckpointManager
 from ._perprocess import PerProcess as PerProcess
 from ._restore import ArrayMetadata as ArrayMetadata
@@ -26,7 +27,7 @@ from ._target import target_from_metadata as target_from_metadata
 
 __all__ = [
     "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",
-    "PerProcess",
+    "PerProcess", "optimal_interval_s",
     "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
     "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
 ]
