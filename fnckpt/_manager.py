@@ -10,7 +10,11 @@ module:
   what the pure policy (:mod:`fnckpt._retention`) no longer keeps, sparing claimed steps and
   the newest committed step; its errors wait in a :class:`~fnckpt._retention_runner.Background`;
 - :class:`fnckpt._preemption.Preemption`: SIGTERM flag, or JAX's preemption sync point;
-- :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes).
+- :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes);
+- :class:`fnckpt._interval.Cadence`: when to save (a fixed interval, or ``"auto"``: Daly's
+  interval from the measured save cost and the failure rate), and what saving costs;
+- :mod:`fnckpt._health`: restoring the newest step no process finds damaged, marking damaged
+  steps (never deleting them), and the run's start log (the measured failure rate).
 
 A second storage tier (a fast local one beside a durable one) is another ``StepIndex`` and
 ``RetentionRunner``; references between steps (incremental saves) change what ``StepIndex``
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -49,7 +54,7 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _commit, _coordination, _paths, _retention, _steps
+from . import _commit, _coordination, _health, _interval, _paths, _retention, _steps
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
@@ -76,7 +81,14 @@ class CheckpointManager:
     best_metric: the metric ``best_n`` ranks (passed to :meth:`save` as ``metrics=``).
     best_mode: ``"min"`` (e.g. a loss) or ``"max"`` (e.g. an accuracy).
     save_interval_steps: :meth:`save` and :meth:`should_save` only save steps divisible by
-      this (``force=True`` or a preemption saves any step).
+      this (``force=True`` or a preemption saves any step). ``"auto"``: every ``T`` seconds of
+      training, ``T`` by :func:`fnckpt.optimal_interval_s` from the measured cost of this
+      run's saves and ``mtbf_s``, converted to steps with the measured step time; a save due
+      while the previous one is still writing is skipped (:attr:`schedule` counts them).
+    mtbf_s: the mean time between failures for ``"auto"``; default: measured from the run's
+      restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
+    keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
+      steps (redundancy: a damaged newest step leaves older ones to fall back to).
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -100,10 +112,11 @@ class CheckpointManager:
   def __init__(self, directory: str, *, max_to_keep: int | None = None,
                keep_every: int | None = None, best_n: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
-               save_interval_steps: int = 1, handle_preemption: bool = False,
+               save_interval_steps: int | str = 1, handle_preemption: bool = False,
                storage_options: dict[str, Any] | None = None,
-               save_options: Mapping[str, Any] | None = None):
-    policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+               save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
+               keep_durable: int | None = None):
+    policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -117,6 +130,8 @@ class CheckpointManager:
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
+    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
+                             self._timeout)
     self._last_saved: int | None = None
     self._closed = False
     leftovers = self._index.list().uncommitted
@@ -172,7 +187,15 @@ class CheckpointManager:
     [0, 10, 20]
     """
     step = _steps.as_step(step)
-    return self._preemption.check(step) or step % self.save_interval_steps == 0
+    self._cadence.note_step(step, time.monotonic())
+    return self._preemption.check(step) or self._cadence.due(step)
+
+  @property
+  def schedule(self) -> _interval.Schedule:
+    """How often this manager saves and what it costs: the interval in use, the measured save
+    cost and step time, the expected work lost per failure, saves and skipped saves (see
+    :class:`fnckpt._interval.Schedule`)."""
+    return self._cadence.schedule()
 
   def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
            metadata: Any = None, force: bool = False) -> Any:
@@ -195,14 +218,22 @@ class CheckpointManager:
     if not _coordination.multi():  # nobody else is in this call: fail fast
       _raise_first(self._background.take())
     step = _steps.as_step(step)
-    if not (force or self._preemption.is_save_step(step) or step % self.save_interval_steps == 0):
+    self._cadence.note_step(step, time.monotonic())
+    urgent = force or self._preemption.is_save_step(step)
+    if not (urgent or self._cadence.due(step)):
       return None
     user = _user_metadata(step, metrics, metadata)
+
+    def decide() -> dict[str, Any]:
+      _check_may_save(self._claims, self._index, step, force, self.directory,
+                      self._storage_options)
+      return self._cadence.decide(busy=bool(self._claims.saving()))
+
     # Decided on process 0 for all: every process calls the collective save, or none does.
-    _coordination.from_process_0(
-        self.path(step), "may-save", lambda: _check_may_save(
-            self._claims, self._index, step, force, self.directory, self._storage_options),
-        self._timeout)
+    decision = _coordination.from_process_0(self.path(step), "may-save", decide, self._timeout)
+    self._cadence.apply(step, {**decision, "save": decision["save"] or urgent})
+    if not (decision["save"] or urgent):
+      return None  # "auto": the previous save is still writing
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
@@ -221,6 +252,7 @@ class CheckpointManager:
     try:
       handle.wait()
       self._index.note_committed(step)
+      self._cadence.committed(handle.stats.total_s)
     except BaseException as e:
       self._background.record(e)
       return
@@ -272,18 +304,43 @@ class CheckpointManager:
   def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
     """Restore ``step`` with :func:`fnckpt.restore`'s ``target`` and keyword arguments
     (``partial``, ``cast``, ``budget_bytes``). Default: the newest committed step, chosen by
-    process 0 once this manager's saves and retention have finished (collective then)."""
+    process 0 once this manager's saves and retention have finished (collective then); if
+    any process finds it damaged (checksum mismatch, missing chunk, unreadable manifest),
+    every process warns naming the step and the damage, the step is marked damaged (not
+    deleted; :meth:`all_steps` and :meth:`latest_step` leave it out from then on), and the
+    next older step is tried. A step given explicitly that is marked damaged, or is found
+    damaged, raises :class:`fnckpt.CheckpointError`."""
     if step is None:
-      step = self._agreed_latest()
+      value, step = self._restore_latest(target, kwargs)
       if step is None:
         leftovers = self.uncommitted_steps()
         extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
         raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
+      return value
     step = _steps.as_step(step)
+    _health.refuse_marked(self._index, step)
+    return self._restore_step(step, target, kwargs)
+
+  def _restore_step(self, step: int, target: Any, kwargs: dict[str, Any]) -> Any:
     self._claims.wait_saved(step)
     with self._claims.reading(step):  # retention and delete() leave it alone meanwhile
       return _api().restore(self.path(step), target, storage_options=self._storage_options,
                             **kwargs)
+
+  def _restore_latest(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
+    self._background.join()
+
+    def newest(skipped: set[int]) -> int | None:
+      self._claims.wait_saved()
+      return max(set(self.all_steps()) - skipped, default=None)
+
+    def mark(step: int, damage: str) -> None:
+      _health.mark_step(self._root, step, damage, self._storage_options)
+      self._index.forget(step)
+
+    return _health.restore_newest_valid(
+        self._root, newest, lambda s: self._restore_step(s, target, kwargs), mark,
+        self._timeout)
 
   def _agreed_latest(self) -> int | None:
     self._background.join()
@@ -303,9 +360,11 @@ class CheckpointManager:
       target = jax.eval_shape(init) if callable(init) else init
     if target is not None:
       _check_placed(target, self.directory)
+    if step is not None:  # the newest valid step (older ones when it is damaged)
+      state, step = self._restore_latest(target, kwargs)
     if step is None:
       return (init() if callable(init) else init), None
-    return self.restore(step, target, **kwargs), step
+    return state, step
 
   # --- preemption ---------------------------------------------------------------------------
 
@@ -389,7 +448,8 @@ def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, forc
   if handle is not False and (handle is None or not handle.done()):
     raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
                           "force=True to replace it.")
-  if _commit.is_committed(_paths.open_kvstore(index.path(step), storage_options)):
+  if (_commit.is_committed(_paths.open_kvstore(index.path(step), storage_options))
+      and step not in index.list().damaged):  # a damaged step is replaced like a leftover
     raise CheckpointError(
         f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
         "or save a new step.")
@@ -401,14 +461,43 @@ def _checked_options(best_n: int | None, best_metric: str | None, save_interval_
   if best_n and not isinstance(best_metric, str):
     raise ValueError("best_n needs best_metric: the name of a metric passed to "
                      "save(..., metrics={name: value}).")
-  if (not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
+  if save_interval_steps != "auto" and (
+      not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
       or save_interval_steps < 1):
-    raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
+    raise ValueError(f"save_interval_steps must be an int >= 1 or 'auto', got "
+                     f"{save_interval_steps!r}.")
   options = dict(save_options or {})
   for bad in ("overwrite", "metadata", "storage_options"):
     if bad in options:
       raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
   return options
+
+
+def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
+            best_mode: str, keep_durable: int | None) -> _retention.Policy:
+  """The retention policy; ``keep_durable=r`` raises ``max_to_keep`` to at least ``r`` when
+  some rule deletes (with no rule every step is kept anyway)."""
+  base = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+  if keep_durable is not None and (not isinstance(keep_durable, int)
+                                   or isinstance(keep_durable, bool) or keep_durable < 1):
+    raise ValueError(f"keep_durable must be None or an int >= 1, got {keep_durable!r}.")
+  if keep_durable is None or base.keeps_all:
+    return base
+  return _retention.Policy(max(max_to_keep or 0, keep_durable), keep_every, best_n, best_mode)
+
+
+def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
+             storage_options: dict[str, Any] | None, timeout_s: float) -> _interval.Cadence:
+  """When to save. ``"auto"``: process 0 records this start in the run directory; the MTBF
+  is ``mtbf_s``, else measured from the recorded restarts."""
+  if save_interval_steps != "auto":
+    return _interval.Cadence(save_interval_steps, mtbf_s, "given")
+  starts = _coordination.from_process_0(
+      root, "starts", lambda: _health.record_start(root, time.time(), storage_options),
+      timeout_s)
+  if mtbf_s is not None:
+    return _interval.Cadence(None, mtbf_s, "given")
+  return _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
 
 
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:

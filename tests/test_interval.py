@@ -42,27 +42,45 @@ def test_mtbf_from_starts():
   assert _interval.mtbf_from_starts([3000.0, 0.0, 1000.0]) == 1500.0
 
 
-def test_auto_interval_schedule():
-  auto = _interval.AutoInterval(mtbf_s=24 * 3600.0, mtbf_source="given")
-  first = auto.schedule()
-  assert (first.interval_steps, first.interval_s, first.save_cost_s, first.expected_lost_s) == (
-      1, None, None, None)
+def test_auto_cadence_schedule():
+  cadence = _interval.Cadence(None, mtbf_s=24 * 3600.0, mtbf_source="given")
+  first = cadence.schedule()
+  assert (first.interval_steps, first.auto, first.interval_s, first.save_cost_s,
+          first.expected_lost_s) == (1, True, None, None, None)
   for step in range(0, 101):
-    auto.note_step(step, now=1000.0 + 3.0 * step)       # 3 s per step
-  assert auto.due(0)
-  auto.started(0)
-  auto.committed(300.0)
-  s = auto.schedule()
+    cadence.note_step(step, now=1000.0 + 3.0 * step)       # 3 s per step
+  assert cadence.due(0)
+  cadence.apply(0, cadence.decide(busy=False))
+  assert cadence.schedule().interval_steps == 1               # no cost measured yet
+  cadence.committed(300.0)
+  assert cadence.decide(busy=False) == {"save": True, "interval": 2334}
+  cadence.apply(1, cadence.decide(busy=False))
+  s = cadence.schedule()
   assert s.step_time_s == pytest.approx(3.0)
   assert s.interval_s == pytest.approx(fnckpt.optimal_interval_s(300.0, 24 * 3600.0))
   assert s.interval_steps == round(s.interval_s / 3.0) == 2334
   assert s.expected_lost_s == pytest.approx(2334 * 3.0 / 2 + 300.0)
-  assert not auto.due(2333) and auto.due(2334)
-  auto.skipped(2334)                                     # the next one is an interval later
-  assert (auto.schedule().saves, auto.schedule().skipped) == (1, 1)
-  assert not auto.due(2334 + 2333) and auto.due(2334 * 2)
+  assert not cadence.due(2334) and cadence.due(2335)
+  assert cadence.decide(busy=True)["save"] is False           # the previous save is writing
+  cadence.apply(2335, cadence.decide(busy=True))              # skipped: next one an interval on
+  assert (cadence.schedule().saves, cadence.schedule().skipped) == (2, 1)
+  assert not cadence.due(2335 + 2333) and cadence.due(2335 + 2334)
 
 
-def test_auto_interval_rejects_a_bad_mtbf():
+def test_fixed_cadence_never_skips_and_reports_cost():
+  cadence = _interval.Cadence(10)
+  assert [s for s in range(25) if cadence.due(s)] == [0, 10, 20]
+  assert cadence.decide(busy=True) == {"save": True, "interval": 10}
+  for step in range(11):
+    cadence.note_step(step, now=2.0 * step)
+  cadence.committed(4.0)
+  s = cadence.schedule()
+  assert (s.auto, s.interval_steps, s.interval_s, s.mtbf_s) == (False, 10, None, None)
+  assert s.expected_lost_s == pytest.approx(10 * 2.0 / 2 + 4.0)
+
+
+def test_auto_needs_an_mtbf():
+  with pytest.raises(ValueError, match="needs a mean time between failures: pass mtbf_s="):
+    _interval.Cadence(None, None)
   with pytest.raises(ValueError, match="mtbf_s must be a finite number of seconds > 0"):
-    _interval.AutoInterval(mtbf_s=0.0, mtbf_source="given")
+    _interval.Cadence(None, mtbf_s=0.0, mtbf_source="given")
