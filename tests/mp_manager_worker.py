@@ -194,5 +194,49 @@ def mode_preempt(cfg):
   mgr.close()
 
 
+def mode_damage(cfg):
+  """Steps 1 and 2 saved; then process ``cfg["damager"]`` flips a byte in a chunk of step 2
+  that only it reads (or truncates step 2's manifest, seen by all): every process must fall
+  back to step 1 together, warn, and agree that step 2 is marked damaged."""
+  import glob
+  import jax
+  import fnckpt
+  from fnckpt import _commit
+  mesh, target = mesh_and_target()
+  me = jax.process_index()
+  opts = {"barrier_timeout_s": cfg["barrier_s"]}
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_options=opts)
+  for step in (1, 2):
+    mgr.save(step, state_at(mesh, step))
+  mgr.wait()
+  step_dir = os.path.join(cfg["root"], "2")
+  if me == cfg["damager"]:
+    if cfg["how"] == "chunk":  # w is (8, 16) over x = processes: rows 4-7 are process 1's
+      chunks = sorted(glob.glob(os.path.join(step_dir, "data-*", "a", "*", "c", str(me), "*")))
+      assert chunks, os.listdir(step_dir)
+      for path in chunks:
+        with open(path, "r+b") as f:
+          f.seek(os.path.getsize(path) // 3)
+          byte = f.read(1)
+          f.seek(-1, os.SEEK_CUR)
+          f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+      path = os.path.join(step_dir, "manifest.msgpack")
+      os.truncate(path, os.path.getsize(path) // 2)
+  _commit.barrier(cfg["root"], "test-damaged", cfg["barrier_s"])
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_options=opts)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+  out = {"process": me, "restored": step, "checked": check_state(state, step),
+         "warned": [str(w.message) for w in caught if "is damaged" in str(w.message)],
+         "latest": mgr.latest_step(), "all_steps": mgr.all_steps(),
+         "explicit": error_of(lambda: mgr.restore(2, target))}
+  mgr.save(2, state_at(mesh, 2)).wait()   # the run goes on: step 2 saved again, valid
+  out["after_resave"] = int(mgr.restore(target=target)["step"])
+  mgr.close()
+  result(out)
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

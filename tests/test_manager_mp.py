@@ -138,3 +138,22 @@ def test_preemption_saves_the_same_step_on_every_process(tmp_path, n):
     assert r["all_steps"] == [0, step]
   assert fnckpt.CheckpointManager(root).latest_step() == step
   assert fnckpt.restore(os.path.join(root, str(step)))["step"] == step
+
+
+@pytest.mark.parametrize("how, damager", [("chunk", 1), ("manifest", 0)])
+def test_damage_seen_by_one_process_falls_back_on_every_process(tmp_path, how, damager):
+  root = str(tmp_path / "run")
+  out = results_of(hp.finish(launch({"mode": "damage", "root": root, "barrier_s": BARRIER_S,
+                                     "how": how, "damager": damager}, 2), timeout=120))
+  for r in out:
+    assert r["restored"] == 1 and r["checked"] == 2 + 2 + 1
+    assert len(r["warned"]) == 1, r
+    text = "checksum mismatch" if how == "chunk" else "does not match its commit marker"
+    assert r["warned"][0].startswith(f"Step 2 of '{root}' is damaged"), r
+    assert text in r["warned"][0], r
+    if how == "chunk":
+      assert "(found by process 1)" in r["warned"][0], r
+    assert r["latest"] == 1 and r["all_steps"] == [1]
+    assert r["explicit"]["type"] == "CheckpointError"
+    assert "Step 2 of" in r["explicit"]["message"] and "is marked damaged" in r["explicit"]["message"]
+    assert r["after_resave"] == 2
