@@ -54,8 +54,9 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _commit, _coordination, _health, _interval, _paths, _retention, _steps
+from . import _commit, _coordination, _health, _interval, _paths, _retention, _steps, _tiers
 from ._claims import StepClaims
+from ._recovery import Recovery
 from ._errors import CheckpointError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionRunner, delete_unclaimed
@@ -89,6 +90,10 @@ class CheckpointManager:
       restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
     keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
       steps (redundancy: a damaged newest step leaves older ones to fall back to).
+    local_directory: a fast tier (per-host tmpfs, NVMe, ``memory://``; see
+      :mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th step is saved there and
+      every ``save_interval_steps``-th too, then copied to ``directory`` in the background;
+      the newest ``local_max_to_keep`` local steps are kept.
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -115,7 +120,9 @@ class CheckpointManager:
                save_interval_steps: int | str = 1, handle_preemption: bool = False,
                storage_options: dict[str, Any] | None = None,
                save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
-               keep_durable: int | None = None):
+               keep_durable: int | None = None, local_directory: str | None = None,
+               local_save_interval_steps: int = 1, local_max_to_keep: int = 2,
+               local_storage_options: dict[str, Any] | None = None):
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
@@ -132,6 +139,10 @@ class CheckpointManager:
     self._preemption = Preemption(self.directory)
     self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
                              self._timeout)
+    self._local = None if local_directory is None else _tiers.LocalTier(
+        str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
+        local_storage_options, self._root, storage_options)
+    self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._last_saved: int | None = None
     self._closed = False
     leftovers = self._index.list().uncommitted
@@ -150,8 +161,9 @@ class CheckpointManager:
     return self._index.path(step)
 
   def all_steps(self) -> list[int]:
-    """The committed steps, oldest first (read from storage; saves in flight are not there)."""
-    return self._index.list(in_flight=self._claims.saving()).steps
+    """The committed steps (of both tiers, this process's local view), oldest first (read
+    from storage; saves in flight and steps marked damaged are not there)."""
+    return self._recovery.steps()
 
   def latest_step(self) -> int | None:
     """The newest committed step, or ``None``. Waits for this manager's saves in flight to
@@ -220,46 +232,64 @@ class CheckpointManager:
     step = _steps.as_step(step)
     self._cadence.note_step(step, time.monotonic())
     urgent = force or self._preemption.is_save_step(step)
-    if not (urgent or self._cadence.due(step)):
+    durable = urgent or self._cadence.due(step)
+    local = self._local is not None and self._local.policy.local_due(step)
+    if not (durable or local):
       return None
     user = _user_metadata(step, metrics, metadata)
+    index = self._local.index if self._local else self._index  # where the save goes
 
     def decide() -> dict[str, Any]:
-      _check_may_save(self._claims, self._index, step, force, self.directory,
-                      self._storage_options)
-      return self._cadence.decide(busy=bool(self._claims.saving()))
+      _check_may_save(self._claims, index, step, force, self.directory)
+      busy = self._local.pending if self._local else self._claims.saving()
+      return self._cadence.decide(busy=bool(busy)) if durable else {}
 
     # Decided on process 0 for all: every process calls the collective save, or none does.
-    decision = _coordination.from_process_0(self.path(step), "may-save", decide, self._timeout)
-    self._cadence.apply(step, {**decision, "save": decision["save"] or urgent})
-    if not (decision["save"] or urgent):
-      return None  # "auto": the previous save is still writing
+    decision = _coordination.from_process_0(index.path(step), "may-save", decide,
+                                            self._timeout)
+    if durable:
+      self._cadence.apply(step, {**decision, "save": decision["save"] or urgent})
+      durable = decision["save"] or urgent  # "auto": skipped while the previous one writes
+    if not (durable or local):
+      return None
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
-      handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
-                           storage_options=self._storage_options, **self._save_options)
+      handle = _api().save(tree, index.path(step), overwrite=True, metadata=user,
+                           storage_options=index.storage_options, **self._save_options)
     except BaseException:
       self._claims.release_save(step)
       raise
     self._claims.set_handle(step, handle)
     self._last_saved = step
+    if self._local and durable:
+      self._local.pending.add(step)
     self._background.spawn(f"fnckpt-manager:{self.directory}/{step}", self._after_commit,
-                           step, handle)
+                           step, handle, durable)
     return handle
 
-  def _after_commit(self, step: int, handle: Any) -> None:
-    """Background: wait for the save's commit, then (process 0) apply retention."""
+  def _after_commit(self, step: int, handle: Any, durable: bool) -> None:
+    """Background: wait for the save's commit; (process 0) copy it to the durable tier if
+    it was saved to the local one, then apply retention."""
     try:
       handle.wait()
-      self._index.note_committed(step)
-      self._cadence.committed(handle.stats.total_s)
+      cost = handle.stats.total_s
+      if self._local and durable and jax.process_index() == 0:
+        cost += self._local.copy_to_durable(step)
+      for index in ([self._local.index] if self._local else []) + ([self._index] * durable):
+        index.note_committed(step)
+      if durable:
+        self._cadence.committed(cost)
     except BaseException as e:
       self._background.record(e)
       return
     finally:
       self._claims.release_save(step, handle)
-    if jax.process_index() == 0:
-      self._retention.run()  # its errors are recorded (and warned about) by Background
+      if self._local:
+        self._local.pending.discard(step)
+    if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
+      self._retention.run()
+      if self._local:
+        self._local.retain(self._claims)
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
@@ -311,40 +341,18 @@ class CheckpointManager:
     next older step is tried. A step given explicitly that is marked damaged, or is found
     damaged, raises :class:`fnckpt.CheckpointError`."""
     if step is None:
-      value, step = self._restore_latest(target, kwargs)
+      self._background.join()
+      value, step = self._recovery.restore_latest(target, kwargs)
       if step is None:
         leftovers = self.uncommitted_steps()
         extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
         raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
       return value
-    step = _steps.as_step(step)
-    _health.refuse_marked(self._index, step)
-    return self._restore_step(step, target, kwargs)
-
-  def _restore_step(self, step: int, target: Any, kwargs: dict[str, Any]) -> Any:
-    self._claims.wait_saved(step)
-    with self._claims.reading(step):  # retention and delete() leave it alone meanwhile
-      return _api().restore(self.path(step), target, storage_options=self._storage_options,
-                            **kwargs)
-
-  def _restore_latest(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
-    self._background.join()
-
-    def newest(skipped: set[int]) -> int | None:
-      self._claims.wait_saved()
-      return max(set(self.all_steps()) - skipped, default=None)
-
-    def mark(step: int, damage: str) -> None:
-      _health.mark_step(self._root, step, damage, self._storage_options)
-      self._index.forget(step)
-
-    return _health.restore_newest_valid(
-        self._root, newest, lambda s: self._restore_step(s, target, kwargs), mark,
-        self._timeout)
+    return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
   def _agreed_latest(self) -> int | None:
     self._background.join()
-    return _coordination.from_process_0(self._root, "latest", self.latest_step, self._timeout)
+    return self._recovery.agreed_latest()
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
@@ -361,7 +369,7 @@ class CheckpointManager:
     if target is not None:
       _check_placed(target, self.directory)
     if step is not None:  # the newest valid step (older ones when it is damaged)
-      state, step = self._restore_latest(target, kwargs)
+      state, step = self._recovery.restore_latest(target, kwargs)
     if step is None:
       return (init() if callable(init) else init), None
     return state, step
@@ -434,7 +442,7 @@ class CheckpointManager:
 
 
 def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
-                    directory: str, storage_options: dict[str, Any] | None) -> None:
+                    directory: str) -> None:
   """save(): refuse an older step, one being saved, or one committed already (unless
   ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
   if force:
@@ -448,7 +456,7 @@ def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, forc
   if handle is not False and (handle is None or not handle.done()):
     raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
                           "force=True to replace it.")
-  if (_commit.is_committed(_paths.open_kvstore(index.path(step), storage_options))
+  if (_commit.is_committed(_paths.open_kvstore(index.path(step), index.storage_options))
       and step not in index.list().damaged):  # a damaged step is replaced like a leftover
     raise CheckpointError(
         f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "

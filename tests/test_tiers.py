@@ -1,0 +1,103 @@
+"""Two tiers on real storage: local saves every k steps, durable copies every n (copied from
+the committed local checkpoint in the background, COMMIT last); recovery picks the newest step
+restorable from either tier; a damaged copy in one tier is read from the other; a wiped local
+tier falls back to durable. (Multi-process cases: tests/test_manager_mp.py.)"""
+
+import os
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+
+import fnckpt
+from fnckpt import _paths, _tiers
+
+from test_health import flip_bytes, state_of, truncate_manifest
+
+
+def run(tmp_path, steps=range(8), **kw):
+  durable, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  kw = {"local_save_interval_steps": 1, "save_interval_steps": 3, **kw}
+  mgr = fnckpt.CheckpointManager(durable, local_directory=kw.pop("local", fast), **kw)
+  for s in steps:
+    mgr.save(s, state_of(s))
+  mgr.wait()
+  return mgr, durable, fast
+
+
+def test_local_every_step_durable_every_third(tmp_path):
+  mgr, durable, fast = run(tmp_path)
+  assert sorted(os.listdir(fast), key=int) == ["6", "7"]        # local_max_to_keep=2
+  assert fnckpt.CheckpointManager(durable).all_steps() == [0, 3, 6]  # an ordinary run dir
+  assert mgr.all_steps() == [0, 3, 6, 7] and mgr.latest_step() == 7
+  assert mgr.restore()["step"] == 7                                # from the fast tier
+  got = fnckpt.restore(os.path.join(durable, "6"))                 # the copy is a checkpoint
+  assert np.array_equal(got["w"], state_of(6)["w"])
+  for step in (0, 3, 6):
+    assert fnckpt.metadata(os.path.join(durable, str(step))).user_metadata["step"] == step
+  mgr.close()
+
+
+def test_wiped_local_tier_falls_back_to_durable(tmp_path):
+  mgr, durable, fast = run(tmp_path)
+  mgr.close()
+  shutil.rmtree(fast)                                              # a replaced host
+  again = fnckpt.CheckpointManager(durable, local_directory=fast, save_interval_steps=3)
+  state, step = again.restore_or_init(state_of(0))
+  assert step == 6 and state["step"] == 6
+  again.save(7, state_of(7)).wait()                                # the run goes on
+  assert again.all_steps() == [0, 3, 6, 7]
+
+
+def test_a_damaged_copy_is_read_from_the_other_tier(tmp_path):
+  mgr, durable, fast = run(tmp_path)
+  flip_bytes(os.path.join(fast, "6"))
+  with pytest.warns(RuntimeWarning, match=rf"The local copy of step 6 in '{fast}' is damaged"
+                                          rf".*checksum mismatch.*Reading the durable copy"):
+    assert mgr.restore(6)["step"] == 6
+  assert mgr.restore(6)["step"] == 6                 # marked: the durable copy, no warning
+  truncate_manifest(os.path.join(durable, "3"))
+  truncate_manifest(os.path.join(fast, "7"))         # only local: falls back to durable 6
+  with pytest.warns(RuntimeWarning, match="Step 7 of .* is damaged"):
+    assert mgr.restore()["step"] == 6
+  mgr.close()
+
+
+def test_durable_damage_with_a_good_local_copy_reads_local(tmp_path):
+  mgr, durable, fast = run(tmp_path)
+  truncate_manifest(os.path.join(durable, "6"))
+  assert mgr.restore(6)["step"] == 6                 # local first: fine
+  shutil.rmtree(fast)
+  with pytest.warns(RuntimeWarning, match="Step 6 of .* is damaged"):
+    assert mgr.restore()["step"] == 3
+
+
+def test_memory_local_tier_and_policy_checks(tmp_path):
+  fast = f"memory://test_tiers/{uuid.uuid4().hex}"
+  mgr, durable, _ = run(tmp_path, steps=range(5), local=fast, local_save_interval_steps=2,
+                        save_interval_steps=4, local_max_to_keep=1)
+  assert _paths.list_keys(fast) and mgr.all_steps() == [0, 4]      # 1, 3 were not saved
+  assert fnckpt.CheckpointManager(durable).all_steps() == [0, 4]
+  assert mgr.restore()["step"] == 4
+  with pytest.raises(ValueError, match="local_save_interval_steps must be an int >= 1, got 0"):
+    fnckpt.CheckpointManager(durable, local_directory=fast, local_save_interval_steps=0)
+  with pytest.raises(ValueError, match="local_max_to_keep must be an int >= 1"):
+    fnckpt.CheckpointManager(durable, local_directory=fast, local_max_to_keep=0)
+
+
+def test_choose_is_the_newest_step_every_process_can_restore():
+  assert _tiers.choose([[5, 6], [5, 6]], [4]) == 6
+  assert _tiers.choose([[5, 6], [5]], [4]) == 5
+  assert _tiers.choose([[5, 6], []], [4]) == 4
+  assert _tiers.choose([[], []], []) is None
+  assert _tiers.choose([], [2, 4], skipped={4}) == 2
+
+
+def test_copy_step_refuses_an_uncommitted_source(tmp_path):
+  src = str(tmp_path / "src")
+  os.makedirs(os.path.join(src, "1"))
+  open(os.path.join(src, "1", "manifest.msgpack"), "wb").close()
+  with pytest.raises(fnckpt.CheckpointError, match=r"Cannot copy '.*/src/1' to '.*/dst/1': "
+                                                   r"it is not committed"):
+    _tiers.copy_step(src, str(tmp_path / "dst"), 1, None, None)
