@@ -238,5 +238,29 @@ def mode_damage(cfg):
   result(out)
 
 
+def mode_tiers(cfg):
+  """``cfg["phase"]`` "save": steps 0-5 to the local tier (every step; the newest 2 kept),
+  every 2nd copied to the durable one. "recover": restore_or_init with this process's
+  ``cfg["local"]`` (a wiped or replaced host's is empty)."""
+  import jax
+  import fnckpt
+  mesh, target = mesh_and_target()
+  opts = {"barrier_timeout_s": cfg["barrier_s"]}
+  mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=cfg["local"],
+                                 local_save_interval_steps=1, save_interval_steps=2,
+                                 save_options=opts)
+  out: dict[str, Any] = {"process": jax.process_index()}
+  if cfg["phase"] == "save":
+    for step in range(6):
+      mgr.save(step, state_at(mesh, step))
+    mgr.wait()
+  else:
+    state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+    out["restored"], out["checked"] = step, check_state(state, step)
+  out["all_steps"] = mgr.all_steps()
+  mgr.close()
+  result(out)
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

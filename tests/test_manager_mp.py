@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,3 +158,29 @@ def test_damage_seen_by_one_process_falls_back_on_every_process(tmp_path, how, d
     assert r["explicit"]["type"] == "CheckpointError"
     assert "Step 2 of" in r["explicit"]["message"] and "is marked damaged" in r["explicit"]["message"]
     assert r["after_resave"] == 2
+
+
+def test_two_tiers_recover_the_newest_step_every_process_can_restore(tmp_path):
+  root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S}
+  out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
+  assert [r["all_steps"] for r in out] == [[0, 2, 4, 5]] * 2
+  assert sorted(os.listdir(fast), key=int) == ["4", "5"]
+  assert fnckpt.CheckpointManager(root).all_steps() == [0, 2, 4]
+
+  def recover(local_of):
+    port = hp.free_port()
+    procs = [hp.start([sys.executable, WORKER, json.dumps(
+        {**cfg, "phase": "recover", "local": local_of(i), "port": port, "num_processes": 2,
+         "process_id": i})], hp.child_env()) for i in range(2)]
+    return results_of(hp.finish(procs, timeout=120))
+
+  # both hosts hold step 5 locally: the fast tier
+  assert [r["restored"] for r in recover(lambda i: fast)] == [5, 5]
+  # process 1's host was replaced (its local tier is empty): the newest durable step
+  fresh = str(tmp_path / "fresh")
+  out = recover(lambda i: fast if i == 0 else fresh)
+  assert [(r["restored"], r["checked"]) for r in out] == [(4, 5), (4, 5)]
+  # both local tiers wiped
+  shutil.rmtree(fast)
+  assert [r["restored"] for r in recover(lambda i: fast)] == [4, 4]
