@@ -14,11 +14,11 @@ module:
 - :class:`fnckpt._interval.Cadence`: when to save (a fixed interval, or ``"auto"``: Daly's
   interval from the measured save cost and the failure rate), and what saving costs;
 - :mod:`fnckpt._health`: restoring the newest step no process finds damaged, marking damaged
-  steps (never deleting them), and the run's start log (the measured failure rate).
-
-A second storage tier (a fast local one beside a durable one) is another ``StepIndex`` and
-``RetentionRunner``; references between steps (incremental saves) change what ``StepIndex``
-deletes. Neither exists yet.
+  steps (never deleting them), and the run's start log (the measured failure rate);
+- :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
+  ``StepIndex``, the background copy to durable storage, the pure recovery choice);
+- :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
+  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read.
 
 Resuming after preemption (the pattern every training loop can copy)::
 
@@ -54,9 +54,10 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _commit, _coordination, _health, _interval, _paths, _retention, _steps, _tiers
+from . import _coordination, _health, _interval, _paths, _retention, _steps, _tiers
 from ._claims import StepClaims
 from ._recovery import Recovery
+from ._saver import Saver
 from ._errors import CheckpointError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionRunner, delete_unclaimed
@@ -90,10 +91,9 @@ class CheckpointManager:
       restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
     keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
       steps (redundancy: a damaged newest step leaves older ones to fall back to).
-    local_directory: a fast tier (per-host tmpfs, NVMe, ``memory://``; see
-      :mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th step is saved there and
-      every ``save_interval_steps``-th too, then copied to ``directory`` in the background;
-      the newest ``local_max_to_keep`` local steps are kept.
+    local_directory: a fast tier (:mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th
+      step and every ``save_interval_steps``-th is saved there, the latter then copied to
+      ``directory`` in the background; the newest ``local_max_to_keep`` are kept there.
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -143,14 +143,11 @@ class CheckpointManager:
         str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
         local_storage_options, self._root, storage_options)
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
-    self._last_saved: int | None = None
+    self._saver = Saver(self._index, self._local, self._claims, self._cadence,
+                        self._preemption, self._background, self._retention,
+                        self._save_options, self._timeout)
     self._closed = False
-    leftovers = self._index.list().uncommitted
-    if leftovers:
-      warnings.warn(
-          f"{self.directory!r} holds uncommitted steps {leftovers} (saves interrupted by a "
-          "crash). They are ignored; manager.cleanup() removes them, and saving one of these "
-          "steps replaces it.", stacklevel=2)
+    _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
       self.install_preemption_handler()
 
@@ -189,7 +186,7 @@ class CheckpointManager:
   # --- saving -------------------------------------------------------------------------------
 
   def should_save(self, step: int) -> bool:
-    """Whether the loop should save ``step``: it is on the save interval, or it is the first
+    """Whether the loop should save ``step``: it is on a save interval, or it is the first
     step boundary after a preemption notice (with several processes: the step JAX's
     preemption sync point names, the same on every process; ask at every step).
 
@@ -200,7 +197,7 @@ class CheckpointManager:
     """
     step = _steps.as_step(step)
     self._cadence.note_step(step, time.monotonic())
-    return self._preemption.check(step) or self._cadence.due(step)
+    return self._preemption.check(step) or self._saver.due(step)
 
   @property
   def schedule(self) -> _interval.Schedule:
@@ -231,65 +228,8 @@ class CheckpointManager:
       _raise_first(self._background.take())
     step = _steps.as_step(step)
     self._cadence.note_step(step, time.monotonic())
-    urgent = force or self._preemption.is_save_step(step)
-    durable = urgent or self._cadence.due(step)
-    local = self._local is not None and self._local.policy.local_due(step)
-    if not (durable or local):
-      return None
-    user = _user_metadata(step, metrics, metadata)
-    index = self._local.index if self._local else self._index  # where the save goes
-
-    def decide() -> dict[str, Any]:
-      _check_may_save(self._claims, index, step, force, self.directory)
-      busy = self._local.pending if self._local else self._claims.saving()
-      return self._cadence.decide(busy=bool(busy)) if durable else {}
-
-    # Decided on process 0 for all: every process calls the collective save, or none does.
-    decision = _coordination.from_process_0(index.path(step), "may-save", decide,
-                                            self._timeout)
-    if durable:
-      self._cadence.apply(step, {**decision, "save": decision["save"] or urgent})
-      durable = decision["save"] or urgent  # "auto": skipped while the previous one writes
-    if not (durable or local):
-      return None
-    self._claims.claim_save(step)  # retention and deletes leave it alone from here
-    try:
-      handle = _api().save(tree, index.path(step), overwrite=True, metadata=user,
-                           storage_options=index.storage_options, **self._save_options)
-    except BaseException:
-      self._claims.release_save(step)
-      raise
-    self._claims.set_handle(step, handle)
-    self._last_saved = step
-    if self._local and durable:
-      self._local.pending.add(step)
-    self._background.spawn(f"fnckpt-manager:{self.directory}/{step}", self._after_commit,
-                           step, handle, durable)
-    return handle
-
-  def _after_commit(self, step: int, handle: Any, durable: bool) -> None:
-    """Background: wait for the save's commit; (process 0) copy it to the durable tier if
-    it was saved to the local one, then apply retention."""
-    try:
-      handle.wait()
-      cost = handle.stats.total_s
-      if self._local and durable and jax.process_index() == 0:
-        cost += self._local.copy_to_durable(step)
-      for index in ([self._local.index] if self._local else []) + ([self._index] * durable):
-        index.note_committed(step)
-      if durable:
-        self._cadence.committed(cost)
-    except BaseException as e:
-      self._background.record(e)
-      return
-    finally:
-      self._claims.release_save(step, handle)
-      if self._local:
-        self._local.pending.discard(step)
-    if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
-      self._retention.run()
-      if self._local:
-        self._local.retain(self._claims)
+    return self._saver.save(step, tree, lambda: _user_metadata(step, metrics, metadata),
+                            force)
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
@@ -300,21 +240,19 @@ class CheckpointManager:
   # --- deleting (process 0 deletes; collective) ---------------------------------------------
 
   def delete(self, step: int) -> None:
-    """Delete the checkpoint (or uncommitted leftover) of ``step``, its commit marker first
-    (so it is never seen half deleted). Waits for this manager's save of it."""
+    """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
+    one of process 0), its commit marker first (so it is never seen half deleted) and its
+    damage mark. Waits for this manager's save of it."""
     step = _steps.as_step(step)
-
-    def remove() -> None:
-      if not self._index.exists(step):
-        raise CheckpointError(f"There is no step {step} in {self.directory!r}.")
-      self._index.delete(step)
-
+    indexes = [self._index] + ([self._local.index] if self._local else [])
     self._claims.claim_delete(step)
     try:
-      _coordination.from_process_0(self._root, "delete", remove, self._timeout)
+      _coordination.from_process_0(self._root, "delete", lambda: _remove(
+          indexes, step, self.directory), self._timeout)
     finally:
       self._claims.release_delete([step])
-    self._index.forget(step)
+    for index in indexes:
+      index.forget(step)
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
@@ -335,11 +273,11 @@ class CheckpointManager:
     """Restore ``step`` with :func:`fnckpt.restore`'s ``target`` and keyword arguments
     (``partial``, ``cast``, ``budget_bytes``). Default: the newest committed step, chosen by
     process 0 once this manager's saves and retention have finished (collective then); if
-    any process finds it damaged (checksum mismatch, missing chunk, unreadable manifest),
-    every process warns naming the step and the damage, the step is marked damaged (not
-    deleted; :meth:`all_steps` and :meth:`latest_step` leave it out from then on), and the
-    next older step is tried. A step given explicitly that is marked damaged, or is found
-    damaged, raises :class:`fnckpt.CheckpointError`."""
+    any process finds it damaged (checksum mismatch, missing chunk, unreadable manifest) in
+    every tier holding it, every process warns naming the step and the damage, the step is
+    marked damaged (not deleted; listings leave it out from then on), and the next older
+    step is tried. An explicit ``step`` marked or found damaged in every tier holding it
+    raises :class:`fnckpt.CheckpointError`."""
     if step is None:
       self._background.join()
       value, step = self._recovery.restore_latest(target, kwargs)
@@ -350,10 +288,6 @@ class CheckpointManager:
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
-  def _agreed_latest(self) -> int | None:
-    self._background.join()
-    return self._recovery.agreed_latest()
-
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
     """``(state, step)``: the newest committed step restored, or ``(init(), None)`` when the
@@ -363,7 +297,8 @@ class CheckpointManager:
     state itself when ``init`` is a state, else ``jax.eval_shape(init)`` (for a jitted init
     with ``out_shardings`` that carries the shardings). A ``jax.ShapeDtypeStruct`` without a
     sharding in it is an error with several processes and a warning with one."""
-    step = self._agreed_latest()
+    self._background.join()
+    step = self._recovery.agreed_latest()
     if target is None and step is not None:
       target = jax.eval_shape(init) if callable(init) else init
     if target is not None:
@@ -397,7 +332,7 @@ class CheckpointManager:
     step = _steps.as_step(step)
     if not self._preemption.reached(step):
       return False
-    if self._last_saved != self._preemption.step:
+    if self._saver.last_saved != self._preemption.step:
       warnings.warn(
           f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
           f"saved (call manager.save when manager.should_save(step) is true); the newest "
@@ -441,28 +376,6 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
-                    directory: str) -> None:
-  """save(): refuse an older step, one being saved, or one committed already (unless
-  ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
-  if force:
-    return
-  newest = max(claims.saving() | {index.newest_known() or -1})
-  if newest > step:
-    raise CheckpointError(
-        f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
-        "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True.")
-  handle = claims.handle(step)
-  if handle is not False and (handle is None or not handle.done()):
-    raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
-                          "force=True to replace it.")
-  if (_commit.is_committed(_paths.open_kvstore(index.path(step), index.storage_options))
-      and step not in index.list().damaged):  # a damaged step is replaced like a leftover
-    raise CheckpointError(
-        f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
-        "or save a new step.")
-
-
 def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
                      save_options: Mapping[str, Any] | None) -> dict[str, Any]:
   """The constructor's checks (the retention policy checks its own arguments)."""
@@ -479,6 +392,23 @@ def _checked_options(best_n: int | None, best_metric: str | None, save_interval_
     if bad in options:
       raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
   return options
+
+
+def _warn_leftovers(leftovers: list[int], directory: str) -> None:
+  if leftovers:
+    warnings.warn(
+        f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
+        "They are ignored; manager.cleanup() removes them, and saving one of these steps "
+        "replaces it.", stacklevel=3)
+
+
+def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
+  """delete(step), on process 0: every tier holding ``step``."""
+  there = [index for index in indexes if index.exists(step)]
+  if not there:
+    raise CheckpointError(f"There is no step {step} in {directory!r}.")
+  for index in there:
+    index.delete(step)
 
 
 def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
