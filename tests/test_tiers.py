@@ -101,3 +101,28 @@ def test_copy_step_refuses_an_uncommitted_source(tmp_path):
   with pytest.raises(fnckpt.CheckpointError, match=r"Cannot copy '.*/src/1' to '.*/dst/1': "
                                                    r"it is not committed"):
     _tiers.copy_step(src, str(tmp_path / "dst"), 1, None, None)
+
+
+def test_ls_shows_both_tiers_and_steps_marked_damaged(tmp_path, capsys):
+  from fnckpt import cli
+  mgr, durable, fast = run(tmp_path)
+  truncate_manifest(os.path.join(durable, "6"))
+  shutil.rmtree(os.path.join(fast, "6"))
+  truncate_manifest(os.path.join(fast, "7"))
+  with pytest.warns(RuntimeWarning, match="is damaged"):
+    assert mgr.restore()["step"] == 3
+  assert cli.main(["ls", durable, "--local", fast]) == 0
+  out = capsys.readouterr().out
+  rows = [line.split() for line in out.splitlines()]
+  assert rows[0] == ["TIER", "STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED",
+                     "METRICS"]
+  assert [r[:3] for r in rows[1:5]] == [["durable", "0", "committed"],
+                                        ["durable", "3", "committed"],
+                                        ["durable", "6", "DAMAGED"], ["local", "7", "DAMAGED"]]
+  assert "marked damaged (" in out and "manager.delete(6) removes it" in out
+  assert ("2 committed, 0 uncommitted, 1 marked damaged in durable " in out
+          and "0 committed, 0 uncommitted, 1 marked damaged in local " in out
+          and out.rstrip().endswith("latest: 3"))
+  assert cli.main(["ls", durable]) == 0                  # one tier: the old columns
+  out = capsys.readouterr().out
+  assert out.splitlines()[0].split()[0] == "STEP" and "latest: 3" in out
