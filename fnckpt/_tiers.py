@@ -26,6 +26,7 @@ peers for that; not done here).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -119,25 +120,25 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
 
 def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
                max_bytes: int = 256 << 20) -> int:
-  """Read and write ``keys``: at most ``concurrency`` reads in flight, and writes awaited
-  whenever ``max_bytes`` are held (plus one object); return the bytes copied."""
-  copied = 0
+  """Read and write ``keys``: a batch of ``concurrency`` reads in flight while the writes of
+  the previous ones go on; at most ``concurrency`` writes and ``max_bytes`` (plus one object)
+  held. Returns the bytes copied."""
+  copied, held, writes = 0, 0, collections.deque()
   for start in range(0, len(keys), concurrency):
     reads = [(k, src.read(k)) for k in keys[start:start + concurrency]]
-    writes, held = [], 0
     for key, read in reads:
       got = read.result()
       if got.state != "value":
         raise DamagedError(f"{key!r} vanished from the local checkpoint while being copied.")
-      writes.append(dst.write(key, got.value))
+      writes.append((dst.write(key, got.value), len(got.value)))
       held += len(got.value)
       copied += len(got.value)
-      if held > max_bytes:
-        for w in writes:
-          w.result()
-        writes, held = [], 0
-    for w in writes:
-      w.result()
+      while writes and (held > max_bytes or len(writes) > concurrency):
+        write, n = writes.popleft()
+        write.result()
+        held -= n
+  for write, _ in writes:
+    write.result()
   return copied
 
 
