@@ -14,6 +14,7 @@ measured, and process 0 runs retention on both tiers.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
@@ -22,7 +23,7 @@ from . import _commit, _coordination, _interval, _paths, _steps, _tiers
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
-from ._retention_runner import Background, RetentionRunner
+from ._retention_runner import Background, RetentionError, RetentionRunner
 
 __all__ = ["Saver"]
 
@@ -86,6 +87,14 @@ class Saver:
                           step, handle, durable)
     return handle
 
+  def _copy(self, step: int) -> float:
+    try:
+      return self.local.copy_to_durable(step)
+    except Exception as e:
+      error = _copy_error(step, self.local, e)
+      warnings.warn(str(error), RuntimeWarning, stacklevel=1)
+      raise error from e
+
   def _after_commit(self, step: int, handle: Any, durable: bool) -> None:
     """Background: wait for the save's commit; (process 0) copy it to the durable tier if
     it was saved to the local one, then apply retention."""
@@ -93,7 +102,7 @@ class Saver:
       handle.wait()
       cost = handle.stats.total_s
       if self.local and durable and jax.process_index() == 0:
-        cost += self.local.copy_to_durable(step)
+        cost += self._copy(step)
       for index in ([self.local.index] if self.local else []) + ([self.index] * durable):
         index.note_committed(step)
       if durable:
@@ -109,6 +118,16 @@ class Saver:
       self.retention.run()
       if self.local:
         self.local.retain(self.claims)
+
+
+def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> RetentionError:
+  """A failed durable copy, as background work of process 0 that every process's ``wait()``
+  raises (a :class:`RetentionError`, which :class:`Background` shares)."""
+  return RetentionError(
+      f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
+      f"{_paths.display(local.durable_root)!r} failed: {error} Step {step} is committed on the "
+      "local tier only; the next durable save is copied as usual (or save it again with "
+      "force=True).")
 
 
 def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,

@@ -156,7 +156,8 @@ def test_damage_seen_by_one_process_falls_back_on_every_process(tmp_path, how, d
       assert "(found by process 1)" in r["warned"][0], r
     assert r["latest"] == 1 and r["all_steps"] == [1]
     assert r["explicit"]["type"] == "CheckpointError"
-    assert "Step 2 of" in r["explicit"]["message"] and "is marked damaged" in r["explicit"]["message"]
+    message = r["explicit"]["message"]
+    assert "Step 2 of" in message and "is marked damaged" in message
     assert r["after_resave"] == 2
 
 

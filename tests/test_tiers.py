@@ -126,3 +126,18 @@ def test_ls_shows_both_tiers_and_steps_marked_damaged(tmp_path, capsys):
   assert cli.main(["ls", durable]) == 0                  # one tier: the old columns
   out = capsys.readouterr().out
   assert out.splitlines()[0].split()[0] == "STEP" and "latest: 3" in out
+
+
+def test_a_failed_durable_copy_is_raised_by_wait_and_the_local_step_stays(tmp_path):
+  durable, fast = tmp_path / "durable", str(tmp_path / "fast")
+  durable.mkdir()
+  (durable / "3").write_text("a file where the step directory would go")
+  mgr = fnckpt.CheckpointManager(str(durable), local_directory=fast, save_interval_steps=3)
+  mgr.save(2, state_of(2))
+  with pytest.warns(RuntimeWarning, match="Copying step 3 from the local tier"):
+    mgr.save(3, state_of(3))
+    with pytest.raises(fnckpt.CheckpointError,
+                       match=rf"Copying step 3 from the local tier '{fast}' to the durable "
+                             rf"tier '{durable}' failed: .* committed on the local tier only"):
+      mgr.wait()
+  assert mgr.restore(3)["step"] == 3 and mgr.all_steps() == [2, 3]
