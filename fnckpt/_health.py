@@ -1,7 +1,7 @@
 """Self-healing: damage marks on steps, the run's start log, and restoring the newest valid step.
 
 A step found damaged (a :class:`fnckpt._errors.DamagedError`: checksum mismatch, missing chunk,
-unreadable manifest) is *marked*, never deleted: process 0 writes ``<run>/<step>.damaged``, a
+unreadable manifest) is *marked*, never deleted: process 0 writes ``<run>/damaged/<step>``, a
 msgpack map ``{"format": "fnckpt-damage", "step", "commit_sha256", "damage", "marked"}``. A
 mark is in force only while the step's ``COMMIT`` still has the SHA-256 it names, so saving
 the step again (which writes a new marker) lifts it without deleting anything first. Listings
@@ -29,21 +29,28 @@ import msgpack
 from . import _coordination, _manifest, _paths
 from ._errors import CheckpointError, DamagedError
 
-__all__ = ["MARK_SUFFIX", "STARTS", "mark_of", "mark_step", "marks_in_force", "record_start",
-           "refuse_marked", "restore_newest_valid", "Outcome"]
+__all__ = ["MARK_DIR", "STARTS", "mark_key", "mark_of", "mark_step", "marks_in_force",
+           "record_start", "refuse_marked", "restore_newest_valid", "Outcome"]
 
-MARK_SUFFIX = ".damaged"
+# Marks live in a directory of their own, after every step name in any listing order (an
+# object store that lists "6/..." before "6.x" cannot hide them from a range listing).
+MARK_DIR = "damaged"
 STARTS = "fnckpt-starts"
-_MARK_NAME = re.compile(r"(0|[1-9][0-9]*)\.damaged")
+_MARK_NAME = re.compile(r"damaged/(0|[1-9][0-9]*)")
 
 
-def mark_of(name: str) -> int | None:
-  """The step a run directory entry marks damaged, or ``None``.
+def mark_key(step: int) -> str:
+  """The key, in the run directory, of ``step``'s damage mark."""
+  return f"{MARK_DIR}/{step}"
 
-  >>> mark_of("12.damaged"), mark_of("12"), mark_of("012.damaged")
+
+def mark_of(key: str) -> int | None:
+  """The step a run directory key marks damaged, or ``None``.
+
+  >>> mark_of("damaged/12"), mark_of("12"), mark_of("damaged/012")
   (12, None, None)
   """
-  found = _MARK_NAME.fullmatch(name)
+  found = _MARK_NAME.fullmatch(key)
   return int(found.group(1)) if found else None
 
 
@@ -60,13 +67,13 @@ def mark_step(root: str, step: int, damage: str,
     return  # deleted meanwhile: nothing to mark
   mark = {"format": "fnckpt-damage", "step": step, "commit_sha256": _sha(bytes(commit.value)),
           "damage": damage[:2000], "marked": time.time()}
-  kv.write(f"{step}{MARK_SUFFIX}", msgpack.packb(mark)).result()
+  kv.write(mark_key(step), msgpack.packb(mark)).result()
 
 
 def marks_in_force(kv: Any, steps: list[int]) -> dict[int, str]:
   """``{step: damage}`` for the ``steps`` (each with a mark entry) whose mark matches their
   current ``COMMIT``; all reads in flight together."""
-  reads = {s: (kv.read(f"{s}{MARK_SUFFIX}"), kv.read(f"{s}/{_manifest.COMMIT}")) for s in steps}
+  reads = {s: (kv.read(mark_key(s)), kv.read(f"{s}/{_manifest.COMMIT}")) for s in steps}
   out = {}
   for step, (mark_f, commit_f) in reads.items():
     mark, commit = mark_f.result(), commit_f.result()

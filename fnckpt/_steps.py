@@ -15,7 +15,7 @@ What one listing costs, for ``N`` step directories (chunk files are never listed
   first listing of an index knows nothing, so it lists every key once. A known step without a
   marker has its own key range listed (a leftover, or a step being written elsewhere).
 
-A step marked damaged (``<run>/<step>.damaged``, :mod:`fnckpt._health`) is listed in
+A step marked damaged (``<run>/damaged/<step>``, :mod:`fnckpt._health`) is listed in
 ``damaged``, not among the committed steps; checking a mark costs two small reads (the mark
 and the step's marker), only for steps that have one.
 
@@ -109,6 +109,16 @@ def _has_entries(path: str) -> bool:
     return False
 
 
+def _local_marks(run: str) -> set[int]:
+  """The steps with a damage mark in the local run directory ``run``."""
+  try:
+    with os.scandir(os.path.join(run, _health.MARK_DIR)) as it:
+      keys = [f"{_health.MARK_DIR}/{e.name}" for e in it]
+  except OSError:  # gone meanwhile, or not a directory
+    return set()
+  return {s for s in map(_health.mark_of, keys) if s is not None}
+
+
 class StepIndex:
   """The step directories under ``root`` (any fnckpt location). One index per run directory
   and storage tier; it holds no state that decides an answer (see the module docstring).
@@ -164,7 +174,7 @@ class StepIndex:
     except FileNotFoundError:  # no run yet (a file in the way is an error: NotADirectoryError)
       return committed, leftovers, set()
     entries = [e for e in names if _STEP_NAME.fullmatch(e.name) and e.is_dir()]
-    marks = {s for e in names if (s := _health.mark_of(e.name)) is not None}
+    marks = _local_marks(self._local) if any(e.name == _health.MARK_DIR for e in names) else set()
     for entry in entries:
       try:
         st = os.stat(os.path.join(entry.path, MARKER))
@@ -211,10 +221,10 @@ class StepIndex:
     its damage mark."""
     _paths.delete_prefix(self.path(step), self.storage_options, first=(MARKER,))
     try:
-      mark = f"{step}{_health.MARK_SUFFIX}"
+      mark = _health.mark_key(step)
       self._marks_kv().delete_range(ts.KvStore.KeyRange(mark, mark + "\0")).result()
     except Exception as e:
-      raise _paths.io_error(e, self.path(step) + _health.MARK_SUFFIX, "deleting") from e
+      raise _paths.io_error(e, _paths.join(self.root, _health.mark_key(step)), "deleting") from e
     self.forget(step)
 
   def damage_of(self, step: int) -> str | None:

@@ -69,7 +69,7 @@ def test_damaged_newest_step_is_skipped_marked_and_not_chosen_again(tmp_path, ho
     got = mgr.restore()
   assert got["step"] == 2 and np.array_equal(got["w"], state_of(2)["w"])
   assert os.path.isdir(os.path.join(root, "3"))                 # not deleted
-  assert os.path.isfile(os.path.join(root, "3" + _health.MARK_SUFFIX))
+  assert os.path.isfile(os.path.join(root, _health.mark_key(3)))
   assert mgr.latest_step() == 2 and mgr.all_steps() == [1, 2]
   with pytest.raises(fnckpt.CheckpointError, match=rf"Step 3 of '{root}' is marked damaged "
                                                    rf"\(.*{text}.*\)\. Restore another step"):
