@@ -262,5 +262,28 @@ def mode_tiers(cfg):
   result(out)
 
 
+def mode_auto(cfg):
+  """save_interval_steps="auto" with 2 processes: the same steps saved (and skipped) on
+  every process, whatever each one measures."""
+  import jax
+  import fnckpt
+  mesh, _ = mesh_and_target()
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_interval_steps="auto", mtbf_s=cfg["mtbf_s"],
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  saved, asked = [], []
+  for step in range(cfg["steps"]):
+    time.sleep(cfg["step_s"] * (1 + jax.process_index()))  # the processes measure differently
+    if mgr.should_save(step):
+      asked.append(step)
+      if mgr.save(step, state_at(mesh, step)) is not None:
+        saved.append(step)
+  mgr.wait()
+  s = mgr.schedule
+  result({"process": jax.process_index(), "asked": asked, "saved": saved,
+          "all_steps": mgr.all_steps(), "interval_steps": s.interval_steps,
+          "saves": s.saves, "skipped": s.skipped, "cost": s.save_cost_s})
+  mgr.close()
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

@@ -185,3 +185,15 @@ def test_two_tiers_recover_the_newest_step_every_process_can_restore(tmp_path):
   # both local tiers wiped
   shutil.rmtree(fast)
   assert [r["restored"] for r in recover(lambda i: fast)] == [4, 4]
+
+
+def test_auto_interval_is_the_same_on_every_process(tmp_path):
+  out = results_of(hp.finish(launch({"mode": "auto", "root": str(tmp_path / "run"),
+                                     "barrier_s": BARRIER_S, "mtbf_s": 5.0, "steps": 40,
+                                     "step_s": 0.01}, 2), timeout=120))
+  assert out[0]["asked"] == out[1]["asked"] and out[0]["saved"] == out[1]["saved"], out
+  assert out[0]["all_steps"] == out[1]["all_steps"] == out[0]["saved"]
+  assert out[0]["interval_steps"] == out[1]["interval_steps"]
+  assert (out[0]["saves"], out[0]["skipped"]) == (out[1]["saves"], out[1]["skipped"])
+  assert out[0]["saves"] == len(out[0]["saved"]) >= 2
+  assert out[0]["saves"] + out[0]["skipped"] == len(out[0]["asked"])
