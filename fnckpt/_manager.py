@@ -180,7 +180,7 @@ class CheckpointManager:
     """The metrics saved with ``step`` (``None`` if none were given)."""
     step = _steps.as_step(step)
     self._claims.wait_saved(step)
-    meta = self._index.user_metadata(step)
+    meta = self._recovery.index_of(step).user_metadata(step)
     return meta.get("metrics") if isinstance(meta, dict) else None
 
   # --- saving -------------------------------------------------------------------------------

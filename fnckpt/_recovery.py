@@ -38,6 +38,12 @@ class Recovery:
     local = set(self.local.index.list(in_flight=saving).steps) if self.local else set()
     return sorted(durable | local)
 
+  def index_of(self, step: int) -> StepIndex:
+    """The tier that holds ``step`` on this process: local if it has it, else durable."""
+    if self.local is not None and step in self.local.index.list().steps:
+      return self.local.index
+    return self.index
+
   def _local_steps(self) -> list[list[int]]:
     """Every process's local steps (collective), or ``[]`` with no local tier."""
     if self.local is None:

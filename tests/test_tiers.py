@@ -32,6 +32,8 @@ def test_local_every_step_durable_every_third(tmp_path):
   assert fnckpt.CheckpointManager(durable).all_steps() == [0, 3, 6]  # an ordinary run dir
   assert mgr.all_steps() == [0, 3, 6, 7] and mgr.latest_step() == 7
   assert mgr.restore()["step"] == 7                                # from the fast tier
+  mgr.save(8, state_of(8), metrics={"loss": 0.5}).wait()          # local only
+  assert mgr.metrics(8) == {"loss": 0.5}
   got = fnckpt.restore(os.path.join(durable, "6"))                 # the copy is a checkpoint
   assert np.array_equal(got["w"], state_of(6)["w"])
   for step in (0, 3, 6):
