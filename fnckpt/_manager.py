@@ -67,11 +67,6 @@ __all__ = ["CheckpointManager"]
 _DEFAULT_BARRIER_TIMEOUT_S = 600.0  # fnckpt.save's default
 
 
-def _api() -> Any:
-  import fnckpt  # the public save/restore; imported late (fnckpt imports this module)
-  return fnckpt
-
-
 class CheckpointManager:
   """Checkpoints of a training run, one per step, under ``directory`` (any fnckpt location).
 
