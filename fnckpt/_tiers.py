@@ -167,12 +167,13 @@ class LocalTier:
 
   def retain(self, claims: Any) -> None:
     """Delete local steps beyond the newest ``local_max_to_keep`` (claimed steps spared)."""
-    from ._retention_runner import delete_unclaimed
+    from ._retention_runner import RetentionError, delete_unclaimed
     with self._lock:
       steps = self.index.list(in_flight=claims.saving()).steps
       _, failed = delete_unclaimed(self.index, claims,
                                    lambda busy: self.policy.local_to_delete(steps, busy))
-    if failed:
+    if failed:  # a RetentionError: every process's wait() raises it
       step, error = failed[0]
-      raise CheckpointError(f"Could not delete local step {step} of {self.index.display!r}: "
-                            f"{error}. The durable tier is not affected; delete it by hand.")
+      raise RetentionError(f"Could not delete local step {step} of {self.index.display!r}: "
+                           f"{error}. The durable tier is not affected; the next local "
+                           "retention pass retries.")
