@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import threading
 import time
+import warnings
 from typing import Any, Sequence
 
 from . import _manifest, _paths
@@ -174,6 +175,8 @@ class LocalTier:
                                    lambda busy: self.policy.local_to_delete(steps, busy))
     if failed:  # a RetentionError: every process's wait() raises it
       step, error = failed[0]
-      raise RetentionError(f"Could not delete local step {step} of {self.index.display!r}: "
-                           f"{error}. The durable tier is not affected; the next local "
-                           "retention pass retries.")
+      failure = RetentionError(f"Could not delete local step {step} of "
+                               f"{self.index.display!r}: {error}. The durable tier is not "
+                               "affected; the next local retention pass retries.")
+      warnings.warn(str(failure), RuntimeWarning, stacklevel=1)
+      raise failure
