@@ -12,6 +12,7 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._export import export_safetensors as export_safetensors
+from ._interval import optimal_interval_s as optimal_interval_s
 from ._manager import CheckpointManager as CheckpointManager
 from ._perprocess import PerProcess as PerProcess
 from ._restore import ArrayMetadata as ArrayMetadata
@@ -27,7 +28,7 @@ from ._target import target_from_metadata as target_from_metadata
 
 __all__ = [
     "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",
-    "PerProcess", "export_safetensors",
+    "PerProcess", "export_safetensors", "optimal_interval_s",
     "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
     "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
 ]

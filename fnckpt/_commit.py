@@ -19,7 +19,7 @@ import jax
 import tensorstore as ts
 
 from . import _manifest, _paths, _records
-from ._errors import BarrierTimeoutError, CheckpointError, NotCommittedError
+from ._errors import BarrierTimeoutError, CheckpointError, DamagedError, NotCommittedError
 
 __all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit",
            "is_committed", "unchanged", "changed_error"]
@@ -150,7 +150,7 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
   if _manifest.digest(manifest_bytes) != commit["manifest_sha256"]:
     if not unchanged(kv, bytes(commit_raw.value)):
       raise changed_error(location)
-    raise CheckpointError(
+    raise DamagedError(
         f"The manifest of {location!r} does not match its commit marker (missing or "
         "modified after the commit). The checkpoint cannot be trusted; restore an earlier one.")
   return (_manifest.decode(manifest_bytes, location), manifest_bytes,

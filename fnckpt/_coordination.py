@@ -20,7 +20,7 @@ import jax
 from . import _commit, _paths
 from ._errors import CheckpointError
 
-__all__ = ["from_process_0", "client", "preemption_sync_manager", "multi"]
+__all__ = ["from_process_0", "all_gather", "client", "preemption_sync_manager", "multi"]
 
 
 def multi() -> bool:
@@ -69,3 +69,22 @@ def from_process_0(location: str, name: str, decide: Callable[[], Any],
     raise CheckpointError(f"On process 0 ({name} of {_paths.display(location)!r}): "
                           f"{answer['error']}")
   return answer["ok"]
+
+
+def all_gather(location: str, name: str, value: Any, timeout_s: float) -> list[Any]:
+  """Every process's ``value`` (JSON-able), in process order, on every process (each posts
+  under its own key; two barriers bracket the reads). Collective with several processes.
+
+  >>> all_gather("memory://doc/agree", "outcome", {"ok": True}, 10.0)  # one process
+  [{'ok': True}]
+  """
+  if not multi():
+    return [value]
+  kv, key = client(), _key(location, name)
+  kv.key_value_set(f"{key}/{jax.process_index()}", json.dumps(value), allow_overwrite=True)
+  _commit.barrier(location, f"manager-{name}-posted", timeout_s)
+  ms = max(1, int(timeout_s * 1000))
+  values = [json.loads(kv.blocking_key_value_get(f"{key}/{p}", ms))
+            for p in range(jax.process_count())]
+  _commit.barrier(location, f"manager-{name}-gathered", timeout_s)
+  return values

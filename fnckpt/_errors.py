@@ -3,7 +3,8 @@ to do about it."""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError"]
+__all__ = ["CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
+           "DamagedError"]
 
 
 class CheckpointError(Exception):
@@ -20,3 +21,10 @@ class NotCommittedError(CheckpointError):
 
 class BarrierTimeoutError(CheckpointError, TimeoutError):
   """Some processes did not reach a save/restore barrier before its deadline."""
+
+
+class DamagedError(CheckpointError):
+  """The stored checkpoint is damaged: a checksum mismatch, a missing chunk or file, or a
+  commit marker, manifest or per-process file that cannot be decoded. (Not raised for a
+  newer format, an unreachable server or a tree mismatch: those are not damage.) The
+  manager falls back to an older step on this error only."""

@@ -10,11 +10,15 @@ module:
   what the pure policy (:mod:`fnckpt._retention`) no longer keeps, sparing claimed steps and
   the newest committed step; its errors wait in a :class:`~fnckpt._retention_runner.Background`;
 - :class:`fnckpt._preemption.Preemption`: SIGTERM flag, or JAX's preemption sync point;
-- :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes).
-
-A second storage tier (a fast local one beside a durable one) is another ``StepIndex`` and
-``RetentionRunner``; references between steps (incremental saves) change what ``StepIndex``
-deletes. Neither exists yet.
+- :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes);
+- :class:`fnckpt._interval.Cadence`: when to save (a fixed interval, or ``"auto"``: Daly's
+  interval from the measured save cost and the failure rate), and what saving costs;
+- :mod:`fnckpt._health`: restoring the newest step no process finds damaged, marking damaged
+  steps (never deleting them), and the run's start log (the measured failure rate);
+- :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
+  ``StepIndex``, the background copy to durable storage, the pure recovery choice);
+- :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
+  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read.
 
 Resuming after preemption (the pattern every training loop can copy)::
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -49,8 +54,10 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _commit, _coordination, _paths, _retention, _steps
+from . import _coordination, _health, _interval, _paths, _retention, _steps, _tiers
 from ._claims import StepClaims
+from ._recovery import Recovery
+from ._saver import Saver
 from ._errors import CheckpointError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionRunner, delete_unclaimed
@@ -58,11 +65,6 @@ from ._retention_runner import Background, RetentionRunner, delete_unclaimed
 __all__ = ["CheckpointManager"]
 
 _DEFAULT_BARRIER_TIMEOUT_S = 600.0  # fnckpt.save's default
-
-
-def _api() -> Any:
-  import fnckpt  # the public save/restore; imported late (fnckpt imports this module)
-  return fnckpt
 
 
 class CheckpointManager:
@@ -76,7 +78,17 @@ class CheckpointManager:
     best_metric: the metric ``best_n`` ranks (passed to :meth:`save` as ``metrics=``).
     best_mode: ``"min"`` (e.g. a loss) or ``"max"`` (e.g. an accuracy).
     save_interval_steps: :meth:`save` and :meth:`should_save` only save steps divisible by
-      this (``force=True`` or a preemption saves any step).
+      this (``force=True`` or a preemption saves any step). ``"auto"``: every ``T`` seconds of
+      training, ``T`` by :func:`fnckpt.optimal_interval_s` from the measured cost of this
+      run's saves and ``mtbf_s``, converted to steps with the measured step time; a save due
+      while the previous one is still writing is skipped (:attr:`schedule` counts them).
+    mtbf_s: the mean time between failures for ``"auto"``; default: measured from the run's
+      restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
+    keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
+      steps (redundancy: a damaged newest step leaves older ones to fall back to).
+    local_directory: a fast tier (:mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th
+      step and every ``save_interval_steps``-th is saved there, the latter then copied to
+      ``directory`` in the background; the newest ``local_max_to_keep`` are kept there.
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -100,10 +112,13 @@ class CheckpointManager:
   def __init__(self, directory: str, *, max_to_keep: int | None = None,
                keep_every: int | None = None, best_n: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
-               save_interval_steps: int = 1, handle_preemption: bool = False,
+               save_interval_steps: int | str = 1, handle_preemption: bool = False,
                storage_options: dict[str, Any] | None = None,
-               save_options: Mapping[str, Any] | None = None):
-    policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+               save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
+               keep_durable: int | None = None, local_directory: str | None = None,
+               local_save_interval_steps: int = 1, local_max_to_keep: int = 2,
+               local_storage_options: dict[str, Any] | None = None):
+    policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -117,14 +132,17 @@ class CheckpointManager:
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
-    self._last_saved: int | None = None
+    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
+                             self._timeout)
+    self._local = None if local_directory is None else _tiers.LocalTier(
+        str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
+        local_storage_options, self._root, storage_options)
+    self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
+    self._saver = Saver(self._index, self._local, self._claims, self._cadence,
+                        self._preemption, self._background, self._retention,
+                        self._save_options, self._timeout)
     self._closed = False
-    leftovers = self._index.list().uncommitted
-    if leftovers:
-      warnings.warn(
-          f"{self.directory!r} holds uncommitted steps {leftovers} (saves interrupted by a "
-          "crash). They are ignored; manager.cleanup() removes them, and saving one of these "
-          "steps replaces it.", stacklevel=2)
+    _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
       self.install_preemption_handler()
 
@@ -135,8 +153,9 @@ class CheckpointManager:
     return self._index.path(step)
 
   def all_steps(self) -> list[int]:
-    """The committed steps, oldest first (read from storage; saves in flight are not there)."""
-    return self._index.list(in_flight=self._claims.saving()).steps
+    """The committed steps (of both tiers, this process's local view), oldest first (read
+    from storage; saves in flight and steps marked damaged are not there)."""
+    return self._recovery.steps()
 
   def latest_step(self) -> int | None:
     """The newest committed step, or ``None``. Waits for this manager's saves in flight to
@@ -156,13 +175,13 @@ class CheckpointManager:
     """The metrics saved with ``step`` (``None`` if none were given)."""
     step = _steps.as_step(step)
     self._claims.wait_saved(step)
-    meta = self._index.user_metadata(step)
+    meta = self._recovery.index_of(step).user_metadata(step)
     return meta.get("metrics") if isinstance(meta, dict) else None
 
   # --- saving -------------------------------------------------------------------------------
 
   def should_save(self, step: int) -> bool:
-    """Whether the loop should save ``step``: it is on the save interval, or it is the first
+    """Whether the loop should save ``step``: it is on a save interval, or it is the first
     step boundary after a preemption notice (with several processes: the step JAX's
     preemption sync point names, the same on every process; ask at every step).
 
@@ -172,7 +191,15 @@ class CheckpointManager:
     [0, 10, 20]
     """
     step = _steps.as_step(step)
-    return self._preemption.check(step) or step % self.save_interval_steps == 0
+    self._cadence.note_step(step, time.monotonic())
+    return self._preemption.check(step) or self._saver.due(step)
+
+  @property
+  def schedule(self) -> _interval.Schedule:
+    """How often this manager saves and what it costs: the interval in use, the measured save
+    cost and step time, the expected work lost per failure, saves and skipped saves (see
+    :class:`fnckpt._interval.Schedule`)."""
+    return self._cadence.schedule()
 
   def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
            metadata: Any = None, force: bool = False) -> Any:
@@ -195,39 +222,9 @@ class CheckpointManager:
     if not _coordination.multi():  # nobody else is in this call: fail fast
       _raise_first(self._background.take())
     step = _steps.as_step(step)
-    if not (force or self._preemption.is_save_step(step) or step % self.save_interval_steps == 0):
-      return None
-    user = _user_metadata(step, metrics, metadata)
-    # Decided on process 0 for all: every process calls the collective save, or none does.
-    _coordination.from_process_0(
-        self.path(step), "may-save", lambda: _check_may_save(
-            self._claims, self._index, step, force, self.directory, self._storage_options),
-        self._timeout)
-    self._claims.claim_save(step)  # retention and deletes leave it alone from here
-    try:
-      handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
-                           storage_options=self._storage_options, **self._save_options)
-    except BaseException:
-      self._claims.release_save(step)
-      raise
-    self._claims.set_handle(step, handle)
-    self._last_saved = step
-    self._background.spawn(f"fnckpt-manager:{self.directory}/{step}", self._after_commit,
-                           step, handle)
-    return handle
-
-  def _after_commit(self, step: int, handle: Any) -> None:
-    """Background: wait for the save's commit, then (process 0) apply retention."""
-    try:
-      handle.wait()
-      self._index.note_committed(step)
-    except BaseException as e:
-      self._background.record(e)
-      return
-    finally:
-      self._claims.release_save(step, handle)
-    if jax.process_index() == 0:
-      self._retention.run()  # its errors are recorded (and warned about) by Background
+    self._cadence.note_step(step, time.monotonic())
+    return self._saver.save(step, tree, lambda: _user_metadata(step, metrics, metadata),
+                            force)
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
@@ -238,21 +235,19 @@ class CheckpointManager:
   # --- deleting (process 0 deletes; collective) ---------------------------------------------
 
   def delete(self, step: int) -> None:
-    """Delete the checkpoint (or uncommitted leftover) of ``step``, its commit marker first
-    (so it is never seen half deleted). Waits for this manager's save of it."""
+    """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
+    one of process 0), its commit marker first (so it is never seen half deleted) and its
+    damage mark. Waits for this manager's save of it."""
     step = _steps.as_step(step)
-
-    def remove() -> None:
-      if not self._index.exists(step):
-        raise CheckpointError(f"There is no step {step} in {self.directory!r}.")
-      self._index.delete(step)
-
+    indexes = [self._index] + ([self._local.index] if self._local else [])
     self._claims.claim_delete(step)
     try:
-      _coordination.from_process_0(self._root, "delete", remove, self._timeout)
+      _coordination.from_process_0(self._root, "delete", lambda: _remove(
+          indexes, step, self.directory), self._timeout)
     finally:
       self._claims.release_delete([step])
-    self._index.forget(step)
+    for index in indexes:
+      index.forget(step)
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
@@ -272,22 +267,21 @@ class CheckpointManager:
   def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
     """Restore ``step`` with :func:`fnckpt.restore`'s ``target`` and keyword arguments
     (``partial``, ``cast``, ``budget_bytes``). Default: the newest committed step, chosen by
-    process 0 once this manager's saves and retention have finished (collective then)."""
+    process 0 once this manager's saves and retention have finished (collective then); if
+    any process finds it damaged (checksum mismatch, missing chunk, unreadable manifest) in
+    every tier holding it, every process warns naming the step and the damage, the step is
+    marked damaged (not deleted; listings leave it out from then on), and the next older
+    step is tried. An explicit ``step`` marked or found damaged in every tier holding it
+    raises :class:`fnckpt.CheckpointError`."""
     if step is None:
-      step = self._agreed_latest()
+      self._background.join()
+      value, step = self._recovery.restore_latest(target, kwargs)
       if step is None:
         leftovers = self.uncommitted_steps()
         extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
         raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
-    step = _steps.as_step(step)
-    self._claims.wait_saved(step)
-    with self._claims.reading(step):  # retention and delete() leave it alone meanwhile
-      return _api().restore(self.path(step), target, storage_options=self._storage_options,
-                            **kwargs)
-
-  def _agreed_latest(self) -> int | None:
-    self._background.join()
-    return _coordination.from_process_0(self._root, "latest", self.latest_step, self._timeout)
+      return value
+    return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
@@ -298,14 +292,17 @@ class CheckpointManager:
     state itself when ``init`` is a state, else ``jax.eval_shape(init)`` (for a jitted init
     with ``out_shardings`` that carries the shardings). A ``jax.ShapeDtypeStruct`` without a
     sharding in it is an error with several processes and a warning with one."""
-    step = self._agreed_latest()
+    self._background.join()
+    step = self._recovery.agreed_latest()
     if target is None and step is not None:
       target = jax.eval_shape(init) if callable(init) else init
     if target is not None:
       _check_placed(target, self.directory)
+    if step is not None:  # the newest valid step (older ones when it is damaged)
+      state, step = self._recovery.restore_latest(target, kwargs)
     if step is None:
       return (init() if callable(init) else init), None
-    return self.restore(step, target, **kwargs), step
+    return state, step
 
   # --- preemption ---------------------------------------------------------------------------
 
@@ -330,7 +327,7 @@ class CheckpointManager:
     step = _steps.as_step(step)
     if not self._preemption.reached(step):
       return False
-    if self._last_saved != self._preemption.step:
+    if self._saver.last_saved != self._preemption.step:
       warnings.warn(
           f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
           f"saved (call manager.save when manager.should_save(step) is true); the newest "
@@ -374,41 +371,66 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool,
-                    directory: str, storage_options: dict[str, Any] | None) -> None:
-  """save(): refuse an older step, one being saved, or one committed already (unless
-  ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
-  if force:
-    return
-  newest = max(claims.saving() | {index.newest_known() or -1})
-  if newest > step:
-    raise CheckpointError(
-        f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
-        "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True.")
-  handle = claims.handle(step)
-  if handle is not False and (handle is None or not handle.done()):
-    raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
-                          "force=True to replace it.")
-  if _commit.is_committed(_paths.open_kvstore(index.path(step), storage_options)):
-    raise CheckpointError(
-        f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
-        "or save a new step.")
-
-
 def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
                      save_options: Mapping[str, Any] | None) -> dict[str, Any]:
   """The constructor's checks (the retention policy checks its own arguments)."""
   if best_n and not isinstance(best_metric, str):
     raise ValueError("best_n needs best_metric: the name of a metric passed to "
                      "save(..., metrics={name: value}).")
-  if (not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
+  if save_interval_steps != "auto" and (
+      not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
       or save_interval_steps < 1):
-    raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
+    raise ValueError(f"save_interval_steps must be an int >= 1 or 'auto', got "
+                     f"{save_interval_steps!r}.")
   options = dict(save_options or {})
   for bad in ("overwrite", "metadata", "storage_options"):
     if bad in options:
       raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
   return options
+
+
+def _warn_leftovers(leftovers: list[int], directory: str) -> None:
+  if leftovers:
+    warnings.warn(
+        f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
+        "They are ignored; manager.cleanup() removes them, and saving one of these steps "
+        "replaces it.", stacklevel=3)
+
+
+def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
+  """delete(step), on process 0: every tier holding ``step``."""
+  there = [index for index in indexes if index.exists(step)]
+  if not there:
+    raise CheckpointError(f"There is no step {step} in {directory!r}.")
+  for index in there:
+    index.delete(step)
+
+
+def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
+            best_mode: str, keep_durable: int | None) -> _retention.Policy:
+  """The retention policy; ``keep_durable=r`` raises ``max_to_keep`` to at least ``r`` when
+  some rule deletes (with no rule every step is kept anyway)."""
+  base = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+  if keep_durable is not None and (not isinstance(keep_durable, int)
+                                   or isinstance(keep_durable, bool) or keep_durable < 1):
+    raise ValueError(f"keep_durable must be None or an int >= 1, got {keep_durable!r}.")
+  if keep_durable is None or base.keeps_all:
+    return base
+  return _retention.Policy(max(max_to_keep or 0, keep_durable), keep_every, best_n, best_mode)
+
+
+def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
+             storage_options: dict[str, Any] | None, timeout_s: float) -> _interval.Cadence:
+  """When to save. ``"auto"``: process 0 records this start in the run directory; the MTBF
+  is ``mtbf_s``, else measured from the recorded restarts."""
+  if save_interval_steps != "auto":
+    return _interval.Cadence(save_interval_steps, mtbf_s, "given")
+  starts = _coordination.from_process_0(
+      root, "starts", lambda: _health.record_start(root, time.time(), storage_options),
+      timeout_s)
+  if mtbf_s is not None:
+    return _interval.Cadence(None, mtbf_s, "given")
+  return _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
 
 
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from . import _records
-from ._errors import CheckpointError
+from ._errors import CheckpointError, DamagedError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
            "encode_commit", "decode_commit", "digest", "check_msgpackable"]
@@ -79,7 +79,7 @@ def decode(data: bytes, location: str) -> _records.Manifest:
   try:
     manifest = unpack(data)
   except Exception as e:  # msgpack raises several unrelated types
-    raise CheckpointError(
+    raise DamagedError(
         f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
         "cannot be read; restore an earlier one.") from None
   _check_header(manifest, location, "manifest")
@@ -88,12 +88,12 @@ def decode(data: bytes, location: str) -> _records.Manifest:
 
 def _check_header(obj: Any, location: str, what: str) -> None:
   if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-    raise CheckpointError(
+    raise DamagedError(
         f"The {what} of {location!r} is corrupt or not an fnckpt {what} (no "
         f"'format': '{FORMAT_NAME}' header).")
   version = obj.get("version")
   if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-    raise CheckpointError(f"The {what} of {location!r} is corrupt: no format version.")
+    raise DamagedError(f"The {what} of {location!r} is corrupt: no format version.")
   if version > FORMAT_VERSION:
     raise CheckpointError(
         f"{location!r} was written in fnckpt format version {version}, newer than this fnckpt "
@@ -110,9 +110,9 @@ def decode_commit(data: bytes, location: str) -> dict[str, Any]:
   try:
     commit = unpack(data)
   except Exception as e:
-    raise CheckpointError(f"The commit marker of {location!r} is corrupt ({e}).") from None
+    raise DamagedError(f"The commit marker of {location!r} is corrupt ({e}).") from None
   _check_header(commit, location, "commit marker")
   if not isinstance(commit.get("manifest_sha256"), str) or not isinstance(
       commit.get("committed", 0.0), (int, float)):
-    raise CheckpointError(f"The commit marker of {location!r} is corrupt: no manifest hash.")
+    raise DamagedError(f"The commit marker of {location!r} is corrupt: no manifest hash.")
   return commit

@@ -17,7 +17,7 @@ import jax
 import msgpack
 
 from . import _leaves, _manifest, _records, _tree
-from ._errors import CheckpointError
+from ._errors import CheckpointError, DamagedError
 
 __all__ = ["PerProcess", "values_key", "encode", "decode", "value_at"]
 
@@ -85,17 +85,17 @@ def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:
     ok = (isinstance(outer, dict) and set(outer) == {"sha256", "payload"}
           and isinstance(outer["payload"], bytes) and isinstance(outer["sha256"], str))
     if ok and hashlib.sha256(outer["payload"]).hexdigest() != outer["sha256"]:
-      raise CheckpointError(f"The per-process values at {where!r} are corrupt (SHA-256 "
+      raise DamagedError(f"The per-process values at {where!r} are corrupt (SHA-256 "
                             "mismatch); restore an earlier checkpoint.")
     m = _manifest.unpack(outer["payload"]) if ok else None
   except CheckpointError:
     raise
   except Exception as e:  # msgpack raises several unrelated types
-    raise CheckpointError(f"The per-process values at {where!r} are corrupt "
-                          f"({type(e).__name__}); restore an earlier checkpoint.") from None
+    raise DamagedError(f"The per-process values at {where!r} are corrupt "
+                       f"({type(e).__name__}); restore an earlier checkpoint.") from None
   if not ok:
-    raise CheckpointError(f"The per-process values at {where!r} are corrupt (not a "
-                          "{sha256, payload} map); restore an earlier checkpoint.")
+    raise DamagedError(f"The per-process values at {where!r} are corrupt (not a "
+                       "{sha256, payload} map); restore an earlier checkpoint.")
   return _records.parse_values(m, where)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import _commit, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
-from ._errors import CheckpointError
+from ._errors import CheckpointError, DamagedError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -646,8 +646,9 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
   if problem:
     if not _commit.unchanged(src.kv, src.commit):
       raise _commit.changed_error(src.location)
-    raise CheckpointError(f"The per-process values of process {source} ({where}) are "
-                          f"{problem}: the checkpoint is damaged. Restore an earlier one.")
+    error = DamagedError if problem == "missing" else CheckpointError
+    raise error(f"The per-process values of process {source} ({where}) are {problem}: the "
+                "checkpoint is damaged. Restore an earlier one.")
   leaves = _perprocess.decode(got.value, where)
   for i in mine:
     values[i] = _perprocess.value_at(leaves, wants[i].rec.path, wants[i].value, where)
@@ -770,8 +771,9 @@ def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointErro
   cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
            "corrupt": "its data is corrupt or truncated",
            "missing": "a chunk of its data is missing",
-           "metadata": "its zarr.json does not match the manifest"}.get(
-               _paths.read_failure(e), f"reading failed ({type(e).__name__}: {text})")
-  return CheckpointError(
+           "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
+  error = DamagedError if cause else CheckpointError  # else: not known to be damage
+  cause = cause or f"reading failed ({type(e).__name__}: {text})"
+  return error(
       f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
       f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")

@@ -15,6 +15,10 @@ What one listing costs, for ``N`` step directories (chunk files are never listed
   first listing of an index knows nothing, so it lists every key once. A known step without a
   marker has its own key range listed (a leftover, or a step being written elsewhere).
 
+A step marked damaged (``<run>/damaged/<step>``, :mod:`fnckpt._health`) is listed in
+``damaged``, not among the committed steps; checking a mark costs two small reads (the mark
+and the step's marker), only for steps that have one.
+
 All requests of one listing are in flight together. The known names only say where not to
 look; every step is checked on every listing, so nothing goes stale across processes.
 """
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _paths
+from . import _health, _paths
 from ._errors import CheckpointError
 
 __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
@@ -61,9 +65,11 @@ def as_step(step: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class Listing:
   """One look at a run directory. ``committed``: step -> its marker's stamp (opaque; it
-  changes whenever the step is committed again); ``uncommitted``: leftovers, sorted."""
+  changes whenever the step is committed again); ``uncommitted``: leftovers, sorted;
+  ``damaged``: committed steps marked damaged (step -> the damage), not in ``committed``."""
   committed: dict[int, bytes]
   uncommitted: list[int]
+  damaged: dict[int, str] = dataclasses.field(default_factory=dict)
 
   @property
   def steps(self) -> list[int]:
@@ -103,6 +109,16 @@ def _has_entries(path: str) -> bool:
     return False
 
 
+def _local_marks(run: str) -> set[int]:
+  """The steps with a damage mark in the local run directory ``run``."""
+  try:
+    with os.scandir(os.path.join(run, _health.MARK_DIR)) as it:
+      keys = [f"{_health.MARK_DIR}/{e.name}" for e in it]
+  except OSError:  # gone meanwhile, or not a directory
+    return set()
+  return {s for s in map(_health.mark_of, keys) if s is not None}
+
+
 class StepIndex:
   """The step directories under ``root`` (any fnckpt location). One index per run directory
   and storage tier; it holds no state that decides an answer (see the module docstring).
@@ -134,21 +150,31 @@ class StepIndex:
     """The committed steps and leftovers now. ``in_flight``: steps the caller is writing (not
     probed for leftover data while their marker is missing)."""
     try:
-      committed, leftovers = self._list_local() if self._local else self._list_kv(in_flight)
+      committed, leftovers, marks = (self._list_local() if self._local
+                                     else self._list_kv(in_flight))
+      damaged = _health.marks_in_force(self._marks_kv(), sorted(marks & set(committed)))
     except Exception as e:  # TensorStore raises ValueError & co.; OSError from local files
       raise _paths.io_error(e, self.root, "listing its steps") from e
+    committed = {s: v for s, v in committed.items() if s not in damaged}
     with self._lock:
       self._committed = set(committed)
-    return Listing(committed, sorted(leftovers))
+    return Listing(committed, sorted(leftovers), damaged)
 
-  def _list_local(self) -> tuple[dict[int, bytes], list[int]]:
+  def _marks_kv(self) -> Any:
+    if self._kv is None:  # local files: opened only when a mark is there
+      self._kv = _paths.open_kvstore(self.root, self.storage_options)
+    return self._kv
+
+  def _list_local(self) -> tuple[dict[int, bytes], list[int], set[int]]:
     committed: dict[int, bytes] = {}
     leftovers: list[int] = []
     try:
       with os.scandir(self._local) as it:
-        entries = [e for e in it if _STEP_NAME.fullmatch(e.name) and e.is_dir()]
+        names = list(it)
     except FileNotFoundError:  # no run yet (a file in the way is an error: NotADirectoryError)
-      return committed, leftovers
+      return committed, leftovers, set()
+    entries = [e for e in names if _STEP_NAME.fullmatch(e.name) and e.is_dir()]
+    marks = _local_marks(self._local) if any(e.name == _health.MARK_DIR for e in names) else set()
     for entry in entries:
       try:
         st = os.stat(os.path.join(entry.path, MARKER))
@@ -157,13 +183,16 @@ class StepIndex:
           leftovers.append(int(entry.name))
         continue
       committed[int(entry.name)] = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
-    return committed, leftovers
+    return committed, leftovers, marks
 
-  def _list_kv(self, in_flight: frozenset[int] | set[int]) -> tuple[dict[int, bytes], list[int]]:
+  def _list_kv(self, in_flight: frozenset[int] | set[int]
+               ) -> tuple[dict[int, bytes], list[int], set[int]]:
     with self._lock:
       known = set(self._names)
-    gaps = [self._kv.list(range=r) for r in _gaps(known)]
-    found = {s for f in gaps for s in map(_step_of, f.result()) if s is not None}
+    gaps = [k.decode("utf-8", "surrogateescape") for f in
+            [self._kv.list(range=r) for r in _gaps(known)] for k in f.result()]
+    found = {s for s in map(_step_of, gaps) if s is not None}
+    marks = {s for s in map(_health.mark_of, gaps) if s is not None}
     reads = {s: self._kv.read(f"{s}/{MARKER}") for s in known | found}
     committed, missing = {}, set()
     for step, future in reads.items():
@@ -176,7 +205,7 @@ class StepIndex:
     leftovers = [s for s in missing if s in found or (s in probes and probes[s].result())]
     with self._lock:
       self._names = set(committed) | set(leftovers) | (missing & set(in_flight))
-    return committed, leftovers
+    return committed, leftovers, marks
 
   def exists(self, step: int) -> bool:
     """Whether anything is stored under ``step`` (committed or not)."""
@@ -188,9 +217,22 @@ class StepIndex:
       raise _paths.io_error(e, self.path(step), "listing") from e
 
   def delete(self, step: int) -> None:
-    """Delete ``step``'s directory, its commit marker first (never seen half deleted)."""
+    """Delete ``step``'s directory, its commit marker first (never seen half deleted), and
+    its damage mark."""
     _paths.delete_prefix(self.path(step), self.storage_options, first=(MARKER,))
+    try:
+      mark = _health.mark_key(step)
+      self._marks_kv().delete_range(ts.KvStore.KeyRange(mark, mark + "\0")).result()
+    except Exception as e:
+      raise _paths.io_error(e, _paths.join(self.root, _health.mark_key(step)), "deleting") from e
     self.forget(step)
+
+  def damage_of(self, step: int) -> str | None:
+    """The damage ``step`` is marked with (a mark in force), or ``None`` (two small reads)."""
+    try:
+      return _health.marks_in_force(self._marks_kv(), [step]).get(step)
+    except Exception as e:
+      raise _paths.io_error(e, self.path(step), "reading its damage mark") from e
 
   def forget(self, step: int) -> None:
     with self._lock:

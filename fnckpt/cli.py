@@ -230,25 +230,56 @@ def _region_str(region: _layout.Index) -> str:
 def _ls(args: argparse.Namespace) -> int:
   root, options = args.dir, args.storage_options
   keys = _paths.list_keys(root, options)
-  if _manifest.COMMIT in keys or _manifest.MANIFEST in keys:
+  if args.local is None and (_manifest.COMMIT in keys or _manifest.MANIFEST in keys):
     print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
-    steps: list[tuple[str, str]] = [(".", root)]
-    uncommitted: list[int] = []
-  else:
-    committed, uncommitted = _steps.scan(root, options)
-    steps = [(str(s), _paths.join(root, str(s))) for s in committed]
-  if not steps and not uncommitted:
+    rows = _step_rows([(".", root)], keys, options)
+    print(_table([_LS_HEADER] + rows))
+    return 0
+  local_options = options if str(args.local).startswith(("s3://", "gs://")) else None
+  tiers = [("durable", root, keys, options)] + ([("local", args.local, _paths.list_keys(
+      args.local, local_options), local_options)] if args.local is not None else [])
+  rows, notes, restorable = [], [], set()
+  for tier, location, tier_keys, options in tiers:
+    listing = _steps.StepIndex(location, options).list()
+    restorable |= set(listing.steps)
+    tier_rows = _step_rows([(str(s), _paths.join(location, str(s))) for s in listing.steps],
+                           tier_keys, options)
+    tier_rows += [[str(s), "DAMAGED", "-", "-", "-", "-", f"marked damaged ({_compact(d, 60)})"
+                   f"; skipped by the manager; manager.delete({s}) removes it"]
+                  for s, d in sorted(listing.damaged.items())]
+    tier_rows += [[str(s), "UNCOMMITTED", "-", "-", _files_of(tier_keys, str(s)), "-",
+                   "interrupted save: ignored; CheckpointManager.cleanup() removes it"]
+                  for s in listing.uncommitted]
+    rows += [([tier] if len(tiers) > 1 else []) + r for r in tier_rows]
+    notes.append(f"{len(listing.steps)} committed, {len(listing.uncommitted)} uncommitted"
+                 + (f", {len(listing.damaged)} marked damaged" if listing.damaged else "")
+                 + (f" in {tier} {_paths.display(location)}" if len(tiers) > 1 else ""))
+  if not rows:
     print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
     return 1
-  files: dict[str, int] = {}
-  for k in keys:
-    files[k.partition("/")[0]] = files.get(k.partition("/")[0], 0) + 1
-  rows = [["STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED", "METRICS"]]
+  rows.sort(key=lambda r: int(r[1] if len(tiers) > 1 else r[0]))
+  print(_table([(["TIER"] if len(tiers) > 1 else []) + _LS_HEADER] + rows))
+  latest = f"; latest: {max(restorable)}" if restorable else ""
+  print("; ".join(notes) + latest)
+  return 0
+
+
+_LS_HEADER = ["STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED", "METRICS"]
+
+
+def _files_of(keys: list[str], name: str) -> str:
+  return str(sum(1 for k in keys if k.partition("/")[0] == name) if name != "." else len(keys))
+
+
+def _step_rows(steps: list[tuple[str, str]], keys: list[str],
+               options: dict[str, Any] | None) -> list[list[str]]:
+  """One ``ls`` row per committed checkpoint (``DAMAGED`` where it cannot be opened)."""
+  rows = []
   for name, path in steps:
     try:
       src = _restore.open_source(path, options)
     except CheckpointError as e:
-      rows.append([name, "DAMAGED", "-", "-", str(files.get(name, len(keys))), "-", str(e)])
+      rows.append([name, "DAMAGED", "-", "-", _files_of(keys, name), "-", str(e)])
       continue
     manifest, commit = src.manifest, _manifest.decode_commit(src.commit, src.location)
     meta = manifest.metadata
@@ -258,14 +289,8 @@ def _ls(args: argparse.Namespace) -> int:
                    if isinstance(metrics, dict) else "-")
     leaves = manifest.leaves
     rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), str(len(leaves)),
-                 str(files.get(name, len(keys))), _when(commit.get("committed")), metric_text])
-  for step in uncommitted:
-    rows.append([str(step), "UNCOMMITTED", "-", "-", str(files.get(str(step), 0)), "-",
-                 "interrupted save: ignored; CheckpointManager.cleanup() removes it"])
-  print(_table(rows))
-  if steps and steps[0][0] != ".":
-    print(f"{len(steps)} committed, {len(uncommitted)} uncommitted; latest: {steps[-1][0]}")
-  return 0
+                 _files_of(keys, name), _when(commit.get("committed")), metric_text])
+  return rows
 
 
 # --- inspect ---------------------------------------------------------------------------------
@@ -703,10 +728,12 @@ def _parser() -> argparse.ArgumentParser:
   _add_storage_option(common, "storage_option_pairs_after")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
   ls = sub.add_parser("ls", parents=[common], help="list the steps of a run directory",
-                      description="Committed steps (and uncommitted leftovers) of a "
-                      "CheckpointManager directory: data size, leaves, files, commit time, "
-                      "metrics.")
+                      description="Committed steps (uncommitted leftovers, steps marked "
+                      "damaged) of a CheckpointManager directory: data size, leaves, files, "
+                      "commit time, metrics; with --local, of both tiers.")
   ls.add_argument("dir")
+  ls.add_argument("--local", metavar="FAST", default=None,
+                  help="also list the manager's local tier (local_directory)")
   ls.set_defaults(run=_ls, locations=("dir",))
   ins = sub.add_parser("inspect", parents=[common], help="show the saved tree of one checkpoint",
                        description="Key path, kind, dtype, shape, saved sharding, bytes and "

@@ -194,5 +194,96 @@ def mode_preempt(cfg):
   mgr.close()
 
 
+def mode_damage(cfg):
+  """Steps 1 and 2 saved; then process ``cfg["damager"]`` flips a byte in a chunk of step 2
+  that only it reads (or truncates step 2's manifest, seen by all): every process must fall
+  back to step 1 together, warn, and agree that step 2 is marked damaged."""
+  import glob
+  import jax
+  import fnckpt
+  from fnckpt import _commit
+  mesh, target = mesh_and_target()
+  me = jax.process_index()
+  opts = {"barrier_timeout_s": cfg["barrier_s"]}
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_options=opts)
+  for step in (1, 2):
+    mgr.save(step, state_at(mesh, step))
+  mgr.wait()
+  step_dir = os.path.join(cfg["root"], "2")
+  if me == cfg["damager"]:
+    if cfg["how"] == "chunk":  # w is (8, 16) over x = processes: rows 4-7 are process 1's
+      chunks = sorted(glob.glob(os.path.join(step_dir, "data-*", "a", "*", "c", str(me), "*")))
+      assert chunks, os.listdir(step_dir)
+      for path in chunks:
+        with open(path, "r+b") as f:
+          f.seek(os.path.getsize(path) // 3)
+          byte = f.read(1)
+          f.seek(-1, os.SEEK_CUR)
+          f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+      path = os.path.join(step_dir, "manifest.msgpack")
+      os.truncate(path, os.path.getsize(path) // 2)
+  _commit.barrier(cfg["root"], "test-damaged", cfg["barrier_s"])
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_options=opts)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+  out = {"process": me, "restored": step, "checked": check_state(state, step),
+         "warned": [str(w.message) for w in caught if "is damaged" in str(w.message)],
+         "latest": mgr.latest_step(), "all_steps": mgr.all_steps(),
+         "explicit": error_of(lambda: mgr.restore(2, target))}
+  mgr.save(2, state_at(mesh, 2)).wait()   # the run goes on: step 2 saved again, valid
+  out["after_resave"] = int(mgr.restore(target=target)["step"])
+  mgr.close()
+  result(out)
+
+
+def mode_tiers(cfg):
+  """``cfg["phase"]`` "save": steps 0-5 to the local tier (every step; the newest 2 kept),
+  every 2nd copied to the durable one. "recover": restore_or_init with this process's
+  ``cfg["local"]`` (a wiped or replaced host's is empty)."""
+  import jax
+  import fnckpt
+  mesh, target = mesh_and_target()
+  opts = {"barrier_timeout_s": cfg["barrier_s"]}
+  mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=cfg["local"],
+                                 local_save_interval_steps=1, save_interval_steps=2,
+                                 save_options=opts)
+  out: dict[str, Any] = {"process": jax.process_index()}
+  if cfg["phase"] == "save":
+    for step in range(6):
+      mgr.save(step, state_at(mesh, step))
+    mgr.wait()
+  else:
+    state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+    out["restored"], out["checked"] = step, check_state(state, step)
+  out["all_steps"] = mgr.all_steps()
+  mgr.close()
+  result(out)
+
+
+def mode_auto(cfg):
+  """save_interval_steps="auto" with 2 processes: the same steps saved (and skipped) on
+  every process, whatever each one measures."""
+  import jax
+  import fnckpt
+  mesh, _ = mesh_and_target()
+  mgr = fnckpt.CheckpointManager(cfg["root"], save_interval_steps="auto", mtbf_s=cfg["mtbf_s"],
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  saved, asked = [], []
+  for step in range(cfg["steps"]):
+    time.sleep(cfg["step_s"] * (1 + jax.process_index()))  # the processes measure differently
+    if mgr.should_save(step):
+      asked.append(step)
+      if mgr.save(step, state_at(mesh, step)) is not None:
+        saved.append(step)
+  mgr.wait()
+  s = mgr.schedule
+  result({"process": jax.process_index(), "asked": asked, "saved": saved,
+          "all_steps": mgr.all_steps(), "interval_steps": s.interval_steps,
+          "saves": s.saves, "skipped": s.skipped, "cost": s.save_cost_s})
+  mgr.close()
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

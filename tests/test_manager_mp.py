@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,3 +139,61 @@ def test_preemption_saves_the_same_step_on_every_process(tmp_path, n):
     assert r["all_steps"] == [0, step]
   assert fnckpt.CheckpointManager(root).latest_step() == step
   assert fnckpt.restore(os.path.join(root, str(step)))["step"] == step
+
+
+@pytest.mark.parametrize("how, damager", [("chunk", 1), ("manifest", 0)])
+def test_damage_seen_by_one_process_falls_back_on_every_process(tmp_path, how, damager):
+  root = str(tmp_path / "run")
+  out = results_of(hp.finish(launch({"mode": "damage", "root": root, "barrier_s": BARRIER_S,
+                                     "how": how, "damager": damager}, 2), timeout=120))
+  for r in out:
+    assert r["restored"] == 1 and r["checked"] == 2 + 2 + 1
+    assert len(r["warned"]) == 1, r
+    text = "checksum mismatch" if how == "chunk" else "does not match its commit marker"
+    assert r["warned"][0].startswith(f"Step 2 of '{root}' is damaged"), r
+    assert text in r["warned"][0], r
+    if how == "chunk":
+      assert "(found by process 1)" in r["warned"][0], r
+    assert r["latest"] == 1 and r["all_steps"] == [1]
+    assert r["explicit"]["type"] == "CheckpointError"
+    message = r["explicit"]["message"]
+    assert "Step 2 of" in message and "is marked damaged" in message
+    assert r["after_resave"] == 2
+
+
+def test_two_tiers_recover_the_newest_step_every_process_can_restore(tmp_path):
+  root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S}
+  out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
+  assert [r["all_steps"] for r in out] == [[0, 2, 4, 5]] * 2
+  assert sorted(os.listdir(fast), key=int) == ["4", "5"]
+  assert fnckpt.CheckpointManager(root).all_steps() == [0, 2, 4]
+
+  def recover(local_of):
+    port = hp.free_port()
+    procs = [hp.start([sys.executable, WORKER, json.dumps(
+        {**cfg, "phase": "recover", "local": local_of(i), "port": port, "num_processes": 2,
+         "process_id": i})], hp.child_env()) for i in range(2)]
+    return results_of(hp.finish(procs, timeout=120))
+
+  # both hosts hold step 5 locally: the fast tier
+  assert [r["restored"] for r in recover(lambda i: fast)] == [5, 5]
+  # process 1's host was replaced (its local tier is empty): the newest durable step
+  fresh = str(tmp_path / "fresh")
+  out = recover(lambda i: fast if i == 0 else fresh)
+  assert [(r["restored"], r["checked"]) for r in out] == [(4, 5), (4, 5)]
+  # both local tiers wiped
+  shutil.rmtree(fast)
+  assert [r["restored"] for r in recover(lambda i: fast)] == [4, 4]
+
+
+def test_auto_interval_is_the_same_on_every_process(tmp_path):
+  out = results_of(hp.finish(launch({"mode": "auto", "root": str(tmp_path / "run"),
+                                     "barrier_s": BARRIER_S, "mtbf_s": 5.0, "steps": 40,
+                                     "step_s": 0.01}, 2), timeout=120))
+  assert out[0]["asked"] == out[1]["asked"] and out[0]["saved"] == out[1]["saved"], out
+  assert out[0]["all_steps"] == out[1]["all_steps"] == out[0]["saved"]
+  assert out[0]["interval_steps"] == out[1]["interval_steps"]
+  assert (out[0]["saves"], out[0]["skipped"]) == (out[1]["saves"], out[1]["skipped"])
+  assert out[0]["saves"] == len(out[0]["saved"]) >= 2
+  assert out[0]["saves"] + out[0]["skipped"] == len(out[0]["asked"])
