@@ -163,6 +163,11 @@ def _scalar_leaf(i: int, e: Entry, value: np.ndarray, location: str) -> _records
                        "float": 0.0, "complex": 0j}[kind])(v))
 
 
+def exists(kv: ts.KvStore, key: str) -> ts.Future:
+  """A read of none of ``key``'s bytes: its ``state`` says whether the key exists."""
+  return kv.read(key, byte_range=slice(0, 0))
+
+
 def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
   """A whole value, or None if missing; :class:`ValueError` if it is longer than ``limit``
   (probed first: a byte range past a value's end is an error, not a short read)."""
@@ -178,6 +183,8 @@ def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
   if too_long:
     raise ValueError(f"it is larger than {limit} bytes")
   whole = kv.read(key).result()
+  if whole.state == "value" and len(whole.value) > limit:  # (it grew since the probe)
+    raise ValueError(f"it is larger than {limit} bytes")
   return bytes(whole.value) if whole.state == "value" else None
 
 
@@ -284,7 +291,7 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
   and a reader of their arrays. Opens every array (its zarr metadata) and reads scalars."""
   entries, options = parse_metadata(_read_json(kv, METADATA, location), location)
   if "use_ocdbt" not in options:
-    options["use_ocdbt"] = kv.read("manifest.ocdbt").result().state == "value"
+    options["use_ocdbt"] = exists(kv, "manifest.ocdbt").result().state == "value"
   opens = _open_arrays(kv_spec, ctx, entries, options)
   strings = (_read_json(kv, "_strings.json", location)
              if any(e.value_type == "string" for e in entries) else {})

@@ -420,3 +420,29 @@ def test_damaged_files_through_restore(tmp_path):
     outcomes.add("read")
     assert {np.shape(x) for x in jax.tree.leaves(got)} <= {(2, 3), (4,), (2,)}
   assert "error" in outcomes
+
+
+# --- review fixes (issue 14 A) --------------------------------------------------------------
+
+def test_probes_read_no_file_whole(tmp_path):
+  """Looking for an index, _METADATA or _CHECKPOINT_METADATA reads none of their bytes (an
+  empty byte range): a 100 MiB (sparse) index is refused by its size, having read ~nothing."""
+  d = tmp_path / "m"
+  d.mkdir()
+  with open(d / "model.safetensors.index.json", "wb") as f:
+    f.truncate(100 << 20)
+  before = bytes_read()
+  with pytest.raises(fnckpt.CheckpointError, match=r"model.safetensors.index.json' is "
+                     r"invalid: the index: it is larger than 67108864 bytes"):
+    fnckpt.restore(str(d))
+  assert bytes_read() - before <= 4096
+  os.remove(d / "model.safetensors.index.json")
+  (d / "commit_success.txt").write_text("ok")
+  for name in ("_METADATA", "_CHECKPOINT_METADATA"):
+    with open(d / name, "wb") as f:
+      f.truncate(100 << 20)
+    before = bytes_read()
+    with pytest.raises(fnckpt.CheckpointError, match=r"larger than 67108864 bytes"):
+      fnckpt.metadata(str(d))
+    assert bytes_read() - before <= 4096, name
+    os.remove(d / name)
