@@ -384,8 +384,10 @@ def in_blocks(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: 
   reads whole rows of the first axis for it (too many or too short ranges otherwise), and it
   needs only some of their bytes.
 
-  >>> in_blocks((8192, 256), ((0, 8192), (0, 32)), 4), in_blocks((8192, 256), ((0, 8), (0, 256)), 4)
-  (True, False)
+  >>> in_blocks((8192, 256), ((0, 8192), (0, 32)), 4)     # 8192 pieces of 128 bytes
+  True
+  >>> in_blocks((8192, 256), ((0, 8), (0, 256)), 4)       # whole rows: one range
+  False
   """
   if len(shape) < 2:
     return False
