@@ -407,13 +407,18 @@ def _check_bool(t: Tensor, out: np.ndarray) -> np.ndarray:
 
 
 def _got(fut: ts.Future, t: Tensor, n: int) -> Any:
-  got = fut.result()
-  value = got.value if got.state == "value" else None  # (each .value is a new copy)
+  try:
+    got = fut.result()
+  except ValueError as e:
+    if "OUT_OF_RANGE" not in str(e):
+      raise
+    got = None  # the file is shorter than it was when its header was read
+  value = got.value if got is not None and got.state == "value" else None  # (a new copy)
   if value is None or len(value) != n:
     raise CheckpointError(
         f"Tensor {t.name!r} of {t.file!r}: a byte range of {n} bytes could not be read "
-        f"({'missing' if value is None else len(value)} bytes came back); the file changed or "
-        "is truncated. Check the file.")
+        f"({'nothing' if value is None else f'{len(value)} bytes'} came back); the file "
+        "changed or is truncated. Check the file.")
   return value
 
 

@@ -348,6 +348,18 @@ def test_a_file_changed_after_its_header_was_read(tmp_path):
     opened.reader.slice_reader(rec)(((0, 1000),)).result()
   err = opened.reader.read_error(rec, info.value)
   assert isinstance(err, fnckpt.CheckpointError) and "'w'" in str(err)
+  # slices of some columns, read together in blocks of rows: every one of them an error
+  save_file({"x": np.zeros((8192, 256), np.float32)}, path)
+  opened = _foreign.open_foreign(path, None)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 4096)
+  read = opened.reader.slice_reader(opened.manifest.leaves[0])
+  slices = [read(((0, 8192), (i * 32, i * 32 + 32))) for i in range(8)]
+  for s in slices[:2]:
+    with pytest.raises(fnckpt.CheckpointError, match=r"Tensor 'x' of 'm.safetensors': a byte "
+                       r"range of 1048576 bytes could not be read \(nothing came back\); the "
+                       r"file changed or is truncated"):
+      s.result()
 
 
 # --- any damage to a header: a CheckpointError or a valid read, nothing else ----------------
