@@ -564,3 +564,39 @@ def test_an_index_must_list_every_shard_file(tmp_path):
     for path in (index, d):
       with pytest.raises(fnckpt.CheckpointError, match=message):
         fnckpt.restore(path)
+
+
+def test_random_slices_through_the_reader_equal_numpy(monkeypatch):
+  """Random tensors (0-4 dims, some empty), random groups of slices queued together, small
+  blocks (BLOCK_BYTES patched down so a group reads many): every slice equals numpy's."""
+  import random
+  from fnckpt import _records, _safetensors_in as S
+  rng = random.Random(0)
+  kv = ts.KvStore.open("memory://").result()
+  for trial in range(400):
+    monkeypatch.setattr(S, "BLOCK_BYTES", rng.choice([1, 64, 1000, 1 << 20]))
+    shape = tuple(rng.choice([0, *range(1, 10)] + [rng.randint(1, 9)] * 9)
+                  for _ in range(rng.randint(0, 4)))
+    dtype = rng.choice(["uint8", "float32", "bfloat16", "int16", "bool"])
+    x = (np.arange(int(np.prod(shape))) % (2 if dtype == "bool" else 251)).astype(
+        _records.np_dtype(dtype)).reshape(shape)
+    pad = rng.randint(0, 5)
+    kv.write(f"f{trial}", b"z" * (8 + pad) + x.tobytes()).result()
+    t = S.Tensor("t", f"f{trial}", dtype, shape, 8 + pad, 8 + pad + x.nbytes)
+    reader = S.Reader(kv, "mem", [t])
+    rec = _records.Leaf(0, (("dict", "t"),), "array", dtype, shape, "numpy", None)
+    read = reader.slice_reader(rec)
+    def span(n):   # mostly non-empty
+      lo = rng.randint(0, max(0, n - 1))
+      return (lo, rng.randint(min(lo + 1, n), n) if rng.random() < 0.9 else lo)
+    rows = span(shape[0]) if shape else None
+    boxes = []
+    for _ in range(rng.randint(1, 6)):
+      box = [rows if rows and rng.random() < 0.7 else None] + [None] * (len(shape) - 1)
+      boxes.append(tuple(b or span(n) for b, n in zip(box, shape)))
+    futs = [read(box) for box in boxes]
+    for box, fut in zip(boxes, futs):
+      got, want = fut.result(), x[tuple(slice(a, b) for a, b in box)]
+      assert got.shape == want.shape and got.dtype == want.dtype, (trial, shape, box)
+      assert got.tobytes() == want.tobytes(), (trial, shape, box)
+      assert reader.read_bytes(rec, box) >= want.nbytes
