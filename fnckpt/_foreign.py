@@ -1,9 +1,9 @@
 """Checkpoints written by other libraries, read the way fnckpt reads its own.
 
-:func:`open_foreign` finds what a location holds (after fnckpt's own commit marker and manifest
-were not found there): an Orbax PyTree checkpoint (``_METADATA``: an item directory;
-``_CHECKPOINT_METADATA``: a step directory of a ``CheckpointManager`` or ``ocp.v1`` save
-holding one PyTree item), a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
+:func:`open_foreign` finds what a location holds (after fnckpt's own reader found no commit
+marker, manifest or data there; probes are empty byte-range reads, existence only): an Orbax
+PyTree checkpoint (``_METADATA``: an item directory; ``_CHECKPOINT_METADATA``: a step
+directory of a ``CheckpointManager`` or ``ocp.v1`` save holding one PyTree item), a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
 directory of ``.safetensors`` files. It returns an :class:`Opened`: the leaves as validated
 :class:`fnckpt._records.Manifest` records, the same records fnckpt's manifests give (so
 restore's matching, tree checks, budget and placement are shared), and a reader of array
@@ -21,7 +21,7 @@ import tensorstore as ts
 from . import _orbax_in, _paths, _records, _safetensors_in
 from ._errors import CheckpointError, NotCommittedError
 
-__all__ = ["Opened", "open_foreign", "is_file_location"]
+__all__ = ["Opened", "open_foreign", "open_orbax", "is_file_location"]
 
 _OCDBT_CACHE_BYTES = 32 << 20   # OCDBT's B-tree nodes, per restore (its context, not global)
 
@@ -77,11 +77,9 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
       manifest, reader = _safetensors_in.open_file(kv, name, location, prefix)
     return Opened(location, "safetensors", kv_spec, ctx, kv, manifest, reader)
   kv_spec, ctx, kv = _resolve(path, options)
-  probes = {k: kv.read(k) for k in (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA,
-                                    _safetensors_in.INDEX_NAME)}
-  try:  # (fnckpt's own reader looked first: its error says more about an unreadable place)
-    found = {k for k, f in probes.items() if f.result().state == "value"}
-  except Exception:
+  found = _present(kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA,
+                        _safetensors_in.INDEX_NAME))
+  if found is None:  # (fnckpt's own reader looked first: its error says more about this place)
     return None
   if found & {_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA}:
     return _open_orbax(path, location, kv_spec, ctx, kv, options)
@@ -100,12 +98,30 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
   return None
 
 
+def _present(kv: ts.KvStore, keys) -> set[str] | None:
+  """Which of ``keys`` exist (empty byte-range reads: no value is transferred), or None if the
+  location cannot be read."""
+  probes = {k: _orbax_in.exists(kv, k) for k in keys}
+  try:
+    return {k for k, f in probes.items() if f.result().state == "value"}
+  except Exception:
+    return None
+
+
+def open_orbax(path: str, options: dict[str, Any] | None) -> Opened | None:
+  """The Orbax checkpoint at the directory ``path``, or None if there is none."""
+  kv_spec, ctx, kv = _resolve(path, options)
+  if not _present(kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA)):
+    return None
+  return _open_orbax(path, _paths.display(path), kv_spec, ctx, kv, options)
+
+
 def _open_orbax(path: str, location: str, kv_spec, ctx, kv, options) -> Opened:
   if ".orbax-checkpoint-tmp" in location.rsplit("/", 1)[-1]:
     raise NotCommittedError(
         f"{location!r} is an Orbax save in progress or interrupted (a temporary directory). "
         "Restore a finished checkpoint (its name has no .orbax-checkpoint-tmp suffix).")
-  if kv.read(_orbax_in.METADATA).result().state != "value":  # a step directory
+  if _orbax_in.exists(kv, _orbax_in.METADATA).result().state != "value":  # a step directory
     _check_committed(kv, path, options, location)
     item = _item_of(kv, location)
     path, location = _paths.join(path, item), f"{location}/{item}"
@@ -121,8 +137,9 @@ def _item_of(kv: ts.KvStore, location: str) -> str:
   meta = _orbax_in._read_json(kv, _orbax_in.CHECKPOINT_METADATA, location)
   handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
   names = [k for k in handlers if isinstance(k, str)] if isinstance(handlers, dict) else []
-  items = [n for n in names if _records._NAME.fullmatch(n)
-           and kv.read(f"{n}/{_orbax_in.METADATA}").result().state == "value"]
+  names = [n for n in names if _records._NAME.fullmatch(n)]
+  probes = [_orbax_in.exists(kv, f"{n}/{_orbax_in.METADATA}") for n in names]
+  items = [n for n, f in zip(names, probes) if f.result().state == "value"]
   if len(items) == 1:
     return items[0]
   if not items:
@@ -137,7 +154,7 @@ def _item_of(kv: ts.KvStore, location: str) -> str:
 
 def _committed_here(kv: ts.KvStore, location: str) -> bool | None:
   """True: Orbax finished this directory; False: it says it did not; None: it says nothing."""
-  if kv.read(_orbax_in.COMMIT_SUCCESS).result().state == "value":
+  if _orbax_in.exists(kv, _orbax_in.COMMIT_SUCCESS).result().state == "value":
     return True
   try:
     meta = _orbax_in._read_json(kv, _orbax_in.CHECKPOINT_METADATA, location, required=False)

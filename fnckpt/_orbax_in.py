@@ -22,6 +22,7 @@ import base64
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,11 @@ __all__ = ["METADATA", "CHECKPOINT_METADATA", "Entry", "parse_metadata", "open_i
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
-MAX_JSON_BYTES = 256 << 20
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_OBJECTS = 1 << 20   # JSON maps in one file ('{' counted before parsing: memory bound)
+MAX_PARTS = 64               # keys in one leaf's key path
+MAX_TOTAL_PARTS = 1 << 22    # keys in all key paths of one _METADATA
+_SEQ_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 _EMPTY = {"None": ("none", "NoneType"), "Dict": ("dict", "dict"), "List": ("list", "list"),
           "Tuple": ("tuple", "tuple"), "NamedTuple": ("tuple", "tuple")}
 _ARRAYS = ("jax.Array", "np.ndarray", "scalar")
@@ -59,6 +64,8 @@ def _bad(location: str, what: str) -> CheckpointError:
 def load_json(raw: bytes, location: str, name: str) -> Any:
   if len(raw) > MAX_JSON_BYTES:
     raise _bad(location, f"{name} is larger than {MAX_JSON_BYTES} bytes")
+  if raw.count(b"{") > MAX_JSON_OBJECTS:
+    raise _bad(location, f"{name} holds more than {MAX_JSON_OBJECTS} JSON maps")
   try:
     return json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -77,9 +84,13 @@ def parse_metadata(m: Any, location: str) -> tuple[list[Entry], dict[str, Any]]:
   tree = m.get("tree_metadata") if isinstance(m, dict) else None
   if not isinstance(tree, dict):
     raise _bad(location, f"{METADATA} has no 'tree_metadata' map")
-  entries = []
+  entries, parts = [], 0
   for label, leaf in tree.items():
     entry = _entry(label, leaf, location)
+    parts += len(entry.path)
+    if parts > MAX_TOTAL_PARTS:
+      raise _bad(location, f"the key paths of {METADATA} hold more than {MAX_TOTAL_PARTS} keys "
+                 "in all")
     if entry.value_type != _PLACEHOLDER:
       entries.append(entry)
   options = {}
@@ -100,8 +111,10 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
   where = f"{METADATA} entry {str(label)[:80]}"
   keys = leaf.get("key_metadata") if isinstance(leaf, dict) else None
   value = leaf.get("value_metadata") if isinstance(leaf, dict) else None
-  if not isinstance(keys, list) or not 0 < len(keys) <= 256 or not isinstance(value, dict):
+  if not isinstance(keys, list) or not keys or not isinstance(value, dict):
     raise _bad(location, f"{where} needs 'key_metadata' (a list) and 'value_metadata' (a map)")
+  if len(keys) > MAX_PARTS:
+    raise _bad(location, f"{where} has a key path of {len(keys)} keys, more than {MAX_PARTS}")
   path = []
   for k in keys:
     key = k.get("key") if isinstance(k, dict) else None
@@ -110,7 +123,7 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
       raise _bad(location, f"{where} has a key {str(k)[:80]}, expected "
                  "{'key': str, 'key_type': 1 or 2}")
     if kind == 1:
-      if not key.isdecimal() or len(key) > 9:
+      if not _SEQ_INDEX.fullmatch(key):
         raise _bad(location, f"{where} has the sequence index {key[:20]!r}")
       path.append(("seq", int(key)))
     else:
@@ -150,6 +163,11 @@ def _scalar_leaf(i: int, e: Entry, value: np.ndarray, location: str) -> _records
                        "float": 0.0, "complex": 0j}[kind])(v))
 
 
+def exists(kv: ts.KvStore, key: str) -> ts.Future:
+  """A read of none of ``key``'s bytes: its ``state`` says whether the key exists."""
+  return kv.read(key, byte_range=slice(0, 0))
+
+
 def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
   """A whole value, or None if missing; :class:`ValueError` if it is longer than ``limit``
   (probed first: a byte range past a value's end is an error, not a short read)."""
@@ -165,6 +183,8 @@ def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
   if too_long:
     raise ValueError(f"it is larger than {limit} bytes")
   whole = kv.read(key).result()
+  if whole.state == "value" and len(whole.value) > limit:  # (it grew since the probe)
+    raise ValueError(f"it is larger than {limit} bytes")
   return bytes(whole.value) if whole.state == "value" else None
 
 
@@ -226,6 +246,11 @@ class Reader:
     store = self.stores[rec.index]
     return lambda index, batch=None: _store.read_slice(store, index, batch)
 
+  def read_bytes(self, rec: _records.Leaf, index) -> int:
+    """What reading one slice holds in memory (for restore's read budget): TensorStore
+    decodes every chunk the slice overlaps whole, so the chunk-aligned box around it."""
+    return box_bytes(rec.stored.chunks, index, _records.itemsize(rec.dtype))
+
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
     if isinstance(e, CheckpointError):
       return e
@@ -240,6 +265,21 @@ class Reader:
         f"restore an earlier step. [{text}]")
 
 
+def box_bytes(chunks, index, itemsize: int) -> int:
+  """Bytes of the chunks (of shape ``chunks``, grid origin 0) that the box ``index``
+  (``(lo, hi)`` per axis) overlaps; 0 for an empty box.
+
+  >>> box_bytes((4, 4), ((1, 2), (0, 8)), 4)    # 1 row of 2 chunks of 4 x 4 float32
+  128
+  """
+  n = itemsize
+  for (lo, hi), c in zip(index, chunks):
+    if hi <= lo:
+      return 0
+    n *= (-(-hi // c) - lo // c) * c
+  return n
+
+
 def _open_arrays(kv_spec, ctx, entries, options) -> dict[int, ts.Future]:
   return {i: ts.open(_array_spec(kv_spec, e.name, options), read=True, context=ctx)
           for i, e in enumerate(entries) if e.value_type in _ARRAYS}
@@ -251,7 +291,7 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
   and a reader of their arrays. Opens every array (its zarr metadata) and reads scalars."""
   entries, options = parse_metadata(_read_json(kv, METADATA, location), location)
   if "use_ocdbt" not in options:
-    options["use_ocdbt"] = kv.read("manifest.ocdbt").result().state == "value"
+    options["use_ocdbt"] = exists(kv, "manifest.ocdbt").result().state == "value"
   opens = _open_arrays(kv_spec, ctx, entries, options)
   strings = (_read_json(kv, "_strings.json", location)
              if any(e.value_type == "string" for e in entries) else {})
@@ -270,6 +310,9 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
     elif e.value_type in _ARRAYS:
       store = _opened(opens[i], where, e, location)
       if e.value_type == "scalar":
+        if store.rank != 0:  # (before reading it: a "scalar" of 2**40 elements)
+          raise _bad(location, f"the scalar at {where} ({e.name!r}) has shape "
+                     f"{tuple(store.shape)}, expected ()")
         scalars[i] = (e, store.read())
         leaves.append(None)
         continue
@@ -315,4 +358,25 @@ def _opened(fut: ts.Future, where: str, e: Entry, location: str) -> ts.TensorSto
       math.prod(store.shape) > _records.MAX_ELEMENTS:
     raise _bad(location, f"the array of {where} ({e.name!r}) has dtype {store.dtype.name} "
                f"and shape {tuple(store.shape)}, which fnckpt does not read")
+  _check_chunks(store, where, e, location)
   return store
+
+
+def _check_chunks(store: ts.TensorStore, where: str, e: Entry, location: str) -> None:
+  """TensorStore decodes a whole chunk (and a zarr3 shard's index) to read any part of it:
+  a chunk or shard larger than the array along any axis (an empty axis counts as 1) would
+  allocate more than the array needs, up to aborting the interpreter. Orbax writes chunks of
+  at most a shard's shape, which fits in the array."""
+  shape = tuple(int(n) for n in store.shape)
+  try:
+    layout = store.chunk_layout
+    grids = {"chunk": layout.read_chunk.shape, "shard": layout.write_chunk.shape}
+  except Exception as ex:
+    raise _bad(location, f"the array of {where} ({e.name!r}) has no readable chunk layout "
+               f"({_paths.error_text(ex)[:200]})") from None
+  for what, grid in grids.items():
+    chunk = tuple(grid) if grid is not None else ()  # (rank 0: None)
+    if len(chunk) != len(shape) or not all(
+        isinstance(c, int) and 1 <= c <= max(n, 1) for c, n in zip(chunk, shape)):
+      raise _bad(location, f"the array of {where} ({e.name!r}) has shape {shape} and {what} "
+                 f"shape {chunk}; a {what} must fit in the array along every axis")

@@ -509,27 +509,34 @@ def _plain_ok(v: Any, depth: int) -> None:
 
 def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
   """Key paths form a tree: unique, no leaf above another, one container type per node,
-  sequence indices dense (0..n-1)."""
-  leaves, seen_ids = set(), set()
-  children: dict[tuple, dict[Any, str]] = {}
-  groups: dict[tuple, str] = {}   # node -> "seq" or "map": one kind of children per node
+  sequence indices dense (0..n-1). Linear in the total number of keys: each node is a number
+  (the root 0), found from its parent's number and its key, never a prefix tuple."""
+  ids: dict[tuple[int, Any], int] = {}   # (parent node, key) -> node
+  depth_of = [0]
+  leaves: set[int] = set()
+  groups: dict[int, str] = {}            # node -> "seq" or "map": one kind of children per node
+  indices: dict[int, list[int]] = {}     # a "seq" node's children's indices
   for path in paths:
-    keys = tuple((k if kind in ("dict", "attr") else ("#", k)) for kind, k in path)
-    _req(keys not in seen_ids, lambda: f"key path {keystr(path)} appears twice")
-    seen_ids.add(keys)
-    leaves.add(keys)
+    node = 0
     for depth, (kind, key) in enumerate(path):
-      node = keys[:depth]
       group = "seq" if kind in ("seq", "flat") else "map"
       _req(groups.setdefault(node, group) == group,
            lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")
-      children.setdefault(node, {})[keys[depth]] = group
-  for node in children:
+      child = ids.get((node, key if group == "map" else ("#", key)))
+      if child is None:
+        child = ids[(node, key if group == "map" else ("#", key))] = len(depth_of)
+        depth_of.append(depth + 1)
+        if group == "seq":
+          indices.setdefault(node, []).append(key)
+      node = child
+    _req(node not in leaves, lambda: f"key path {keystr(path)} appears twice")
+    leaves.add(node)
+  for node in groups:
     _req(node not in leaves,
-         lambda: f"a leaf is also a parent of other leaves (at depth {len(node)})")
-  for node, seen in children.items():
-    if seen and next(iter(seen.values())) == "seq":
-      idx = sorted(k[1] for k in seen)
+         lambda: f"a leaf is also a parent of other leaves (at depth {depth_of[node]})")
+  for node, group in groups.items():
+    if group == "seq":
+      idx = sorted(indices[node])
       _req(idx == list(range(len(idx))), "sequence indices must be 0..n-1 without gaps")
   _req(len(leaves) <= 1 or all(paths),
        "the root is a leaf but there are other leaves")

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _paths, _perprocess, _records, _store, _tree
-from ._errors import CheckpointError, DamagedError
+from . import _commit, _layout, _leaves, _manifest, _paths, _perprocess, _records, _store, _tree
+from ._errors import CheckpointError, DamagedError, NotCommittedError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -133,23 +133,42 @@ class Source:
 
 
 def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
-  """fnckpt's own checkpoint at ``path``, else an Orbax or safetensors one (``_foreign``)."""
+  """fnckpt's own checkpoint at ``path`` (whatever its name: also ``run.json``), else an
+  Orbax or safetensors one (``_foreign``). An interrupted fnckpt save stays one (never the
+  contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
+  may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data)."""
   from . import _foreign  # (imported here: the CLI and save never need it)
-  if _foreign.is_file_location(path):
-    opened = _foreign.open_foreign(path, storage_options)
-  else:
-    try:
-      return open_source(path, storage_options)
-    except CheckpointError as e:  # also NotCommittedError: Orbax's OCDBT data is in d/, as
-      opened = _foreign.open_foreign(path, storage_options)  # format 1's; None: not one either
-      if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
-        raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
-                              "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
-                              "model.safetensors.index.json).") from None
-      if opened is None:
-        raise
+  try:
+    return open_source(path, storage_options)
+  except NotCommittedError:
+    opened = None if _has_own_files(path, storage_options) else \
+        _foreign.open_orbax(path, storage_options)
+    if opened is None:
+      raise
+  except CheckpointError as e:
+    opened = None if _has_own_files(path, storage_options) else \
+        _foreign.open_foreign(path, storage_options)
+    if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
+      raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
+                            "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
+                            "model.safetensors.index.json).") from None
+    if opened is None:
+      raise
   return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
                 opened.format, opened.reader)
+
+
+def _has_own_files(path: str, storage_options: dict[str, Any] | None) -> bool:
+  """Whether ``path`` is a directory holding a fnckpt commit marker, manifest or format 2
+  data (empty byte-range reads: existence only)."""
+  try:
+    kv = _paths.resolve(path, storage_options)[2]
+    marks = [kv.read(k, byte_range=slice(0, 0)) for k in (_manifest.COMMIT, _manifest.MANIFEST)]
+    data = kv.list(range=ts.KvStore.KeyRange(_manifest.DATA_PREFIX,
+                                             _manifest.DATA_PREFIX[:-1] + "."))
+    return any(m.result().state == "value" for m in marks) or bool(data.result())
+  except Exception:  # (not a directory: a file of that name)
+    return False
 
 
 def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:

@@ -42,9 +42,14 @@ DTYPES = {
 }
 MAX_HEADER_BYTES = 100_000_000     # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
+MAX_TENSORS = 1 << 18              # per file, and per index: bounds what parsing a header holds
 MAX_NAME = 4096
+MAX_PARTS = 64                     # '.'-separated parts of one tensor name
+MAX_TOTAL_PARTS = 1 << 22          # parts of all the names of one checkpoint
 INDEX_NAME = "model.safetensors.index.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_SHARD_NAME = re.compile(r"(.+)-([0-9]{5})-of-([0-9]{5})\.safetensors")
+_SEQ_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,12 @@ def _bad(file: str, what: str) -> CheckpointError:
   return CheckpointError(
       f"The safetensors file {file!r} is invalid: {what}. It cannot be read safely; check the "
       "tool that wrote it (or download it again).")
+
+
+def _bad_index(index: str, what: str) -> CheckpointError:
+  return CheckpointError(
+      f"The safetensors index {index!r} is invalid: {what}. Check the tool that wrote it (or "
+      "download the checkpoint again).")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -93,6 +104,8 @@ def parse_header(header: bytes, file: str, key: str | None = None
   >>> ts_[0].dtype, ts_[0].begin, n
   ('bfloat16', 65, 4)
   """
+  if header.count(b"{") > MAX_TENSORS + 2:  # (each tensor is a map; counted before parsing)
+    raise _bad(file, f"its header holds more than {MAX_TENSORS} tensors (JSON maps)")
   try:
     text = header.decode("utf-8")
     raw = json.loads(text, object_pairs_hook=_no_duplicates)
@@ -129,18 +142,19 @@ def _tensor(name: Any, entry: Any, file: str, start: int, key: str) -> Tensor:
   if dtype not in DTYPES if isinstance(dtype, str) else True:
     raise _bad(file, f"{where} has dtype {str(dtype)[:40]!r}, which fnckpt does not read "
                f"(known: {', '.join(DTYPES)})")
-  shape = entry["shape"]
+  shape, size = entry["shape"], _records.itemsize(DTYPES[dtype])
   if not (isinstance(shape, list) and len(shape) <= _records.MAX_DIMS and all(
-      isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _records.MAX_ELEMENTS
-      for n in shape)) or math.prod(shape) > _records.MAX_ELEMENTS:
+      isinstance(n, int) and not isinstance(n, bool) and 0 <= n * size < 1 << 62
+      for n in shape)) or math.prod(shape) * size >= 1 << 62:
     raise _bad(file, f"{where} has shape {str(shape)[:60]}, expected a list of at most "
-               f"{_records.MAX_DIMS} non-negative integers")
+               f"{_records.MAX_DIMS} non-negative integers, each (and their product) times "
+               f"the {size}-byte {dtype} under 2**62 bytes")
   offsets = entry["data_offsets"]
   if not (isinstance(offsets, list) and len(offsets) == 2 and all(
       isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 1 << 62 for o in offsets)):
     raise _bad(file, f"{where} has data_offsets {str(offsets)[:60]}, expected [begin, end]")
   begin, end = offsets
-  nbytes = math.prod(shape) * _records.itemsize(DTYPES[dtype])
+  nbytes = math.prod(shape) * size
   if end - begin != nbytes:
     raise _bad(file, f"{where}: data_offsets {offsets} hold {end - begin} bytes, its dtype "
                f"{dtype} and shape {shape} need {nbytes}")
@@ -156,26 +170,39 @@ def key_paths(names: Sequence[str], where: str) -> list[tuple[tuple[str, Any], .
   >>> key_paths(["h.0.w", "h.1.w"], "f")[1]
   (('dict', 'h'), ('seq', 1), ('dict', 'w'))
   """
-  parts = [tuple(n.split(".")) for n in names]
-  children: dict[tuple, set[str]] = {}
-  for p in parts:
-    if len(p) > 256:
-      raise _bad(where, f"tensor {'.'.join(p)[:80]!r} has more than 256 name parts")
-    for i in range(len(p)):
-      children.setdefault(p[:i], set()).add(p[i])
-  leaves = set(parts)
-  for p in parts:
+  ids: dict[tuple[int, str], int] = {}      # (parent node, part) -> node; the root is 0
+  kids: dict[int, list[str]] = {}
+  parts, parents, leaves, total = [], [], {}, 0
+  for name in names:
+    p = name.split(".")
+    total += len(p)
+    if len(p) > MAX_PARTS or total > MAX_TOTAL_PARTS:
+      raise _bad(where, f"tensor {name[:80]!r} has more than {MAX_PARTS} name parts" if
+                 len(p) > MAX_PARTS else f"its tensor names have more than {MAX_TOTAL_PARTS} "
+                 "parts in all")
+    node, chain = 0, []
+    for part in p:
+      chain.append(node)
+      child = ids.get((node, part))
+      if child is None:
+        child = ids[(node, part)] = len(ids) + 1
+        kids.setdefault(node, []).append(part)
+      node = child
+    parts.append(p)
+    parents.append(chain)
+    leaves[node] = name
+  for p, chain in zip(parts, parents):
     for i in range(1, len(p)):
-      if p[:i] in leaves:
+      if chain[i] in leaves:
         raise CheckpointError(
-            f"In {where!r}, tensor {'.'.join(p[:i])!r} is also the parent of {'.'.join(p)!r} "
+            f"In {where!r}, tensor {leaves[chain[i]]!r} is also the parent of {'.'.join(p)!r} "
             "(names are split on '.' into key paths, and a leaf cannot have children). "
             "Rename one of them.")
-  seq = {node for node, kids in children.items()
-         if all(re.fullmatch(r"0|[1-9][0-9]{0,8}", k) for k in kids)
-         and sorted(int(k) for k in kids) == list(range(len(kids)))}
-  return [tuple(("seq", int(k)) if p[:i] in seq else ("dict", k) for i, k in enumerate(p))
-          for p in parts]
+  seq = {node for node, ks in kids.items()
+         if all(_SEQ_INDEX.fullmatch(k) for k in ks)
+         and sorted(int(k) for k in ks) == list(range(len(ks)))}
+  return [tuple(("seq", int(k)) if chain[i] in seq else ("dict", k) for i, k in enumerate(p))
+          for p, chain in zip(parts, parents)]
 
 
 # --- I/O ---------------------------------------------------------------------------------
@@ -248,13 +275,34 @@ class Reader:
     self.shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # -> _Raw
 
   def slice_reader(self, rec: _records.Leaf):
+    """Reads of one leaf's slices. Slices that need only some of the columns of whole-row
+    reads join a :class:`_Group` of this leaf (one per row range, until it starts reading)."""
     t = self.tensors[rec.index]
-    return lambda index, batch=None: _Rows(self.kv, t, index, batch, self.shared)
+    groups: dict[tuple[int, int], _Group] = {}
+
+    def read(index, batch=None):
+      index = tuple(tuple(r) for r in index)
+      dtype = _records.np_dtype(t.dtype)
+      if any(hi <= lo for lo, hi in index):   # nothing to read (an empty tensor's slices)
+        return _Done(np.empty(tuple(hi - lo for lo, hi in index), dtype))
+      if in_blocks(t.shape, index, dtype.itemsize):
+        group = groups.get(index[0])
+        if group is None or group.started:
+          group = groups[index[0]] = _Group(self.kv, t, index[0])
+        return group.add(index)
+      return _Rows(self.kv, t, index, batch, self.shared)
+    return read
 
   def read_bytes(self, rec: _records.Leaf, index) -> int:
     """What reading one slice holds in memory (for restore's read budget)."""
     t = self.tensors[rec.index]
-    return raw_bytes(t.shape, index, _records.itemsize(t.dtype))
+    size = _records.itemsize(t.dtype)
+    if any(hi <= lo for lo, hi in index):
+      return 0
+    if in_blocks(t.shape, index, size):  # the slice, and the blocks in flight
+      return _layout_bytes(index, size) + 2 * block_rows(t.shape, size) * _row_bytes(t.shape,
+                                                                                      size)
+    return raw_bytes(t.shape, index, size)
 
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
     if isinstance(e, CheckpointError):
@@ -311,28 +359,96 @@ def raw_bytes(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: 
   return len(starts) * run
 
 
+BLOCK_BYTES = 1 << 20   # whole rows read at a time for slices of some columns (see _Group)
+
+
+def _layout_bytes(index, itemsize: int) -> int:
+  return math.prod(hi - lo for lo, hi in index) * itemsize
+
+
+def _row_bytes(shape: Sequence[int], itemsize: int) -> int:
+  return math.prod(shape[1:]) * itemsize
+
+
+def block_rows(shape: Sequence[int], itemsize: int) -> int:
+  """Rows per block of a :class:`_Group`: ``BLOCK_BYTES`` of them (at least one row).
+
+  >>> block_rows((100000, 256), 4)
+  1024
+  """
+  return max(1, min(shape[0], BLOCK_BYTES // max(1, _row_bytes(shape, itemsize))))
+
+
+def in_blocks(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: int) -> bool:
+  """Whether a slice is read in blocks of whole rows (:class:`_Group`): :func:`plan_runs`
+  reads whole rows of the first axis for it (too many or too short ranges otherwise), and it
+  needs only some of their bytes.
+
+  >>> in_blocks((8192, 256), ((0, 8192), (0, 32)), 4)     # 8192 pieces of 128 bytes
+  True
+  >>> in_blocks((8192, 256), ((0, 8), (0, 256)), 4)       # whole rows: one range
+  False
+  """
+  if len(shape) < 2:
+    return False
+  k, starts, run = plan_runs(shape, index, itemsize)
+  return k == 0 and len(starts) * run > _layout_bytes(index, itemsize)
+
+
+def _check_bool(t: Tensor, out: np.ndarray) -> np.ndarray:
+  """safetensors BOOL is one byte per element, 0 or 1: any other byte would be a numpy/JAX bool
+  that compares and sums wrongly."""
+  if out.dtype == np.bool_ and out.size and out.view(np.uint8).max() > 1:
+    raise CheckpointError(
+        f"Tensor {t.name!r} of {t.file!r} is BOOL but holds a byte other than 0 or 1 (bool "
+        "bytes must be 0 or 1). The file is damaged or was not written by a safetensors "
+        "writer; check the tool that wrote it.")
+  return out
+
+
+def _got(fut: ts.Future, t: Tensor, n: int) -> Any:
+  try:
+    got = fut.result()
+  except ValueError as e:
+    if "OUT_OF_RANGE" not in str(e):
+      raise
+    got = None  # the file is shorter than it was when its header was read
+  value = got.value if got is not None and got.state == "value" else None  # (a new copy)
+  if value is None or len(value) != n:
+    raise CheckpointError(
+        f"Tensor {t.name!r} of {t.file!r}: a byte range of {n} bytes could not be read "
+        f"({'nothing' if value is None else f'{len(value)} bytes'} came back); the file "
+        "changed or is truncated. Check the file.")
+  return value
+
+
+class _Done:
+  """A slice already known (empty): ``result()`` gives it."""
+
+  def __init__(self, value: np.ndarray):
+    self.value = value
+
+  def result(self) -> np.ndarray:
+    return self.value
+
+
 class _Raw:
   """The byte ranges of one read, shared by every slice of a restore that needs the same ones
-  (slices of the same rows, different columns): fetched and converted once."""
+  (slices of the same rows, different columns): fetched and converted once, each range copied
+  into one buffer as it is taken (no second copy of the whole)."""
 
   def __init__(self, kv: ts.KvStore, t: Tensor, starts: list[int], run: int, batch):
     self.t, self.run, self.data = t, run, None
     self.futs = [_read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
                  for s in starts] if run else []
 
-  def bytes(self) -> bytes:
+  def bytes(self) -> bytearray:
     if self.data is None:
-      parts = []
-      for f in self.futs:
-        got = f.result()
-        value = got.value if got.state == "value" else None  # (each .value is a new copy)
-        if value is None or len(value) != self.run:
-          raise CheckpointError(
-              f"Tensor {self.t.name!r} of {self.t.file!r}: a byte range of {self.run} bytes "
-              f"could not be read ({'missing' if value is None else len(value)} bytes came "
-              "back); the file changed or is truncated. Check the file.")
-        parts.append(value)
-      self.data, self.futs = b"".join(parts), []
+      data = bytearray(len(self.futs) * self.run)
+      for i, f in enumerate(self.futs):
+        data[i * self.run:(i + 1) * self.run] = _got(f, self.t, self.run)
+        self.futs[i] = None
+      self.data, self.futs = data, []
     return self.data
 
 
@@ -354,11 +470,73 @@ class _Rows:
     k, shape, index = self.k, self.t.shape, self.index
     data = self.raw.bytes()
     if not shape:
-      return np.frombuffer(data, dtype=self.dtype).reshape(()).copy()
+      return _check_bool(self.t, np.frombuffer(data, dtype=self.dtype).reshape(()).copy())
     raw_shape = tuple(hi - lo for lo, hi in index[:k + 1]) + tuple(shape[k + 1:])
     raw = np.frombuffer(data, dtype=self.dtype).reshape(raw_shape)
     rest = tuple(slice(lo, hi) for lo, hi in index[k + 1:])
-    return np.array(raw[(slice(None),) * (k + 1) + rest])  # own, writable
+    return _check_bool(self.t, np.array(raw[(slice(None),) * (k + 1) + rest]))  # own
+
+
+class _Group:
+  """Slices of one tensor over the same rows, each needing only some of the columns (too
+  many, too short ranges to read them alone): read together when the first is asked for, in
+  blocks of :func:`block_rows` whole rows (one byte range each, the next one in flight), each
+  block read once and its columns copied into every member's array. Host memory: the
+  members' arrays (each charged to the read budget by its own slice) and two blocks."""
+
+  def __init__(self, kv: ts.KvStore, t: Tensor, rows: tuple[int, int]):
+    self.kv, self.t, self.rows = kv, t, rows
+    self.members: list[_Member] = []
+    self.started, self.error = False, None
+
+  def add(self, index) -> "_Member":
+    member = _Member(self, index)
+    self.members.append(member)
+    return member
+
+  def _block(self, lo: int, hi: int) -> ts.Future:
+    row = _row_bytes(self.t.shape, _records.itemsize(self.t.dtype))
+    begin = self.t.begin + lo * row
+    return _read(self.kv, self.t.file, slice(begin, begin + (hi - lo) * row))
+
+  def run(self) -> None:
+    self.started = True
+    t, (lo, hi) = self.t, self.rows
+    dtype = _records.np_dtype(t.dtype)
+    step, row = block_rows(t.shape, dtype.itemsize), _row_bytes(t.shape, dtype.itemsize)
+    outs = [np.empty(tuple(b - a for a, b in m.index), dtype) for m in self.members]
+    cols = [tuple(slice(a, b) for a, b in m.index[1:]) for m in self.members]
+    nxt = self._block(lo, min(hi, lo + step))
+    for r in range(lo, hi, step):
+      end = min(hi, r + step)
+      fut, nxt = nxt, self._block(end, min(hi, end + step)) if end < hi else None
+      block = np.frombuffer(_got(fut, t, (end - r) * row), dtype).reshape(
+          (end - r,) + tuple(t.shape[1:]))
+      for out, c in zip(outs, cols):
+        out[r - lo:end - lo] = block[(slice(None),) + c]
+      del block
+    for m, out in zip(self.members, outs):
+      m.value = _check_bool(t, out)
+
+
+class _Member:
+  """One slice of a :class:`_Group`: ``result()`` reads the group (once) and gives its array."""
+
+  def __init__(self, group: _Group, index):
+    self.group, self.index, self.value = group, index, None
+
+  def result(self) -> np.ndarray:
+    g = self.group
+    if self.value is None:
+      if g.error is None and not g.started:
+        try:
+          g.run()
+        except Exception as e:
+          g.error = e
+      if g.error is not None:
+        raise g.error
+    value, self.value = self.value, None
+    return value
 
 
 def open_file(kv: ts.KvStore, key: str, location: str, prefix: str = ""
@@ -368,11 +546,20 @@ def open_file(kv: ts.KvStore, key: str, location: str, prefix: str = ""
   return _manifest(tensors, meta, location), Reader(kv, location, tensors, prefix)
 
 
-def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str
-                ) -> dict[str, list[Tensor]]:
+def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
+                wmap: dict[str, str] | None = None) -> dict[str, list[Tensor]]:
   by_file, seen = {}, {}
   for f in files:
-    by_file[f], _ = read_tensors(kv, f, prefix + f)
+    try:
+      by_file[f], _ = read_tensors(kv, f, prefix + f)
+    except CheckpointError as e:
+      if wmap is None or not str(e).startswith("No file at"):
+        raise
+      name = next(n for n, g in wmap.items() if g == f)
+      raise CheckpointError(
+          f"The safetensors index {where!r} maps tensor {name!r} to {f!r}, but there is no "
+          f"file {prefix + f!r}. Download the missing file (or use the index that came with "
+          "these files).") from None
     for t in by_file[f]:
       if t.name in seen:
         raise CheckpointError(
@@ -382,42 +569,63 @@ def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str
   return by_file
 
 
-def open_index(kv: ts.KvStore, key: str, prefix: str) -> tuple[_records.Manifest, Reader]:
-  """A ``model.safetensors.index.json`` (``weight_map``: tensor name -> file) and its files.
-  Every tensor the index names must be in its file, and every tensor of a file in the index."""
-  where = prefix + key
+def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
+  """The index's JSON, its ``weight_map`` checked (names to plain file names, every shard
+  ``*-NNNNN-of-MMMMM.safetensors`` of a set in it)."""
   from ._orbax_in import read_bounded
   try:
     raw = read_bounded(kv, key, MAX_INDEX_BYTES)
   except ValueError as e:
     if "larger than" in str(e):
-      raise _bad(where, f"the index: {e}") from None
-    raise CheckpointError(f"Cannot read {where!r}: {e}") from None
+      raise _bad_index(where, f"the index: {e}") from None
+    raise CheckpointError(f"Cannot read the safetensors index {where!r}: {e}") from None
   if raw is None:
     raise CheckpointError(f"No file at {where!r}. Check the path.")
   try:
     index = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise _bad(where, f"it is not JSON ({e})") from None
+    raise _bad_index(where, f"it is not JSON ({e})") from None
   wmap = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(wmap, dict) or not all(
       isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-    raise _bad(where, "its 'weight_map' must map tensor names to file names")
+    raise _bad_index(where, "its 'weight_map' must map tensor names to file names")
+  if not 0 < len(wmap) <= MAX_TENSORS * 16:
+    raise _bad_index(where, f"its 'weight_map' maps {len(wmap)} tensors, expected 1 to "
+                     f"{MAX_TENSORS * 16}")
   for name, f in wmap.items():
     if not _FILE_NAME.fullmatch(f):
-      raise _bad(where, f"tensor {name[:80]!r} is mapped to {f[:80]!r}, not a plain file "
-                 "name in the index's directory")
+      raise _bad_index(where, f"tensor {name[:80]!r} is mapped to {f[:80]!r}, not a plain "
+                       "file name in the index's directory")
+  files = set(wmap.values())
+  for f in files:
+    m = _SHARD_NAME.fullmatch(f)
+    total = int(m.group(3)) if m else 0
+    for i in range(1, total + 1):
+      shard = f"{m.group(1)}-{i:05d}-of-{m.group(3)}.safetensors"
+      if shard not in files:
+        raise _bad_index(where, f"it maps no tensor to {shard!r}, one of the {total} files "
+                         f"{m.group(1)}-*-of-{m.group(3)}.safetensors (the tensors of a file "
+                         "it omits would be missing)")
+  return index
+
+
+def open_index(kv: ts.KvStore, key: str, prefix: str) -> tuple[_records.Manifest, Reader]:
+  """A ``model.safetensors.index.json`` (``weight_map``: tensor name -> file) and its files.
+  Every tensor the index names must be in its file, and every tensor of a file in the index."""
+  where = prefix + key
+  index = _read_index(kv, key, where)
+  wmap = index["weight_map"]
   files = list(dict.fromkeys(wmap.values()))
-  by_file = _open_files(kv, files, prefix, where)
+  by_file = _open_files(kv, files, prefix, where, wmap)
   for f, tensors in by_file.items():
     for t in tensors:
       if wmap.get(t.name) != f:
-        raise _bad(where, f"tensor {t.name!r} is in {f!r}, but the index maps it to "
-                   f"{wmap.get(t.name)!r}")
+        raise _bad_index(where, f"tensor {t.name!r} is in {f!r}, but the index maps it to "
+                         f"{wmap.get(t.name)!r}")
   found = {t.name for ts_ in by_file.values() for t in ts_}
   for name, f in wmap.items():
     if name not in found:
-      raise _bad(where, f"tensor {name!r} is mapped to {f!r}, which does not hold it")
+      raise _bad_index(where, f"tensor {name!r} is mapped to {f!r}, which does not hold it")
   tensors = [t for f in files for t in by_file[f]]
   meta = index.get("metadata")
   return _manifest(tensors, meta, where), Reader(kv, where, tensors, prefix)

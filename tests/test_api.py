@@ -98,3 +98,41 @@ def test_no_pickle_and_no_private_jax_imports_in_the_package():
     if "jax._src" in text:
       # the one allowed: the coordination client has no public accessor
       assert path.name == "_commit.py", f"{path.name} imports jax._src"
+
+
+def test_fnckpt_checkpoints_named_like_foreign_files_still_open(tmp_path):
+  """A fnckpt checkpoint directory named ``model.safetensors`` or ``run.json`` is fnckpt's
+  (its reader is tried first, whatever the name)."""
+  import numpy as np
+  for name in ("model.safetensors", "run.json"):
+    path = str(tmp_path / name)
+    fnckpt.save({"w": np.arange(4.0)}, path).wait()
+    assert fnckpt.metadata(path).format == "fnckpt"
+    assert fnckpt.restore(path)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_an_interrupted_save_is_never_read_as_a_stray_foreign_file(tmp_path):
+  """An uncommitted fnckpt save holding a *.safetensors file (or a model index, or Orbax's
+  _METADATA) stays an interrupted save: NotCommittedError, never that file's contents; and a
+  committed one whose manifest is gone stays a damaged fnckpt checkpoint."""
+  import json
+  import os
+  import struct
+  import numpy as np
+  path = str(tmp_path / "c")
+  fnckpt.save({"w": np.arange(4096.0)}, path).wait()
+  header = json.dumps({"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode()
+  with open(os.path.join(path, "extra.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header + b"q")
+  os.rename(os.path.join(path, "manifest.msgpack"), str(tmp_path / "manifest.msgpack"))
+  with pytest.raises(fnckpt.CheckpointError, match=r"does not match its commit marker"):
+    fnckpt.restore(path)
+  os.rename(str(tmp_path / "manifest.msgpack"), os.path.join(path, "manifest.msgpack"))
+  os.remove(os.path.join(path, "COMMIT"))
+  for extra in ("", "_METADATA"):
+    if extra:
+      with open(os.path.join(path, extra), "w") as f:
+        f.write("{}")
+    for call in (fnckpt.restore, fnckpt.metadata):
+      with pytest.raises(fnckpt.NotCommittedError, match=r"c' holds an interrupted save"):
+        call(path)

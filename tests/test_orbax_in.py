@@ -410,3 +410,96 @@ def test_any_metadata_json_is_an_error_or_valid_entries(tree, use_ocdbt):
   for e in entries:
     assert e.path and all(kind in ("seq", "dict") for kind, _ in e.path)
     assert ".." not in e.name.split("/")
+
+
+# --- review fixes (issue 14 A) --------------------------------------------------------------
+
+def _edit_json(path, fn):
+  with open(path) as f:
+    value = json.load(f)
+  fn(value)
+  with open(path, "w") as f:
+    json.dump(value, f)
+
+
+def test_a_chunk_or_scalar_larger_than_its_array_is_refused_before_reading(saved, tmp_path):
+  """A .zarray / zarr.json whose chunk is 2**20 x 2**20 for a 4 x 8 array (TensorStore would
+  allocate it whole: std::bad_alloc aborts the interpreter), and a "scalar" of 2**40
+  elements: CheckpointErrors naming the array and the shapes, from metadata and restore."""
+  paths, _, _ = saved
+  path = copy(paths["pytree-ocdbt0-zarr2"], tmp_path / "z2")
+  _edit_json(os.path.join(path, "params.w", ".zarray"),
+             lambda z: z.update(chunks=[1 << 20, 1 << 20]))
+  for call in (fnckpt.metadata, fnckpt.restore):
+    with pytest.raises(fnckpt.CheckpointError, match=r"the array of \['params'\]\['w'\] "
+                       r"\('params.w'\) has shape \(64, 32\) and chunk shape \(1048576, "
+                       r"1048576\); a chunk must fit in the array along every axis"):
+      call(path)
+  path = copy(paths["pytree-ocdbt0-zarr3"], tmp_path / "z3")
+  def huge_inner(z):
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 20, 1 << 20]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [1 << 20, 1 << 20]
+  _edit_json(os.path.join(path, "params.w", "zarr.json"), huge_inner)
+  with pytest.raises(fnckpt.CheckpointError, match=r"\('params.w'\) has shape \(64, 32\) and "
+                     r"chunk shape \(1048576, 1048576\)"):
+    fnckpt.restore(path)
+  path = copy(paths["pytree-ocdbt0-zarr2"], tmp_path / "s")
+  _edit_json(os.path.join(path, "step", ".zarray"),
+             lambda z: z.update(shape=[1 << 40], chunks=[1 << 40]))
+  for call in (fnckpt.metadata, fnckpt.restore):
+    with pytest.raises(fnckpt.CheckpointError, match=r"the scalar at \['step'\] \('step'\) has "
+                       r"shape \(1099511627776,\), expected \(\)"):
+      call(path)
+
+
+def test_the_read_budget_charges_whole_chunks(tmp_path):
+  """Orbax saved from one device writes the array as one chunk; TensorStore decodes the whole
+  chunk for any slice of it: restore charges each slice the chunk-aligned box it overlaps."""
+  from fnckpt import _restore
+  value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  path = str(tmp_path / "one")
+  c = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+  c.save(path, args=ocp.args.PyTreeSave({"w": value}))
+  src = _restore._open_any(path, None)
+  rec = src.manifest.leaves[0]
+  assert rec.stored.chunks == (64, 32)
+  assert src.reader.read_bytes(rec, ((0, 8), (0, 32))) == value.nbytes      # a row slice
+  assert src.reader.read_bytes(rec, ((0, 64), (4, 8))) == value.nbytes      # a column slice
+  assert src.reader.read_bytes(rec, ((0, 0), (0, 32))) == 0
+  mesh = jax.make_mesh((8,), ("x",))
+  got = fnckpt.restore(path, {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32,
+                                                        sharding=NamedSharding(mesh, P("x")))},
+                       budget_bytes=4096)   # (each slice alone is charged over the budget)
+  assert same(got["w"], value)
+
+
+def test_sequence_indices_are_plain_decimals():
+  from fnckpt import _orbax_in
+  def meta(key):
+    return {"tree_metadata": {"x": {"key_metadata": [{"key": key, "key_type": 1}],
+                                    "value_metadata": {"value_type": "scalar"}}}}
+  assert _orbax_in.parse_metadata(meta("0"), "loc")[0][0].path == (("seq", 0),)
+  for key in ("\u0660", "00", "01", "1234567890"):   # Arabic-Indic zero, leading zeros, > 9
+    with pytest.raises(fnckpt.CheckpointError, match=r"has the sequence index"):
+      _orbax_in.parse_metadata(meta(key), "loc")
+
+
+def test_metadata_json_limits(tmp_path):
+  """_METADATA over 64 MiB, with too many maps, or with a key path of over 64 keys."""
+  from fnckpt import _orbax_in
+  assert _orbax_in.MAX_JSON_BYTES == 64 << 20
+  with pytest.raises(fnckpt.CheckpointError, match=r"_METADATA holds more than 1048576 JSON "
+                     r"maps"):
+    _orbax_in.load_json(b"[" + b"{}," * (1 << 20) + b"{}]", "loc", "_METADATA")
+  keys = [{"key": "a", "key_type": 2}] * 65
+  with pytest.raises(fnckpt.CheckpointError, match=r"has a key path of 65 keys, more than 64"):
+    _orbax_in.parse_metadata({"tree_metadata": {"x": {
+        "key_metadata": keys, "value_metadata": {"value_type": "scalar"}}}}, "loc")
+  path = tmp_path / "big"
+  path.mkdir()
+  with open(path / "_METADATA", "wb") as f:
+    f.truncate((64 << 20) + 1)      # sparse
+  (path / "commit_success.txt").write_text("ok")
+  with pytest.raises(fnckpt.CheckpointError, match=r"_METADATA: it is larger than 67108864 "
+                     r"bytes"):
+    fnckpt.metadata(str(path))

@@ -303,7 +303,9 @@ def test_index_damage(tmp_path):
   os.remove(os.path.join(d, "model-00001-of-00002.safetensors"))
   with open(index, "w") as f:
     json.dump(good, f)
-  with pytest.raises(fnckpt.CheckpointError, match=r"No file at .*model-00001-of-00002"):
+  with pytest.raises(fnckpt.CheckpointError, match=r"The safetensors index .*index.json' "
+                     r"maps tensor '[a-z.]+' to 'model-00001-of-00002.safetensors', but there "
+                     r"is no file .*model-00001-of-00002.safetensors'"):
     fnckpt.metadata(index)
 
 
@@ -346,6 +348,18 @@ def test_a_file_changed_after_its_header_was_read(tmp_path):
     opened.reader.slice_reader(rec)(((0, 1000),)).result()
   err = opened.reader.read_error(rec, info.value)
   assert isinstance(err, fnckpt.CheckpointError) and "'w'" in str(err)
+  # slices of some columns, read together in blocks of rows: every one of them an error
+  save_file({"x": np.zeros((8192, 256), np.float32)}, path)
+  opened = _foreign.open_foreign(path, None)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 4096)
+  read = opened.reader.slice_reader(opened.manifest.leaves[0])
+  slices = [read(((0, 8192), (i * 32, i * 32 + 32))) for i in range(8)]
+  for s in slices[:2]:
+    with pytest.raises(fnckpt.CheckpointError, match=r"Tensor 'x' of 'm.safetensors': a byte "
+                       r"range of 1048576 bytes could not be read \(nothing came back\); the "
+                       r"file changed or is truncated"):
+      s.result()
 
 
 # --- any damage to a header: a CheckpointError or a valid read, nothing else ----------------
@@ -420,3 +434,169 @@ def test_damaged_files_through_restore(tmp_path):
     outcomes.add("read")
     assert {np.shape(x) for x in jax.tree.leaves(got)} <= {(2, 3), (4,), (2,)}
   assert "error" in outcomes
+
+
+# --- review fixes (issue 14 A) --------------------------------------------------------------
+
+def test_probes_read_no_file_whole(tmp_path):
+  """Looking for an index, _METADATA or _CHECKPOINT_METADATA reads none of their bytes (an
+  empty byte range): a 100 MiB (sparse) index is refused by its size, having read ~nothing."""
+  d = tmp_path / "m"
+  d.mkdir()
+  with open(d / "model.safetensors.index.json", "wb") as f:
+    f.truncate(100 << 20)
+  before = bytes_read()
+  with pytest.raises(fnckpt.CheckpointError, match=r"model.safetensors.index.json' is "
+                     r"invalid: the index: it is larger than 67108864 bytes"):
+    fnckpt.restore(str(d))
+  assert bytes_read() - before <= 4096
+  os.remove(d / "model.safetensors.index.json")
+  (d / "commit_success.txt").write_text("ok")
+  for name in ("_METADATA", "_CHECKPOINT_METADATA"):
+    with open(d / name, "wb") as f:
+      f.truncate(100 << 20)
+    before = bytes_read()
+    with pytest.raises(fnckpt.CheckpointError, match=r"larger than 67108864 bytes"):
+      fnckpt.metadata(str(d))
+    assert bytes_read() - before <= 4096, name
+    os.remove(d / name)
+
+
+def test_bool_bytes_must_be_0_or_1(tmp_path):
+  path = write_raw(tmp_path / "m.safetensors",
+                   {"mask": entry("BOOL", (4,), (0, 4))}, bytes([1, 2, 254, 0]))
+  message = (r"Tensor 'mask' of 'm.safetensors' is BOOL but holds a byte other than 0 or 1 "
+             r"\(bool bytes must be 0 or 1\)")
+  with pytest.raises(fnckpt.CheckpointError, match=message):
+    fnckpt.restore(path)
+  with pytest.raises(fnckpt.CheckpointError, match=message):
+    fnckpt.restore(path, {"mask": jax.ShapeDtypeStruct((4,), jnp.bool_)})
+  write_raw(path, {"mask": entry("BOOL", (4,), (0, 4))}, bytes([1, 0, 1, 0]))
+  assert fnckpt.restore(path)["mask"].tolist() == [True, False, True, False]
+
+
+def test_an_empty_tensor_restored_sharded(tmp_path):
+  """(0, 131072) float32 on columns: each slice's 16384 columns are 64 KiB per row, a range
+  per row of none (the old reader's IndexError): an empty slice reads nothing."""
+  path = write_raw(tmp_path / "e.safetensors", {"e": entry("F32", (0, 131072), (0, 0))}, b"")
+  mesh = jax.make_mesh((8,), ("x",))
+  for spec in (P(None, "x"), P("x"), P()):
+    got = fnckpt.restore(path, {"e": jax.ShapeDtypeStruct((0, 131072), jnp.float32,
+                                                          sharding=NamedSharding(mesh, spec))})
+    assert got["e"].shape == (0, 131072) and got["e"].sharding.spec == spec
+
+
+def test_a_column_sharded_tensor_is_read_once_in_bounded_blocks(tmp_path):
+  """(8192, 256) float32 sharded on its columns 8 ways: per-row ranges would be 8192 of 128
+  bytes, so whole rows are read, in blocks of 1 MiB, each block once for all 8 slices (the
+  old reader read the whole tensor per slice: 8x). Each slice is charged its own bytes and
+  two blocks; a budget smaller than one slice still restores it exactly."""
+  from fnckpt import _foreign, _safetensors_in
+  x = np.random.default_rng(0).standard_normal((8192, 256)).astype(np.float32)   # 8 MiB
+  path = str(tmp_path / "c.safetensors")
+  save_file({"x": x}, path)
+  mesh = jax.make_mesh((8,), ("x",))
+  target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh,
+                                                                                P(None, "x")))}
+  opened = _foreign.open_foreign(path, None)
+  rec = opened.manifest.leaves[0]
+  block = _safetensors_in.BLOCK_BYTES
+  assert opened.reader.read_bytes(rec, ((0, 8192), (0, 32))) == x.nbytes // 8 + 2 * block
+  budget = 8 * (x.nbytes // 8 + 2 * block)    # the 8 slices, 24 MiB (old charge: 8 x 8 MiB)
+  before = bytes_read()
+  got = fnckpt.restore(path, target, budget_bytes=budget)
+  used = bytes_read() - before
+  assert x.nbytes <= used <= 1.1 * x.nbytes, used / x.nbytes
+  for shard in got["x"].addressable_shards:
+    assert same(shard.data, x[shard.index])
+  got = fnckpt.restore(path, target, budget_bytes=4096)
+  for shard in got["x"].addressable_shards:
+    assert same(shard.data, x[shard.index])
+  three = np.arange(300 * 40 * 6, dtype=np.int16).reshape(300, 40, 6)   # blocks over axis 0
+  save_file({"t": three}, path)
+  got = fnckpt.restore(path, {"t": NamedSharding(jax.make_mesh((2, 4), ("a", "b")),
+                                                 P(None, "b", "a"))})
+  for shard in got["t"].addressable_shards:
+    assert same(shard.data, three[shard.index])
+
+
+def test_header_and_index_limits(tmp_path):
+  """Too many tensors (counted before parsing), names of over 64 parts, dims whose bytes
+  overflow even when another dim is 0."""
+  from fnckpt import _safetensors_in
+  many = b"{" + b",".join(b'"t%d":{}' % i for i in range(_safetensors_in.MAX_TENSORS + 2)) + b"}"
+  with pytest.raises(fnckpt.CheckpointError, match=r"its header holds more than 262144 "
+                     r"tensors"):
+    _safetensors_in.parse_header(many, "m.safetensors")
+  deep = ".".join(["a"] * 65)
+  path = write_raw(tmp_path / "d.safetensors", {deep: entry("U8", (0,), (0, 0))}, b"")
+  with pytest.raises(fnckpt.CheckpointError, match=r"d.safetensors' is invalid: tensor "
+                     r"'a\.a\.a.*' has more than 64 name parts"):
+    fnckpt.metadata(path)
+  ok = ".".join(["a"] * 64)
+  write_raw(path, {ok: entry("U8", (0,), (0, 0))}, b"")
+  assert len(fnckpt.metadata(path).leaves[0].path) == 64
+  write_raw(path, {"w": entry("U8", (0, 2 ** 62), (0, 0))}, b"")
+  with pytest.raises(fnckpt.CheckpointError, match=r"tensor 'w' has shape \[0, "
+                     r"4611686018427387904\], expected .* under 2\*\*62 bytes"):
+    fnckpt.metadata(path)
+  write_raw(path, {"w": entry("F32", (0, 2 ** 61), (0, 0))}, b"")   # 2**63 bytes per row
+  with pytest.raises(fnckpt.CheckpointError, match=r"tensor 'w' has shape"):
+    fnckpt.metadata(path)
+
+
+def test_an_index_must_list_every_shard_file(tmp_path):
+  d = sharded_dir(tmp_path)
+  index = os.path.join(d, "model.safetensors.index.json")
+  good = json.load(open(index))
+  for content, message in [
+      ({"weight_map": {}}, r"The safetensors index .*index.json' is invalid: its 'weight_map' "
+                           r"maps 0 tensors"),
+      ({"weight_map": {k: v for k, v in good["weight_map"].items()
+                       if v == "model-00001-of-00002.safetensors"}},
+       r"The safetensors index .*index.json' is invalid: it maps no tensor to "
+       r"'model-00002-of-00002.safetensors', one of the 2 files"),
+      ({"weight_map": {"model.norm": "../x.safetensors"}}, r"The safetensors index .* is "
+                                                           r"invalid: tensor 'model.norm'"),
+      ({"weight_map": [1]}, r"The safetensors index .* is invalid: its 'weight_map' must map")]:
+    with open(index, "w") as f:
+      json.dump(content, f)
+    for path in (index, d):
+      with pytest.raises(fnckpt.CheckpointError, match=message):
+        fnckpt.restore(path)
+
+
+def test_random_slices_through_the_reader_equal_numpy(monkeypatch):
+  """Random tensors (0-4 dims, some empty), random groups of slices queued together, small
+  blocks (BLOCK_BYTES patched down so a group reads many): every slice equals numpy's."""
+  import random
+  from fnckpt import _records, _safetensors_in as S
+  rng = random.Random(0)
+  kv = ts.KvStore.open("memory://").result()
+  for trial in range(400):
+    monkeypatch.setattr(S, "BLOCK_BYTES", rng.choice([1, 64, 1000, 1 << 20]))
+    shape = tuple(rng.choice([0, *range(1, 10)] + [rng.randint(1, 9)] * 9)
+                  for _ in range(rng.randint(0, 4)))
+    dtype = rng.choice(["uint8", "float32", "bfloat16", "int16", "bool"])
+    x = (np.arange(int(np.prod(shape))) % (2 if dtype == "bool" else 251)).astype(
+        _records.np_dtype(dtype)).reshape(shape)
+    pad = rng.randint(0, 5)
+    kv.write(f"f{trial}", b"z" * (8 + pad) + x.tobytes()).result()
+    t = S.Tensor("t", f"f{trial}", dtype, shape, 8 + pad, 8 + pad + x.nbytes)
+    reader = S.Reader(kv, "mem", [t])
+    rec = _records.Leaf(0, (("dict", "t"),), "array", dtype, shape, "numpy", None)
+    read = reader.slice_reader(rec)
+    def span(n):   # mostly non-empty
+      lo = rng.randint(0, max(0, n - 1))
+      return (lo, rng.randint(min(lo + 1, n), n) if rng.random() < 0.9 else lo)
+    rows = span(shape[0]) if shape else None
+    boxes = []
+    for _ in range(rng.randint(1, 6)):
+      box = [rows if rows and rng.random() < 0.7 else None] + [None] * (len(shape) - 1)
+      boxes.append(tuple(b or span(n) for b, n in zip(box, shape)))
+    futs = [read(box) for box in boxes]
+    for box, fut in zip(boxes, futs):
+      got, want = fut.result(), x[tuple(slice(a, b) for a, b in box)]
+      assert got.shape == want.shape and got.dtype == want.dtype, (trial, shape, box)
+      assert got.tobytes() == want.tobytes(), (trial, shape, box)
+      assert reader.read_bytes(rec, box) >= want.nbytes
