@@ -696,30 +696,24 @@ def _finish_leaf(w: _Want, value: Any) -> Any:
 
 
 def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
-  """Packed leaves (format 2): read their byte ranges of the packs, a window at a time; each
-  lands whole on the host and is placed with its sharding (``placed``) before the next
-  window is read; host targets keep the host array (``parts[None]``)."""
+  """Packed leaves (format 2): read their byte ranges of the packs in windows of half the
+  budget, one ``ts.Batch`` each (an inner chunk two leaves share is read once). While one
+  window lands (each leaf whole on the host, placed with its sharding: ``placed``; host
+  targets keep ``parts[None]``), the next one's reads are in flight: at most ``budget`` bytes
+  in all."""
   packs: dict[int, ts.Future] = {}
+  in_flight: collections.deque = collections.deque()
   window: list[tuple[int, ts.Future]] = []
-  held = 0
+  held, batch, half = 0, None, max(1, budget // 2)
 
-  batch: list[ts.Batch | None] = [None]
-
-  def land() -> None:
-    nonlocal held
-    if batch[0] is not None:
-      batch[0].submit()  # one window's reads together: an inner chunk two leaves share is read once
-      batch[0] = None
-    for i, fut in window:
-      r = reads[i]
-      try:
-        raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
-      except Exception as e:
-        raise _read_error(src, r.want.rec, e) from None
-      r.parts[None] = _convert(r.want, _as_leaf(raw, r.want.rec.dtype, r.shape))
-    _place_landed([reads[i] for i, _ in window])
-    window.clear()
-    held = 0
+  def close() -> None:
+    nonlocal window, held, batch
+    if batch is not None:
+      batch.submit()
+    in_flight.append(window)
+    window, held, batch = [], 0, None
+    while len(in_flight) > 1:
+      _land_packed(src, reads, in_flight.popleft())
 
   for i, r in reads.items():
     p = r.want.rec.packed
@@ -728,14 +722,27 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
       pack = src.manifest.packs[p.pack]
       packs[p.pack] = _store.open_array(_store.pack_spec(
           src.kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read")
-    if window and held + p.nbytes > budget:
-      land()
+    if window and held + p.nbytes > half:
+      close()
     store = packs[p.pack].result()
-    if batch[0] is None:
-      batch[0] = ts.Batch()
-    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),), batch[0])))
+    batch = batch or ts.Batch()
+    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),), batch)))
     held += p.nbytes
-  land()
+  close()
+  while in_flight:
+    _land_packed(src, reads, in_flight.popleft())
+
+
+def _land_packed(src: Source, reads: dict[int, "_Read"],
+                 window: list[tuple[int, ts.Future]]) -> None:
+  for i, fut in window:
+    r = reads[i]
+    try:
+      raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
+    except Exception as e:
+      raise _read_error(src, r.want.rec, e) from None
+    r.parts[None] = _convert(r.want, _as_leaf(raw, r.want.rec.dtype, r.shape))
+  _place_landed([reads[i] for i, _ in window])
 
 
 def _place_landed(rs: list["_Read"]) -> None:
