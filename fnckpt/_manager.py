@@ -14,7 +14,8 @@ module:
 - :class:`fnckpt._interval.Cadence`: when to save (a fixed interval, or ``"auto"``: Daly's
   interval from the measured save cost and the failure rate), and what saving costs;
 - :mod:`fnckpt._health`: restoring the newest step no process finds damaged, marking damaged
-  steps (never deleting them), and the run's start log (the measured failure rate);
+  steps (never deleting them); :mod:`fnckpt._starts`: the run's start log (the measured
+  failure rate);
 - :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
   ``StepIndex``, the background copy to durable storage, the pure recovery choice);
 - :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
@@ -54,7 +55,7 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _coordination, _health, _interval, _paths, _retention, _steps, _tiers
+from . import _coordination, _interval, _paths, _retention, _starts, _steps, _tiers
 from ._claims import StepClaims
 from ._recovery import Recovery
 from ._saver import Saver
@@ -132,11 +133,11 @@ class CheckpointManager:
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
-    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
-                             self._timeout)
     self._local = None if local_directory is None else _tiers.LocalTier(
         str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
         local_storage_options, self._root, storage_options)
+    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
+                             self._timeout)  # the last check; records this start ("auto")
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
                         self._preemption, self._background, self._retention,
@@ -421,16 +422,23 @@ def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
 
 def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
              storage_options: dict[str, Any] | None, timeout_s: float) -> _interval.Cadence:
-  """When to save. ``"auto"``: process 0 records this start in the run directory; the MTBF
-  is ``mtbf_s``, else measured from the recorded restarts."""
+  """When to save. ``"auto"``: the MTBF is ``mtbf_s``, else measured from the run's recorded
+  starts (:mod:`fnckpt._starts`); process 0 records this start once that is settled (call
+  last in the constructor: a construction that fails records nothing)."""
   if save_interval_steps != "auto":
     return _interval.Cadence(save_interval_steps, mtbf_s, "given")
-  starts = _coordination.from_process_0(
-      root, "starts", lambda: _health.record_start(root, time.time(), storage_options),
-      timeout_s)
-  if mtbf_s is not None:
-    return _interval.Cadence(None, mtbf_s, "given")
-  return _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
+  given = None if mtbf_s is None else _interval.Cadence(None, mtbf_s, "given")  # checks it
+
+  def record() -> list[float]:
+    now = time.time()
+    starts = _starts.read_starts(root, now, storage_options) + [now]
+    if given is None:
+      _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")  # or raise
+    _starts.write_starts(root, starts, storage_options)
+    return starts
+
+  starts = _coordination.from_process_0(root, "starts", record, timeout_s)
+  return given or _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
 
 
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:
