@@ -21,7 +21,7 @@ import jax
 
 from . import _commit, _coordination, _interval, _paths, _steps, _tiers
 from ._claims import StepClaims
-from ._errors import CheckpointError
+from ._errors import CheckpointError, DamagedError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionError, RetentionRunner
 
@@ -144,15 +144,17 @@ class Saver:
 def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> RetentionError:
   """A failed durable copy, as background work that ``wait()`` raises (a
   :class:`RetentionError`); the text says where the step is left, by cause."""
-  try:
-    kept = step in local.index.list().steps
-  except Exception:  # the local tier itself is unreadable
-    kept = False
+  kept = False
+  if not isinstance(error, DamagedError):  # damaged or incomplete: not restorable there
+    try:
+      kept = step in local.index.list().steps
+    except Exception:  # the local tier itself is unreadable
+      pass
   where = (f"Step {step} is committed on the local tier only; the next durable save is copied "
            f"as usual (or save it again with force=True)." if kept else
-           f"Step {step} is no longer committed on the local tier either (it vanished or is "
-           "damaged there), so it is in neither tier: the durable tier's older steps are "
-           "unaffected; save a new step (or this one again with force=True).")
+           f"The local copy of step {step} is gone, damaged or incomplete, so step {step} is "
+           "restorable from neither tier (nothing was committed in the durable one; its older "
+           "steps are unaffected): save a new step, or this one again with force=True.")
   return RetentionError(
       f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
       f"{_paths.display(local.durable_root)!r} failed: {error} {where}")
