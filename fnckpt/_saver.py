@@ -91,8 +91,11 @@ class Saver:
     import fnckpt  # the public save; imported late (fnckpt imports this module)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
+      # A local tier's barriers are keyed on the durable step (per-host paths may differ).
+      key = {} if index is self.index else {
+          "_barrier_location": f"local tier of {self.index.path(step)}"}
       handle = fnckpt.save(tree, index.path(step), overwrite=True, metadata=metadata,
-                           storage_options=index.storage_options, **self.save_options)
+                           storage_options=index.storage_options, **self.save_options, **key)
     except BaseException:
       self.claims.release_save(step)
       raise
