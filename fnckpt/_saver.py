@@ -54,9 +54,8 @@ class Saver:
     metadata = user()
 
     def decide() -> dict[str, Any]:
-      for index in {id(i): i for i in (self._where(durable), self.index if durable else None)
-                    if i is not None}.values():
-        _check_may_save(self.claims, index, step, force)
+      for index in [self.index] + ([self.local.index] if self.local else []):
+        _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
       busy = self.local.pending if self._copies() else self.claims.saving()
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
@@ -93,7 +92,7 @@ class Saver:
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
       key = {} if index is self.index else {
-          "_barrier_location": f"local tier of {self.index.path(step)}"}
+          "_barrier_location": _paths.join(self.index.path(step), "(local-tier)")}
       handle = fnckpt.save(tree, index.path(step), overwrite=True, metadata=metadata,
                            storage_options=index.storage_options, **self.save_options, **key)
     except BaseException:

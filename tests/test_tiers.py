@@ -352,3 +352,13 @@ def test_ls_with_local_needs_an_existing_durable_run_directory(tmp_path, capsys)
   assert cli.main(["ls", os.path.join(fast, "1"), "--local", fast]) == 1
   assert "is a single checkpoint, not a run directory" in capsys.readouterr().err
   assert cli.main(["ls", durable, "--local", fast]) == 0
+
+
+def test_a_wiped_local_tier_does_not_let_an_older_or_durable_step_be_shadowed(tmp_path):
+  mgr, durable, fast = run(tmp_path, steps=range(4))
+  mgr.close()
+  shutil.rmtree(fast)
+  again = fnckpt.CheckpointManager(durable, local_directory=fast, save_interval_steps=3)
+  with pytest.raises(fnckpt.CheckpointError, match=rf"Step 1 is older than step 3, already in "
+                                                   rf"'{durable}'"):
+    again.save(1, state_of(1))                    # local-only, but durable holds 3
