@@ -87,9 +87,10 @@ class CheckpointManager:
       restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
     keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
       steps (redundancy: a damaged newest step leaves older ones to fall back to).
-    local_directory: a fast tier (:mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th
-      step and every ``save_interval_steps``-th is saved there, the latter then copied to
-      ``directory`` in the background; the newest ``local_max_to_keep`` are kept there.
+    local_directory: a fast tier (:mod:`fnckpt._tiers`; not ``directory`` nor inside it):
+      every ``local_save_interval_steps``-th step is saved there (with one process also the
+      durable steps, then copied to ``directory``); each process keeps its newest
+      ``local_max_to_keep`` there.
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -239,16 +240,8 @@ class CheckpointManager:
     """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
     one of process 0), its commit marker first (so it is never seen half deleted) and its
     damage mark. Waits for this manager's save of it."""
-    step = _steps.as_step(step)
     indexes = [self._index] + ([self._local.index] if self._local else [])
-    self._claims.claim_delete(step)
-    try:
-      _coordination.from_process_0(self._root, "delete", lambda: _remove(
-          indexes, step, self.directory), self._timeout)
-    finally:
-      self._claims.release_delete([step])
-    for index in indexes:
-      index.forget(step)
+    _delete(indexes, self._claims, _steps.as_step(step), self._root, self._timeout)
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
@@ -396,6 +389,19 @@ def _warn_leftovers(leftovers: list[int], directory: str) -> None:
         f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
         "They are ignored; manager.cleanup() removes them, and saving one of these steps "
         "replaces it.", stacklevel=3)
+
+
+def _delete(indexes: list[_steps.StepIndex], claims: StepClaims, step: int, root: str,
+            timeout_s: float) -> None:
+  """delete(step) (collective): process 0 removes ``step`` from every tier holding it."""
+  claims.claim_delete(step)
+  try:
+    _coordination.from_process_0(root, "delete", lambda: _remove(
+        indexes, step, _paths.display(root)), timeout_s)
+  finally:
+    claims.release_delete([step])
+  for index in indexes:
+    index.forget(step)
 
 
 def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:

@@ -3,13 +3,16 @@ save, and the background work after its commit (the durable copy, retention).
 
 One save of step ``s``: due on the durable interval (:class:`fnckpt._interval.Cadence`, or
 ``force``, or the preemption step) and/or the local one (:class:`fnckpt._tiers.TierPolicy`);
-process 0 checks that it may be saved (not older than the newest, not in flight, not
-committed unless ``force``; a damaged step is replaced like a leftover) and, with ``"auto"``,
-whether the previous durable save is still writing (then this one is skipped), and publishes
-that for every process; then :func:`fnckpt.save` goes to the local tier if there is one, else
-to the durable one. After the commit, in a background thread: process 0 copies a durable step
-from the local tier (:meth:`fnckpt._tiers.LocalTier.copy_to_durable`), the save's cost is
-measured, and process 0 runs retention on both tiers.
+process 0 checks that it may be saved in both tiers (not older than the newest, not in
+flight, not committed unless ``force``; a damaged step is replaced like a leftover) and, with
+``"auto"``, whether the previous durable save is still writing (then this one is skipped),
+and publishes that for every process (keyed on the durable step). Then :func:`fnckpt.save`
+goes to the local tier if there is one, except a durable step with several processes, which
+goes to the durable one (as without a local tier). After the commit, in a background thread:
+with one process a durable step saved locally is copied to the durable tier
+(:meth:`fnckpt._tiers.LocalTier.copy_to_durable`; a later durable save waits for it), the
+save's cost is measured, process 0 runs the durable tier's retention and every process its
+own local tier's. No cross-process wait covers a copy (copies happen with one process only).
 """
 
 from __future__ import annotations

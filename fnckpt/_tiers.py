@@ -1,13 +1,21 @@
-"""Two storage tiers: frequent saves to a fast local directory, fewer copied to durable storage.
+"""Two storage tiers: frequent saves to a fast local directory, fewer to durable storage.
 
 ``CheckpointManager(directory, local_directory=FAST, local_save_interval_steps=k,
 save_interval_steps=n)``: every ``k``-th step is saved to ``FAST/<step>/`` (the caller waits
-only for that save's staging, as for any save); every ``n``-th is saved there too and, once
-committed, copied to ``directory/<step>/`` in the background by :func:`copy_step` (no second
-device-to-host copy: the bytes come from the committed local checkpoint; reads and writes with
-at most ``concurrency`` in flight; ``COMMIT`` written last, after the manifest's SHA-256 is
-checked against it). Both tiers hold the same format, so ``directory`` is an ordinary run
-directory.
+only for that save's staging, as for any save). Every ``n``-th (durable) step:
+
+- with one process, is saved to ``FAST`` too and, once committed, copied to
+  ``directory/<step>/`` in the background by :func:`copy_step` (no second device-to-host copy:
+  the bytes come from the committed local checkpoint, after checking that every object its
+  manifest names is there; a bounded number of objects and bytes in flight; ``COMMIT`` last).
+  A durable save due while the previous copy is pending waits for it (back-pressure).
+- with several processes, is saved by every process straight to ``directory`` (a collective
+  save, each process its own chunks), not copied: a local directory per host holds only that
+  host's chunks, so a copy by one process would commit an incomplete step.
+
+Both tiers hold the same format, so ``directory`` is an ordinary run directory. The local
+tier must not be, or overlap, ``directory`` (:func:`check_separate`). Each process keeps its
+own local directory trimmed (:meth:`LocalTier.retain`).
 
 Recovery (:func:`choose`): each process reports the steps committed in *its* local
 directory; the step restored is the newest one that is either committed locally on every
