@@ -7,12 +7,8 @@ mark is in force only while the step's ``COMMIT`` still has the SHA-256 it names
 the step again (which writes a new marker) lifts it without deleting anything first. Listings
 (:class:`fnckpt._steps.StepIndex`) leave marked steps out of the committed steps.
 
-``<run>/fnckpt-starts`` records when managers with ``save_interval_steps="auto"`` started
-(msgpack ``{"format": "fnckpt-starts", "starts": [unix times]}``, the newest 1000), from
-which :func:`fnckpt._interval.mtbf_from_starts` measures the run's mean time between failures.
-
-Everything read here is untrusted: a mark or log that does not decode is ignored (a mark then
-marks nothing; a log starts afresh), never an error that stops a restore.
+Everything read here is untrusted: a mark that does not decode is ignored (it then marks
+nothing), never an error that stops a restore. (The run's start log is :mod:`fnckpt._starts`.)
 """
 
 from __future__ import annotations
@@ -29,13 +25,12 @@ import msgpack
 from . import _coordination, _manifest, _paths
 from ._errors import CheckpointError, DamagedError
 
-__all__ = ["MARK_DIR", "STARTS", "mark_key", "mark_of", "mark_step", "marks_in_force",
-           "record_start", "refuse_marked", "restore_newest_valid", "Outcome"]
+__all__ = ["MARK_DIR", "mark_key", "mark_of", "mark_step", "marks_in_force",
+           "refuse_marked", "restore_newest_valid", "Outcome"]
 
 # Marks live in a directory of their own, after every step name in any listing order (an
 # object store that lists "6/..." before "6.x" cannot hide them from a range listing).
 MARK_DIR = "damaged"
-STARTS = "fnckpt-starts"
 _MARK_NAME = re.compile(r"damaged/(0|[1-9][0-9]*)")
 
 
@@ -89,24 +84,6 @@ def marks_in_force(kv: Any, steps: list[int]) -> dict[int, str]:
     if ok:
       out[step] = damage if isinstance(damage, str) else "damaged"
   return out
-
-
-def record_start(root: str, now: float, storage_options: dict[str, Any] | None = None
-                 ) -> list[float]:
-  """Append ``now`` to the run's start log; return every recorded start (process 0 only)."""
-  kv = _paths.open_kvstore(root, storage_options)
-  try:
-    got = kv.read(STARTS).result()
-    log = msgpack.unpackb(bytes(got.value), raw=False) if got.state == "value" else {}
-    starts = [float(t) for t in log.get("starts", []) if isinstance(t, (int, float))]
-  except Exception:  # unreadable or undecodable: start afresh
-    starts = []
-  starts = (starts + [float(now)])[-1000:]
-  try:
-    kv.write(STARTS, msgpack.packb({"format": "fnckpt-starts", "starts": starts})).result()
-  except Exception as e:
-    raise _paths.io_error(e, _paths.join(root, STARTS), "recording this start") from e
-  return starts
 
 
 def refuse_marked(index: Any, step: int) -> None:

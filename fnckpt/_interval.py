@@ -6,7 +6,7 @@ Systems 22(3), 2006). :class:`Cadence` turns it into a number of steps for
 ``CheckpointManager(save_interval_steps="auto")`` from measurements the manager feeds it (the
 cost of each save, the time of each step); it does no I/O and reads no clock itself.
 :func:`mtbf_from_starts` estimates the mean time between failures from the start times the
-manager records in the run directory (:mod:`fnckpt._health`).
+manager records in the run directory (:mod:`fnckpt._starts`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def mtbf_from_starts(starts: Sequence[float]) -> float | None:
   >>> mtbf_from_starts([100.0]) is None
   True
   """
-  times = sorted(float(t) for t in starts)
+  times = sorted(t for t in map(float, starts) if math.isfinite(t))
   if len(times) < 2 or times[-1] <= times[0]:
     return None
   return (times[-1] - times[0]) / (len(times) - 1)
@@ -86,7 +86,10 @@ class Schedule:
   the expected work lost per failure, ``P/2 + C`` for the save period
   ``P = interval_steps * step_time_s`` and cost ``C`` (a failure lands anywhere in a period,
   and the newest save is usable only ``C`` after it started); ``saves`` started and
-  ``skipped`` (due while the previous save was still writing; ``"auto"`` only).
+  ``skipped`` (due while the previous save was still writing; ``"auto"`` only);
+  ``copy_wait_s``: the seconds ``save`` waited in all for the previous durable copy from the
+  local tier to finish before starting a durable save (one process with a local tier:
+  back-pressure, so copies never pile up).
   """
   interval_steps: int
   auto: bool
@@ -98,6 +101,7 @@ class Schedule:
   expected_lost_s: float | None
   saves: int
   skipped: int
+  copy_wait_s: float = 0.0
 
 
 class Cadence:
@@ -129,7 +133,9 @@ class Cadence:
     self.mtbf_source = mtbf_source if mtbf_s is not None else None
     if self.auto and self.mtbf_s is None:
       raise ValueError("save_interval_steps='auto' needs a mean time between failures: pass "
-                       "mtbf_s=<seconds>, or restart the run once so it can measure one.")
+                       "mtbf_s=<seconds>. Each 'auto' manager that starts records its start in "
+                       "the run directory; once two are recorded the MTBF is measured from them "
+                       "and mtbf_s may be left out.")
     self._lock = threading.Lock()
     self._interval = 1 if self.auto else int(interval_steps)
     self._costs: list[float] = []
@@ -137,6 +143,7 @@ class Cadence:
     self._last: tuple[int, float] | None = None
     self._last_save: int | None = None
     self._saves = self._skipped = 0
+    self._waited = 0.0
 
   def note_step(self, step: int, now: float) -> None:
     """The loop is at ``step`` at time ``now`` (monotonic seconds)."""
@@ -150,6 +157,11 @@ class Cadence:
     """A save of this manager committed, ``cost_s`` after it was called."""
     with self._lock:
       self._costs = (self._costs + [float(cost_s)])[-16:]  # recent saves only
+
+  def waited(self, seconds: float) -> None:
+    """A save waited ``seconds`` for the previous durable copy (back-pressure)."""
+    with self._lock:
+      self._waited += float(seconds)
 
   def due(self, step: int) -> bool:
     """Whether ``step`` is on the interval."""
@@ -191,9 +203,10 @@ class Cadence:
     """What is in use and measured now."""
     cost, step_s = self._measured()
     with self._lock:
-      steps, saves, skipped = self._interval, self._saves, self._skipped
+      steps, saves, skipped, waited = (self._interval, self._saves, self._skipped,
+                                       self._waited)
     t = (optimal_interval_s(max(cost, 1e-6), self.mtbf_s)
          if cost is not None and self.mtbf_s is not None else None)
     lost = steps * step_s / 2 + cost if step_s is not None and cost is not None else None
     return Schedule(steps, self.auto, t, cost, self.mtbf_s, self.mtbf_source, step_s, lost,
-                    saves, skipped)
+                    saves, skipped, waited)

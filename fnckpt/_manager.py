@@ -14,7 +14,8 @@ module:
 - :class:`fnckpt._interval.Cadence`: when to save (a fixed interval, or ``"auto"``: Daly's
   interval from the measured save cost and the failure rate), and what saving costs;
 - :mod:`fnckpt._health`: restoring the newest step no process finds damaged, marking damaged
-  steps (never deleting them), and the run's start log (the measured failure rate);
+  steps (never deleting them); :mod:`fnckpt._starts`: the run's start log (the measured
+  failure rate);
 - :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
   ``StepIndex``, the background copy to durable storage, the pure recovery choice);
 - :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
@@ -54,7 +55,7 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _coordination, _health, _interval, _paths, _retention, _steps, _tiers
+from . import _coordination, _interval, _paths, _retention, _starts, _steps, _tiers
 from ._claims import StepClaims
 from ._recovery import Recovery
 from ._saver import Saver
@@ -86,9 +87,10 @@ class CheckpointManager:
       restarts (each ``"auto"`` manager records its start in ``<directory>/fnckpt-starts``).
     keep_durable: with a retention rule, also always keep the newest ``r`` valid committed
       steps (redundancy: a damaged newest step leaves older ones to fall back to).
-    local_directory: a fast tier (:mod:`fnckpt._tiers`): every ``local_save_interval_steps``-th
-      step and every ``save_interval_steps``-th is saved there, the latter then copied to
-      ``directory`` in the background; the newest ``local_max_to_keep`` are kept there.
+    local_directory: a fast tier (:mod:`fnckpt._tiers`; not ``directory`` nor inside it):
+      every ``local_save_interval_steps``-th step is saved there (with one process also the
+      durable steps, then copied to ``directory``); each process keeps its newest
+      ``local_max_to_keep`` there.
     handle_preemption: install the preemption handler now (:meth:`install_preemption_handler`).
     storage_options: settings for ``gs://``/``s3://`` (see :func:`fnckpt.save`).
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
@@ -132,11 +134,11 @@ class CheckpointManager:
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
-    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
-                             self._timeout)
     self._local = None if local_directory is None else _tiers.LocalTier(
         str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
         local_storage_options, self._root, storage_options)
+    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
+                             self._timeout)  # the last check; records this start ("auto")
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
                         self._preemption, self._background, self._retention,
@@ -238,16 +240,8 @@ class CheckpointManager:
     """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
     one of process 0), its commit marker first (so it is never seen half deleted) and its
     damage mark. Waits for this manager's save of it."""
-    step = _steps.as_step(step)
     indexes = [self._index] + ([self._local.index] if self._local else [])
-    self._claims.claim_delete(step)
-    try:
-      _coordination.from_process_0(self._root, "delete", lambda: _remove(
-          indexes, step, self.directory), self._timeout)
-    finally:
-      self._claims.release_delete([step])
-    for index in indexes:
-      index.forget(step)
+    _delete(indexes, self._claims, _steps.as_step(step), self._root, self._timeout)
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
@@ -397,6 +391,19 @@ def _warn_leftovers(leftovers: list[int], directory: str) -> None:
         "replaces it.", stacklevel=3)
 
 
+def _delete(indexes: list[_steps.StepIndex], claims: StepClaims, step: int, root: str,
+            timeout_s: float) -> None:
+  """delete(step) (collective): process 0 removes ``step`` from every tier holding it."""
+  claims.claim_delete(step)
+  try:
+    _coordination.from_process_0(root, "delete", lambda: _remove(
+        indexes, step, _paths.display(root)), timeout_s)
+  finally:
+    claims.release_delete([step])
+  for index in indexes:
+    index.forget(step)
+
+
 def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
   """delete(step), on process 0: every tier holding ``step``."""
   there = [index for index in indexes if index.exists(step)]
@@ -421,16 +428,23 @@ def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
 
 def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
              storage_options: dict[str, Any] | None, timeout_s: float) -> _interval.Cadence:
-  """When to save. ``"auto"``: process 0 records this start in the run directory; the MTBF
-  is ``mtbf_s``, else measured from the recorded restarts."""
+  """When to save. ``"auto"``: the MTBF is ``mtbf_s``, else measured from the run's recorded
+  starts (:mod:`fnckpt._starts`); process 0 records this start once that is settled (call
+  last in the constructor: a construction that fails records nothing)."""
   if save_interval_steps != "auto":
     return _interval.Cadence(save_interval_steps, mtbf_s, "given")
-  starts = _coordination.from_process_0(
-      root, "starts", lambda: _health.record_start(root, time.time(), storage_options),
-      timeout_s)
-  if mtbf_s is not None:
-    return _interval.Cadence(None, mtbf_s, "given")
-  return _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
+  given = None if mtbf_s is None else _interval.Cadence(None, mtbf_s, "given")  # checks it
+
+  def record() -> list[float]:
+    now = time.time()
+    starts = _starts.read_starts(root, now, storage_options) + [now]
+    if given is None:
+      _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")  # or raise
+    _starts.write_starts(root, starts, storage_options)
+    return starts
+
+  starts = _coordination.from_process_0(root, "starts", record, timeout_s)
+  return given or _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
 
 
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:

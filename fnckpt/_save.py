@@ -339,7 +339,8 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
          zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
-         storage_options: dict[str, Any] | None = None) -> SaveHandle:
+         storage_options: dict[str, Any] | None = None,
+         _barrier_location: str | None = None) -> SaveHandle:
   """Save a pytree to ``path``; return once its arrays are copied off the devices.
 
   Writing and committing continue in the background: ``handle.wait()`` (or
@@ -365,6 +366,8 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     zstd: short for ``compression="zstd:<zstd>"``.
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
+    _barrier_location: (internal: the manager's local tier) the name the processes' barriers
+      are keyed on instead of ``path``, for per-host paths that differ between processes.
 
   >>> import jax.numpy as jnp, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -383,10 +386,11 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   if earlier is not None:
     earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
   session, writer, where = None, None, "planning"
+  key = _paths.display(_barrier_location) if _barrier_location else location
   try:
     # The session first: from here on any failure is published to the other processes (and
     # every process counts this attempt, so the next one pairs up again).
-    session = _collective.Session(location, barrier_timeout_s)
+    session = _collective.Session(key, barrier_timeout_s)
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
     _check_sizes(inline_bytes, pack_bytes)
@@ -398,11 +402,11 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
     budget = _process_budget(budget_bytes or default_budget_bytes())
-    writer = Writer(location, session, budget, lambda p: _reached(location, p),
+    writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, writer, err, t0))
     writer.start()
     where = "staging the arrays"
-    _reached(location, "staging")
+    _reached(key, "staging")
     commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata)
   except BaseException as e:
     err = _wrap(e, location, where)
@@ -416,7 +420,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     handle._finish(err, reported=True)
     raise handle._error from (e if handle._error is not e else None)
   writer.close(commit)
-  _reached(location, "staged")
+  _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
 

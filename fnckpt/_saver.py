@@ -3,13 +3,16 @@ save, and the background work after its commit (the durable copy, retention).
 
 One save of step ``s``: due on the durable interval (:class:`fnckpt._interval.Cadence`, or
 ``force``, or the preemption step) and/or the local one (:class:`fnckpt._tiers.TierPolicy`);
-process 0 checks that it may be saved (not older than the newest, not in flight, not
-committed unless ``force``; a damaged step is replaced like a leftover) and, with ``"auto"``,
-whether the previous durable save is still writing (then this one is skipped), and publishes
-that for every process; then :func:`fnckpt.save` goes to the local tier if there is one, else
-to the durable one. After the commit, in a background thread: process 0 copies a durable step
-from the local tier (:meth:`fnckpt._tiers.LocalTier.copy_to_durable`), the save's cost is
-measured, and process 0 runs retention on both tiers.
+process 0 checks that it may be saved in both tiers (not older than the newest, not in
+flight, not committed unless ``force``; a damaged step is replaced like a leftover) and, with
+``"auto"``, whether the previous durable save is still writing (then this one is skipped),
+and publishes that for every process (keyed on the durable step). Then :func:`fnckpt.save`
+goes to the local tier if there is one, except a durable step with several processes, which
+goes to the durable one (as without a local tier). After the commit, in a background thread:
+with one process a durable step saved locally is copied to the durable tier
+(:meth:`fnckpt._tiers.LocalTier.copy_to_durable`; a later durable save waits for it), the
+save's cost is measured, process 0 runs the durable tier's retention and every process its
+own local tier's. No cross-process wait covers a copy (copies happen with one process only).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 
 from . import _commit, _coordination, _interval, _paths, _steps, _tiers
 from ._claims import StepClaims
-from ._errors import CheckpointError
+from ._errors import CheckpointError, DamagedError
 from ._preemption import Preemption
 from ._retention_runner import Background, RetentionError, RetentionRunner
 
@@ -52,39 +55,58 @@ class Saver:
     if not (durable or local):
       return None
     metadata = user()
-    index = self.local.index if self.local else self.index  # where the save goes
 
     def decide() -> dict[str, Any]:
-      _check_may_save(self.claims, index, step, force)
-      busy = self.local.pending if self.local else self.claims.saving()
+      for index in [self.index] + ([self.local.index] if self.local else []):
+        _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
+      busy = self.local.pending if self._copies() else self.claims.saving()
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
     # Decided on process 0 for all: every process calls the collective save, or none does.
-    decision = _coordination.from_process_0(index.path(step), "may-save", decide,
+    # Keyed on the durable location (local path strings may differ between hosts).
+    decision = _coordination.from_process_0(self.index.path(step), "may-save", decide,
                                             self.timeout_s)
     if durable:
       self.cadence.apply(step, {**decision, "save": decision["save"] or urgent})
       durable = decision["save"] or urgent  # "auto": skipped while the previous one writes
     if not (durable or local):
       return None
-    return self._start(step, tree, index, metadata, durable)
+    if durable and self._copies():  # back-pressure: one durable copy pending at a time
+      self.cadence.waited(self.local.wait_copied())
+    return self._start(step, tree, self._where(durable), metadata, durable)
+
+  def _copies(self) -> bool:
+    """Whether durable steps are saved to the local tier and copied from there: only with
+    one process (several processes save durable steps to ``directory`` themselves, each its
+    own chunks: a per-host local tier holds only its host's chunks)."""
+    return self.local is not None and not _coordination.multi()
+
+  def _where(self, durable: bool) -> _steps.StepIndex:
+    """The tier a save goes to: the local one if there is one, except for a durable step
+    with several processes (saved to ``directory``, as without tiers)."""
+    if self.local is not None and (self._copies() or not durable):
+      return self.local.index
+    return self.index
 
   def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
              durable: bool) -> Any:
     import fnckpt  # the public save; imported late (fnckpt imports this module)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
+      # A local tier's barriers are keyed on the durable step (per-host paths may differ).
+      key = {} if index is self.index else {
+          "_barrier_location": _paths.join(self.index.path(step), "(local-tier)")}
       handle = fnckpt.save(tree, index.path(step), overwrite=True, metadata=metadata,
-                           storage_options=index.storage_options, **self.save_options)
+                           storage_options=index.storage_options, **self.save_options, **key)
     except BaseException:
       self.claims.release_save(step)
       raise
     self.claims.set_handle(step, handle)
     self.last_saved = step
-    if self.local and durable:
-      self.local.pending.add(step)
+    if self.local and durable and index is not self.index:
+      self.local.begin(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step, handle, durable)
+                          step, handle, durable, index)
     return handle
 
   def _copy(self, step: int) -> float:
@@ -95,39 +117,52 @@ class Saver:
       warnings.warn(str(error), RuntimeWarning, stacklevel=1)
       raise error from e
 
-  def _after_commit(self, step: int, handle: Any, durable: bool) -> None:
-    """Background: wait for the save's commit; (process 0) copy it to the durable tier if
-    it was saved to the local one, then apply retention."""
+  def _after_commit(self, step: int, handle: Any, durable: bool,
+                    index: _steps.StepIndex) -> None:
+    """Background: wait for the save's commit (the step's claim ends there); copy it to the
+    durable tier if it was saved to the local one for that (one process); then retention:
+    the durable tier's on process 0, each process's own local tier on every process."""
     try:
-      handle.wait()
+      try:
+        handle.wait()
+      finally:  # the claim covers the commit, not the copy (pending guards the copy)
+        self.claims.release_save(step, handle)
+      index.note_committed(step)
       cost = handle.stats.total_s
-      if self.local and durable and jax.process_index() == 0:
+      if durable and index is not self.index:
         cost += self._copy(step)
-      for index in ([self.local.index] if self.local else []) + ([self.index] * durable):
-        index.note_committed(step)
+        self.index.note_committed(step)
       if durable:
         self.cadence.committed(cost)
     except BaseException as e:
       self.background.record(e)
       return
     finally:
-      self.claims.release_save(step, handle)
       if self.local:
-        self.local.pending.discard(step)
+        self.local.finish(step)
     if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
       self.retention.run()
-      if self.local:
-        self.local.retain(self.claims)
+    if self.local:
+      self.local.retain(self.claims)
 
 
 def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> RetentionError:
-  """A failed durable copy, as background work of process 0 that every process's ``wait()``
-  raises (a :class:`RetentionError`, which :class:`Background` shares)."""
+  """A failed durable copy, as background work that ``wait()`` raises (a
+  :class:`RetentionError`); the text says where the step is left, by cause."""
+  kept = False
+  if not isinstance(error, DamagedError):  # damaged or incomplete: not restorable there
+    try:
+      kept = step in local.index.list().steps
+    except Exception:  # the local tier itself is unreadable
+      pass
+  where = (f"Step {step} is committed on the local tier only; the next durable save is copied "
+           f"as usual (or save it again with force=True)." if kept else
+           f"The local copy of step {step} is gone, damaged or incomplete, so step {step} is "
+           "restorable from neither tier (nothing was committed in the durable one; its older "
+           "steps are unaffected): save a new step, or this one again with force=True.")
   return RetentionError(
       f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
-      f"{_paths.display(local.durable_root)!r} failed: {error} Step {step} is committed on the "
-      "local tier only; the next durable save is copied as usual (or save it again with "
-      "force=True).")
+      f"{_paths.display(local.durable_root)!r} failed: {error} {where}")
 
 
 def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,

@@ -1,13 +1,21 @@
-"""Two storage tiers: frequent saves to a fast local directory, fewer copied to durable storage.
+"""Two storage tiers: frequent saves to a fast local directory, fewer to durable storage.
 
 ``CheckpointManager(directory, local_directory=FAST, local_save_interval_steps=k,
 save_interval_steps=n)``: every ``k``-th step is saved to ``FAST/<step>/`` (the caller waits
-only for that save's staging, as for any save); every ``n``-th is saved there too and, once
-committed, copied to ``directory/<step>/`` in the background by :func:`copy_step` (no second
-device-to-host copy: the bytes come from the committed local checkpoint; reads and writes with
-at most ``concurrency`` in flight; ``COMMIT`` written last, after the manifest's SHA-256 is
-checked against it). Both tiers hold the same format, so ``directory`` is an ordinary run
-directory.
+only for that save's staging, as for any save). Every ``n``-th (durable) step:
+
+- with one process, is saved to ``FAST`` too and, once committed, copied to
+  ``directory/<step>/`` in the background by :func:`copy_step` (no second device-to-host copy:
+  the bytes come from the committed local checkpoint, after checking that every object its
+  manifest names is there; a bounded number of objects and bytes in flight; ``COMMIT`` last).
+  A durable save due while the previous copy is pending waits for it (back-pressure).
+- with several processes, is saved by every process straight to ``directory`` (a collective
+  save, each process its own chunks), not copied: a local directory per host holds only that
+  host's chunks, so a copy by one process would commit an incomplete step.
+
+Both tiers hold the same format, so ``directory`` is an ordinary run directory. The local
+tier must not be, or overlap, ``directory`` (:func:`check_separate`). Each process keeps its
+own local directory trimmed (:meth:`LocalTier.retain`).
 
 Recovery (:func:`choose`): each process reports the steps committed in *its* local
 directory; the step restored is the newest one that is either committed locally on every
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import json
 import threading
 import time
 import warnings
@@ -36,13 +46,19 @@ from typing import Any, Sequence
 from . import _manifest, _paths
 from ._errors import CheckpointError, DamagedError
 
-__all__ = ["TierPolicy", "LocalTier", "choose", "copy_step"]
+__all__ = ["TierPolicy", "LocalTier", "choose", "copy_step", "check_separate", "expected_keys"]
+
+
+def _at_least(name: str, value: Any, low: int) -> int:
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
 class TierPolicy:
-  """Which tiers a step goes to: local every ``local_every`` steps, durable (copied from the
-  local save) on the durable interval.
+  """Which steps go to the local tier (every ``local_every``-th) and how many of its step
+  directories are kept (the newest ``local_max_to_keep``).
 
   >>> p = TierPolicy(local_every=2)
   >>> [s for s in range(7) if p.local_due(s)]
@@ -52,10 +68,8 @@ class TierPolicy:
   local_max_to_keep: int = 2
 
   def __post_init__(self):
-    for name, low in (("local_save_interval_steps", 1), ("local_max_to_keep", 1)):
-      v = self.local_every if name.startswith("local_save") else self.local_max_to_keep
-      if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {v!r}.")
+    _at_least("local_save_interval_steps", self.local_every, 1)
+    _at_least("local_max_to_keep", self.local_max_to_keep, 1)
 
   def local_due(self, step: int) -> bool:
     return step % self.local_every == 0
@@ -89,28 +103,106 @@ def choose(local_steps: Sequence[Sequence[int]], durable_steps: Sequence[int],
   return max((common | set(durable_steps)) - set(skipped), default=None)
 
 
+def expected_keys(manifest: Any) -> list[str]:
+  """PURE: every object a committed format-2 checkpoint with this parsed manifest
+  (:class:`fnckpt._records.Manifest`) must hold besides its manifest and marker: each stored
+  array's and pack's ``zarr.json`` and one file per chunk of its grid (``sharding_indexed``:
+  one shard file per chunk, default ``c/i/j`` keys), and ``pp/<p>`` of every process when a
+  leaf is per-process.
+
+  >>> from fnckpt import _records
+  >>> m = _records.Manifest(2, 0.0, 1, {}, None, (), "data-0",
+  ...                       (_records.Pack("data-0/p/0", 10, 8, 8),))
+  >>> expected_keys(m)
+  ['data-0/p/0/zarr.json', 'data-0/p/0/c/0', 'data-0/p/0/c/1']
+  """
+  keys: list[str] = []
+  grids = [(p.dir, (p.nbytes,), (p.chunk,)) for p in manifest.packs]
+  grids += [(l.stored.dir, l.shape, l.stored.chunks) for l in manifest.leaves if l.stored]
+  for where, shape, chunks in grids:
+    where = where.strip("/")
+    keys.append(f"{where}/zarr.json")
+    counts = [-(-n // c) for n, c in zip(shape, chunks)]
+    keys += [f"{where}/c/" + "/".join(map(str, cell)) for cell in itertools.product(
+        *(range(n) for n in counts))] if all(counts) else []
+  if manifest.data and any(l.kind == "perprocess" for l in manifest.leaves):
+    keys += [f"{manifest.data}/pp/{p}" for p in range(manifest.process_count)]
+  return keys
+
+
+def _spec_key(path: str, options: dict[str, Any] | None) -> tuple[str, str]:
+  """(the kvstore spec without its path, its path ending in "/"): two locations overlap when
+  the first parts are equal and one path starts with the other."""
+  spec = dict(_paths.kvstore_spec(path, options))
+  where = str(spec.pop("path", "")).rstrip("/") + "/"
+  return json.dumps(spec, sort_keys=True, default=str), where
+
+
+def check_separate(local_root: str, local_options: dict[str, Any] | None, durable_root: str,
+                   durable_options: dict[str, Any] | None) -> None:
+  """Raise :class:`CheckpointError` when the local tier is the durable directory or lies
+  inside (or around) it: each durable copy would replace the step it copies.
+
+  >>> check_separate("/tmp/run", None, "/tmp/run/", None)
+  Traceback (most recent call last):
+  ...
+  fnckpt._errors.CheckpointError: local_directory '/tmp/run' is the durable directory '/tmp/run' or overlaps it; each durable copy would delete the step it copies. Pass a local_directory outside it (e.g. a tmpfs or NVMe path).
+  """
+  (a_store, a), (b_store, b) = (_spec_key(local_root, local_options),
+                                _spec_key(durable_root, durable_options))
+  if a_store == b_store and (a.startswith(b) or b.startswith(a)):
+    raise CheckpointError(
+        f"local_directory {_paths.display(local_root)!r} is the durable directory "
+        f"{_paths.display(durable_root)!r} or overlaps it; each durable copy would delete the "
+        "step it copies. Pass a local_directory outside it (e.g. a tmpfs or NVMe path).")
+
+
+def _checked_source(src: Any, src_path: str, dst_path: str) -> tuple[bytes, list[str]]:
+  """The commit marker of the local checkpoint and the keys to copy; raises
+  :class:`DamagedError` unless it is committed, its manifest matches the marker, and every
+  object the manifest names is there."""
+  commit = src.read(_manifest.COMMIT).result()
+  if commit.state != "value":
+    raise DamagedError(f"Cannot copy {_paths.display(src_path)!r} to "
+                       f"{_paths.display(dst_path)!r}: it is not committed (its "
+                       f"{_manifest.COMMIT} is missing).")
+  manifest = src.read(_manifest.MANIFEST).result()
+  want = _manifest.decode_commit(bytes(commit.value), src_path)["manifest_sha256"]
+  if manifest.state != "value" or _manifest.digest(bytes(manifest.value)) != want:
+    raise DamagedError(f"The manifest of {_paths.display(src_path)!r} is missing or does not "
+                       "match its commit marker; it was not copied.")
+  parsed = _manifest.decode(bytes(manifest.value), _paths.display(src_path))
+  keys = {k.decode("utf-8", "surrogateescape") for k in src.list().result()}
+  missing = [k for k in expected_keys(parsed) if k not in keys]
+  if missing:
+    raise DamagedError(
+        f"The local checkpoint {_paths.display(src_path)!r} is incomplete: {len(missing)} "
+        f"object(s) its manifest names are missing (e.g. {missing[0]!r}); it was not copied "
+        f"and nothing was committed in the durable tier. Check it with fnckpt verify "
+        f"{_paths.display(src_path)}.")
+  return bytes(commit.value), sorted(keys - {_manifest.COMMIT})
+
+
 def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, Any] | None,
-              dst_options: dict[str, Any] | None, concurrency: int = 32) -> int:
+              dst_options: dict[str, Any] | None, concurrency: int = 32,
+              max_bytes: int = 256 << 20) -> int:
   """Copy the committed checkpoint ``src_root/<step>`` to ``dst_root/<step>`` (replacing
-  whatever is there, its marker first), ``concurrency`` objects in flight, ``COMMIT`` last;
-  return the bytes copied. Raises :class:`CheckpointError` naming both locations."""
+  whatever is there, its marker first), ``concurrency`` objects and about ``max_bytes`` in
+  flight, ``COMMIT`` last; return the bytes copied. Refuses (:class:`DamagedError`, nothing
+  committed) a source that is not committed, whose manifest does not match its marker or that
+  lacks an object its manifest names, and (:class:`CheckpointError`) overlapping roots."""
+  check_separate(src_root, src_options, dst_root, dst_options)
   src_path, dst_path = _paths.join(src_root, str(step)), _paths.join(dst_root, str(step))
   try:
     src = _paths.open_kvstore(src_path, src_options)
     dst = _paths.open_kvstore(dst_path, dst_options)
-    keys = [k.decode("utf-8", "surrogateescape") for k in src.list().result()]
-    commit = src.read(_manifest.COMMIT).result()
-    if commit.state != "value":
-      raise CheckpointError(f"Cannot copy {_paths.display(src_path)!r} to "
-                            f"{_paths.display(dst_path)!r}: it is not committed.")
+    commit, keys = _checked_source(src, src_path, dst_path)
     _paths.clear(dst, first=(_manifest.COMMIT,))
-    copied = _copy_keys(src, dst, [k for k in keys if k != _manifest.COMMIT], concurrency)
-    manifest = src.read(_manifest.MANIFEST).result()
-    want = _manifest.decode_commit(bytes(commit.value), src_path)["manifest_sha256"]
-    if manifest.state != "value" or _manifest.digest(bytes(manifest.value)) != want:
-      raise DamagedError(f"The manifest of {_paths.display(src_path)!r} does not match its "
-                         "commit marker; it was not copied.")
-    dst.write(_manifest.COMMIT, bytes(commit.value)).result()
+    copied = _copy_keys(src, dst, keys, concurrency, max_bytes)
+    if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed meanwhile
+      raise DamagedError(f"{_paths.display(src_path)!r} was saved again while being copied; "
+                         "the copy was not committed.")
+    dst.write(_manifest.COMMIT, commit).result()
   except CheckpointError:
     raise
   except Exception as e:
@@ -121,42 +213,78 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
 
 def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
                max_bytes: int = 256 << 20) -> int:
-  """Read and write ``keys``: a batch of ``concurrency`` reads in flight while the writes of
-  the previous ones go on; at most ``concurrency`` writes and ``max_bytes`` (plus one object)
-  held. Returns the bytes copied."""
-  copied, held, writes = 0, 0, collections.deque()
-  for start in range(0, len(keys), concurrency):
-    reads = [(k, src.read(k)) for k in keys[start:start + concurrency]]
-    for key, read in reads:
+  """Read and write ``keys`` with at most ``concurrency`` objects in flight, and a new read
+  issued only while the bytes held (read, not yet written) plus the reads in flight (each
+  counted as the largest object seen so far; the first alone) stay within ``max_bytes``; one
+  object larger than the bound is copied alone. Returns the bytes copied."""
+  todo, reads, writes = collections.deque(keys), collections.deque(), collections.deque()
+  held = copied = 0
+  biggest: int | None = None  # None until a read has completed
+  while todo or reads or writes:
+    idle = not (reads or writes)
+    room = (biggest is not None and len(reads) + len(writes) < concurrency
+            and held + (len(reads) + 1) * biggest <= max_bytes)
+    if todo and (idle or room):
+      key = todo.popleft()
+      reads.append((key, src.read(key)))
+    elif reads and (reads[0][1].done() or not writes):
+      key, read = reads.popleft()
       got = read.result()
       if got.state != "value":
-        raise DamagedError(f"{key!r} vanished from the local checkpoint while being copied.")
-      writes.append((dst.write(key, got.value), len(got.value)))
-      held += len(got.value)
-      copied += len(got.value)
-      while writes and (held > max_bytes or len(writes) > concurrency):
-        write, n = writes.popleft()
-        write.result()
-        held -= n
-  for write, _ in writes:
-    write.result()
+        raise DamagedError(f"{key!r} vanished from the local checkpoint while being copied; "
+                           "nothing was committed in the durable tier.")
+      n = len(got.value)
+      writes.append((dst.write(key, got.value), n))
+      held, copied, biggest = held + n, copied + n, max(biggest or 0, n)
+    else:
+      write, n = writes.popleft()
+      write.result()
+      held -= n
   return copied
 
 
 class LocalTier:
   """The fast tier of a manager at run time: its step index, policy, and the background work
-  after each local commit (process 0): the durable copy, then local retention. Copies run one
-  at a time (a lock), so retention never deletes a step being copied."""
+  after each local commit: the durable copy (one process only), then local retention (every
+  process, of its own local directory). Copies and retention passes run one at a time (a
+  lock), so retention never deletes a step being copied. Back-pressure: a durable save due
+  while the previous step's copy is pending waits for it first (:meth:`wait_copied`), so at
+  most one copy is pending at any time."""
 
   def __init__(self, root: str, policy: TierPolicy, storage_options: dict[str, Any] | None,
                durable_root: str, durable_options: dict[str, Any] | None):
     from ._steps import StepIndex  # (_steps imports nothing of this module)
+    check_separate(root, storage_options, durable_root, durable_options)
     self.index = StepIndex(root, storage_options)
     self.policy = policy
     self.storage_options = storage_options
     self.durable_root, self.durable_options = durable_root, durable_options
-    self.pending: set[int] = set()  # steps whose durable copy is due and not done
+    self._pending: set[int] = set()  # steps whose durable copy is due and not done
     self._lock = threading.Lock()
+    self._idle = threading.Condition()
+
+  @property
+  def pending(self) -> set[int]:
+    with self._idle:
+      return set(self._pending)
+
+  def begin(self, step: int) -> None:
+    """A durable copy of ``step`` is due (once its local save commits)."""
+    with self._idle:
+      self._pending.add(step)
+
+  def finish(self, step: int) -> None:
+    """The durable copy of ``step`` is over (copied, failed or abandoned)."""
+    with self._idle:
+      self._pending.discard(step)
+      self._idle.notify_all()
+
+  def wait_copied(self) -> float:
+    """Block until no durable copy is pending; the seconds waited."""
+    start = time.monotonic()
+    with self._idle:
+      self._idle.wait_for(lambda: not self._pending)
+    return time.monotonic() - start
 
   def copy_to_durable(self, step: int) -> float:
     """Copy the committed local ``step`` to the durable tier; return the seconds it took."""
@@ -167,13 +295,15 @@ class LocalTier:
     return time.monotonic() - start
 
   def retain(self, claims: Any) -> None:
-    """Delete local steps beyond the newest ``local_max_to_keep`` (claimed steps spared)."""
+    """Delete local step directories (committed, leftovers, marked damaged) beyond the newest
+    ``local_max_to_keep``; claimed steps and pending copies are spared."""
     from ._retention_runner import RetentionError, delete_unclaimed
     with self._lock:
-      steps = self.index.list(in_flight=claims.saving()).steps
-      _, failed = delete_unclaimed(self.index, claims,
-                                   lambda busy: self.policy.local_to_delete(steps, busy))
-    if failed:  # a RetentionError: every process's wait() raises it
+      listing = self.index.list(in_flight=claims.saving())
+      steps = sorted(set(listing.steps) | set(listing.uncommitted) | set(listing.damaged))
+      _, failed = delete_unclaimed(self.index, claims, lambda busy: self.policy.local_to_delete(
+          steps, set(busy) | self.pending))
+    if failed:  # a RetentionError: this process's wait() raises it
       step, error = failed[0]
       failure = RetentionError(f"Could not delete local step {step} of "
                                f"{self.index.display!r}: {error}. The durable tier is not "

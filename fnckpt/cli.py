@@ -235,7 +235,13 @@ def _ls(args: argparse.Namespace) -> int:
     rows = _step_rows([(".", root)], keys, options)
     print(_table([_LS_HEADER] + rows))
     return 0
-  local_options = options if str(args.local).startswith(("s3://", "gs://")) else None
+  if args.local is not None and (not keys or _manifest.COMMIT in keys
+                                 or _manifest.MANIFEST in keys):
+    what = "holds nothing" if not keys else "is a single checkpoint"
+    print(f"{_paths.display(root)!r} {what}, not a run directory: with --local, DIR must be "
+          "the manager's durable directory (check the path).", file=sys.stderr)
+    return 1
+  local_options = None  # the durable tier's --storage-option settings are not the local tier's
   tiers = [("durable", root, keys, options)] + ([("local", args.local, _paths.list_keys(
       args.local, local_options), local_options)] if args.local is not None else [])
   rows, notes, restorable = [], [], set()
@@ -733,7 +739,8 @@ def _parser() -> argparse.ArgumentParser:
                       "commit time, metrics; with --local, of both tiers.")
   ls.add_argument("dir")
   ls.add_argument("--local", metavar="FAST", default=None,
-                  help="also list the manager's local tier (local_directory)")
+                  help="also list the manager's local tier (local_directory); "
+                       "--storage-option settings apply to DIR only")
   ls.set_defaults(run=_ls, locations=("dir",))
   ins = sub.add_parser("inspect", parents=[common], help="show the saved tree of one checkpoint",
                        description="Key path, kind, dtype, shape, saved sharding, bytes and "

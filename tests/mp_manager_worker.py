@@ -239,14 +239,16 @@ def mode_damage(cfg):
 
 
 def mode_tiers(cfg):
-  """``cfg["phase"]`` "save": steps 0-5 to the local tier (every step; the newest 2 kept),
-  every 2nd copied to the durable one. "recover": restore_or_init with this process's
-  ``cfg["local"]`` (a wiped or replaced host's is empty)."""
+  """``cfg["phase"]`` "save": steps 0-5, the odd ones to the local tier (the newest 2 kept),
+  the even ones (durable, every 2nd) saved to the durable directory by every process.
+  "recover": restore_or_init with this process's ``cfg["local"]`` (a wiped or replaced host's
+  is empty; a list: one per process, e.g. per-host paths)."""
   import jax
   import fnckpt
   mesh, target = mesh_and_target()
   opts = {"barrier_timeout_s": cfg["barrier_s"]}
-  mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=cfg["local"],
+  local = cfg["local"] if isinstance(cfg["local"], str) else cfg["local"][jax.process_index()]
+  mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=local,
                                  local_save_interval_steps=1, save_interval_steps=2,
                                  save_options=opts)
   out: dict[str, Any] = {"process": jax.process_index()}
@@ -258,6 +260,9 @@ def mode_tiers(cfg):
     state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
     out["restored"], out["checked"] = step, check_state(state, step)
   out["all_steps"] = mgr.all_steps()
+  from fnckpt import _paths
+  out["local_dirs"] = sorted({int(k.split("/")[0]) for k in _paths.list_keys(local)
+                              if k.split("/")[0].isdigit()})  # this process's own local tier
   mgr.close()
   result(out)
 

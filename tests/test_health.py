@@ -7,14 +7,16 @@ save_interval_steps="auto" measures, agrees and skips saves while one is writing
 import glob
 import os
 import threading
+import time
 import uuid
 import warnings
 
+import msgpack
 import numpy as np
 import pytest
 
 import fnckpt
-from fnckpt import _health, _paths, _save
+from fnckpt import _health, _paths, _save, _starts
 
 
 def state_of(step, n=5000):
@@ -143,17 +145,46 @@ def test_keep_durable_keeps_spare_steps(tmp_path):
 
 def test_auto_interval_needs_an_mtbf_then_measures_restarts(tmp_path):
   root = str(tmp_path / "run")
-  with pytest.raises(ValueError, match="needs a mean time between failures: pass mtbf_s="):
-    fnckpt.CheckpointManager(root, save_interval_steps="auto")   # first start: recorded
+  for _ in range(2):  # a failed construction records no start, so retrying measures nothing
+    with pytest.raises(ValueError, match="needs a mean time between failures: pass mtbf_s="):
+      fnckpt.CheckpointManager(root, save_interval_steps="auto")
+  assert not os.path.exists(os.path.join(root, _starts.STARTS))
+  mgr = fnckpt.CheckpointManager(root, save_interval_steps="auto", mtbf_s=3600.0)  # recorded
+  assert (mgr.schedule.mtbf_s, mgr.schedule.mtbf_source) == (3600.0, "given")
+  assert os.path.isfile(os.path.join(root, _starts.STARTS))
   mgr = fnckpt.CheckpointManager(root, save_interval_steps="auto")  # a restart: measured
   s = mgr.schedule
   assert s.auto and s.mtbf_source == "restarts" and s.mtbf_s > 0
-  mgr = fnckpt.CheckpointManager(root, save_interval_steps="auto", mtbf_s=3600.0)
-  assert (mgr.schedule.mtbf_s, mgr.schedule.mtbf_source) == (3600.0, "given")
-  assert os.path.isfile(os.path.join(root, _health.STARTS))
   assert fnckpt.CheckpointManager(root).all_steps() == []     # the log is not a step
   with pytest.raises(ValueError, match="save_interval_steps must be an int >= 1 or 'auto'"):
     fnckpt.CheckpointManager(root, save_interval_steps="often")
+
+
+@pytest.mark.parametrize("bad", [[float("nan")], [float("inf")], [0.0], [-1e300],
+                                 ["x", True], "future", "not a list"])
+def test_implausible_recorded_starts_are_ignored(tmp_path, bad):
+  root = str(tmp_path / "run")
+  os.makedirs(root)
+  now = time.time()
+  starts = [now + 10 * 365 * 86400] if bad == "future" else bad
+  with open(os.path.join(root, _starts.STARTS), "wb") as f:
+    f.write(msgpack.packb({"format": "fnckpt-starts", "starts": starts}))
+  with pytest.raises(ValueError, match="needs a mean time between failures"):  # 1 real start
+    fnckpt.CheckpointManager(root, save_interval_steps="auto")
+  with open(os.path.join(root, _starts.STARTS), "wb") as f:
+    f.write(msgpack.packb({"format": "fnckpt-starts", "starts": [now - 1000] + (
+        starts if isinstance(starts, list) else [])}))
+  s = fnckpt.CheckpointManager(root, save_interval_steps="auto").schedule
+  assert s.mtbf_source == "restarts" and 999 <= s.mtbf_s <= 1000 + 600
+
+
+def test_a_failed_construction_records_no_start(tmp_path):
+  root = str(tmp_path / "run")
+  fnckpt.CheckpointManager(root, save_interval_steps="auto", mtbf_s=60.0)
+  with pytest.raises(fnckpt.CheckpointError, match="overlaps it"):
+    fnckpt.CheckpointManager(root, save_interval_steps="auto", local_directory=root)
+  with open(os.path.join(root, _starts.STARTS), "rb") as f:
+    assert len(msgpack.unpackb(f.read())["starts"]) == 1
 
 
 def test_auto_interval_skips_saves_while_one_is_writing(tmp_path, monkeypatch):

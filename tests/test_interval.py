@@ -84,3 +84,16 @@ def test_auto_needs_an_mtbf():
     _interval.Cadence(None, None)
   with pytest.raises(ValueError, match="mtbf_s must be a finite number of seconds > 0"):
     _interval.Cadence(None, mtbf_s=0.0, mtbf_source="given")
+
+
+def test_untrusted_starts_are_filtered_and_copy_waits_are_counted():
+  from fnckpt import _starts
+  now = 1.8e9
+  assert _starts.plausible([float("nan"), float("inf"), 0.0, -1e300, now + 7200, now - 50,
+                            "x", True, now - 100], now) == [now - 100, now - 50]
+  assert _starts.plausible({"starts": [now]}, now) == []      # not a list: nothing
+  assert _interval.mtbf_from_starts([float("nan"), 100.0, 1100.0]) == 1000.0
+  cadence = _interval.Cadence(5)
+  cadence.waited(1.5)
+  cadence.waited(0.5)
+  assert cadence.schedule().copy_wait_s == 2.0

@@ -165,8 +165,8 @@ def test_two_tiers_recover_the_newest_step_every_process_can_restore(tmp_path):
   root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
   cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S}
   out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
-  assert [r["all_steps"] for r in out] == [[0, 2, 4, 5]] * 2
-  assert sorted(os.listdir(fast), key=int) == ["4", "5"]
+  assert [r["all_steps"] for r in out] == [[0, 2, 3, 4, 5]] * 2
+  assert sorted(os.listdir(fast), key=int) == ["3", "5"]   # durable steps go to `root` only
   assert fnckpt.CheckpointManager(root).all_steps() == [0, 2, 4]
 
   def recover(local_of):
@@ -185,6 +185,25 @@ def test_two_tiers_recover_the_newest_step_every_process_can_restore(tmp_path):
   # both local tiers wiped
   shutil.rmtree(fast)
   assert [r["restored"] for r in recover(lambda i: fast)] == [4, 4]
+
+
+@pytest.mark.parametrize("local", ["per-host paths", "memory"])
+def test_one_local_tier_per_host_keeps_durable_steps_complete(tmp_path, local):
+  """Each process has its own local tier (per-host path strings, or memory://fast: separate
+  storage per process). Durable steps are saved to `root` by every process (complete);
+  each process's retention trims its own local tier; recovery from `root` works."""
+  root = str(tmp_path / "durable")
+  fast = ([str(tmp_path / f"fast-host{i}") for i in range(2)] if local == "per-host paths"
+          else "memory://fast")
+  cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S}
+  out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
+  assert [r["local_dirs"] for r in out] == [[3, 5], [3, 5]]      # retention on every process
+  assert fnckpt.CheckpointManager(root).all_steps() == [0, 2, 4]
+  from fnckpt import cli
+  for step in (0, 2, 4):                                          # every chunk is there
+    assert cli.main(["verify", os.path.join(root, str(step))]) == 0
+  out = results_of(hp.finish(launch({**cfg, "phase": "recover"}, 2), timeout=120))
+  assert [(r["restored"], r["checked"]) for r in out] == [(4, 5), (4, 5)]
 
 
 def test_auto_interval_is_the_same_on_every_process(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 import fnckpt
 from fnckpt import _paths, _tiers
+from fnckpt._errors import DamagedError
 
 from test_health import flip_bytes, state_of, truncate_manifest
 
@@ -165,3 +166,199 @@ def test_s3_durable_tier_copy_damage_and_marks(s3_env, tmp_path):
   assert again.all_steps() == [0, 3]
   assert "damaged/6" in _paths.list_keys(durable, opts)
   assert fnckpt.CheckpointManager(durable, storage_options=opts).latest_step() == 3
+
+
+# --- review findings (issue 13) --------------------------------------------------------------
+
+def _sharded_tree(step):
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  w = jax.device_put(np.arange(512 * 512, dtype=np.float32).reshape(512, 512) + step,
+                     NamedSharding(mesh, P("a", "b")))
+  return {"w": w, "small": np.arange(30000, dtype=np.float32), "pp": fnckpt.PerProcess(step)}
+
+
+@pytest.mark.parametrize("lose", ["chunk", "zarr_json", "pack", "pp"])
+def test_copy_step_refuses_an_incomplete_local_step(tmp_path, lose):
+  src, dst = str(tmp_path / "fast"), str(tmp_path / "durable")
+  fnckpt.save(_sharded_tree(1), os.path.join(src, "1"), pack_bytes=1 << 18).wait()
+  files = sorted(os.path.relpath(os.path.join(d, f), os.path.join(src, "1"))
+                 for d, _, fs in os.walk(os.path.join(src, "1")) for f in fs)
+  pick = {"chunk": lambda f: "/a/" in f and "/c/" in f, "zarr_json": lambda f: f.endswith(
+      "/a/0/zarr.json") or ("/a/" in f and f.endswith("zarr.json")),
+          "pack": lambda f: "/p/" in f and "/c/" in f, "pp": lambda f: "/pp/" in f}[lose]
+  victim = [f for f in files if pick(f)][-1]   # e.g. one shard file of the 4x2 grid
+  os.remove(os.path.join(src, "1", victim))
+  with pytest.raises(DamagedError, match=rf"The local checkpoint '.*/fast/1' is "
+                     rf"incomplete: 1 object\(s\) its manifest names are missing \(e.g. "
+                     rf"'{victim}'\); it was not copied and nothing was committed"):
+    _tiers.copy_step(src, dst, 1, None, None)
+  assert not os.path.exists(os.path.join(dst, "1", "COMMIT"))
+
+
+def test_a_local_step_damaged_before_its_copy_is_not_committed_durably(tmp_path, monkeypatch):
+  from test_health import remove_chunk
+  durable, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  real = _tiers.copy_step
+
+  def lose_a_file_first(src_root, *args, **kw):  # the local disk loses a file after commit
+    remove_chunk(os.path.join(src_root, "0"))
+    return real(src_root, *args, **kw)
+
+  monkeypatch.setattr(_tiers, "copy_step", lose_a_file_first)
+  mgr = fnckpt.CheckpointManager(durable, local_directory=fast)
+  with pytest.warns(RuntimeWarning, match="Copying step 0"):
+    mgr.save(0, state_of(0))
+    with pytest.raises(fnckpt.CheckpointError, match=r"failed: The local checkpoint .* is "
+                       r"incomplete.* The local copy of step 0 is gone, damaged or incomplete, "
+                       r"so step 0 is restorable from neither tier"):
+      mgr.wait()
+  assert fnckpt.CheckpointManager(durable).all_steps() == []
+  assert not os.path.exists(os.path.join(durable, "0", "COMMIT"))
+
+
+@pytest.mark.parametrize("spell", ["{d}", "{d}/", "file://{d}", "{d}/fast", "{p}"])
+def test_a_local_tier_overlapping_the_durable_one_is_refused(tmp_path, spell):
+  d = str(tmp_path / "run")
+  local = spell.format(d=d, p=str(tmp_path))
+  with pytest.raises(fnckpt.CheckpointError, match=r"local_directory '.*' is the durable "
+                     r"directory '.*/run' or overlaps it; each durable copy would delete"):
+    fnckpt.CheckpointManager(d, local_directory=local)
+  with pytest.raises(fnckpt.CheckpointError, match="overlaps it"):
+    _tiers.copy_step(local, d, 0, None, None)
+  m = f"memory://test_tiers/{uuid.uuid4().hex}"
+  with pytest.raises(fnckpt.CheckpointError, match="overlaps it"):
+    fnckpt.CheckpointManager(m, local_directory=m + "/fast")
+  fnckpt.CheckpointManager(d, local_directory=d + "-fast")        # a sibling is fine
+
+
+def test_copy_keys_keeps_its_byte_bound():
+  src = _paths.open_kvstore(f"memory://test_tiers/{uuid.uuid4().hex}/src")
+  dst = _paths.open_kvstore(f"memory://test_tiers/{uuid.uuid4().hex}/dst")
+  mib, keys = 1 << 20, [f"k{i:02d}" for i in range(40)]
+  for k in keys:
+    src.write(k, bytes(mib)).result()
+  issued, writes, worst = [], [], [0]
+
+  class Tracked:  # the real kvstores, counting what is read and not yet written
+    def __init__(self, kv, on):
+      self.kv, self.on = kv, on
+
+    def read(self, key):
+      self.on(key)
+      return self.kv.read(key)
+
+    def write(self, key, value):
+      f = self.kv.write(key, value)
+      writes.append((f, len(value)))
+      return f
+
+  def on_read(key):
+    issued.append(key)
+    unwritten = (len(issued) - len(writes)) * mib
+    worst[0] = max(worst[0], unwritten + sum(n for f, n in writes if not f.done()))
+
+  copied = _tiers._copy_keys(Tracked(src, on_read), Tracked(dst, None), keys, concurrency=32,
+                             max_bytes=4 * mib)
+  assert copied == 40 * mib and worst[0] <= 4 * mib
+  assert all(bytes(dst.read(k).result().value) == bytes(mib) for k in keys)
+  big = _tiers._copy_keys(src, dst, keys[:1], 32, max_bytes=1)   # larger than the bound: alone
+  assert big == mib
+
+
+def test_durable_copies_never_pile_up(tmp_path, monkeypatch):
+  import threading
+  durable, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  real, seen, gate = _tiers.copy_step, [], threading.Event()
+
+  def slow_copy(src_root, dst_root, step, *args, **kw):
+    seen.append((len(os.listdir(src_root)), threading.active_count()))
+    gate.wait(timeout=60)  # released once the next save is waiting for this copy
+    return real(src_root, dst_root, step, *args, **kw)
+
+  monkeypatch.setattr(_tiers, "copy_step", slow_copy)
+  mgr = fnckpt.CheckpointManager(durable, local_directory=fast, save_interval_steps=2,
+                                 local_max_to_keep=2)
+  base = threading.active_count()
+  releaser = threading.Timer(0.2, gate.set)  # (only ends the first wait early)
+  releaser.start()
+  for s in range(12):
+    mgr.save(s, state_of(s))
+  mgr.wait()
+  releaser.join()
+  assert fnckpt.CheckpointManager(durable).all_steps() == [0, 2, 4, 6, 8, 10]
+  assert max(n for n, _ in seen) <= 4 and max(t for _, t in seen) <= base + 4
+  assert mgr.schedule.copy_wait_s > 0 and sorted(os.listdir(fast)) == ["10", "11"]
+
+
+def test_a_committed_durable_step_is_not_replaced_when_the_local_tier_was_wiped(tmp_path):
+  mgr, durable, fast = run(tmp_path, steps=range(4))
+  mgr.close()
+  shutil.rmtree(fast)
+  again = fnckpt.CheckpointManager(durable, local_directory=fast, save_interval_steps=3)
+  with pytest.raises(fnckpt.CheckpointError, match=rf"Step 3 is already committed in "
+                                                   rf"'{durable}'. Pass force=True"):
+    again.save(3, state_of(30))
+  assert again.restore(3)["step"] == 3
+  again.save(3, state_of(30), force=True).wait()
+  again.wait()
+  assert fnckpt.restore(os.path.join(durable, "3"))["step"] == 30
+
+
+def test_local_retention_removes_marked_and_leftover_local_steps(tmp_path):
+  mgr, durable, fast = run(tmp_path)              # local 6, 7; durable 0, 3, 6
+  flip_bytes(os.path.join(fast, "6"))
+  with pytest.warns(RuntimeWarning, match="The local copy of step 6 .* is damaged"):
+    assert mgr.restore(6)["step"] == 6            # local 6 marked damaged
+  os.makedirs(os.path.join(fast, "5", "junk"))    # a crash leftover
+  open(os.path.join(fast, "5", "junk", "x"), "w").close()
+  for s in range(8, 11):
+    mgr.save(s, state_of(s))
+  mgr.wait()
+  assert sorted(os.listdir(fast)) == ["10", "9", "damaged"]
+  assert os.listdir(os.path.join(fast, "damaged")) == []
+
+
+def test_latest_step_does_not_wait_for_the_durable_copy(tmp_path, monkeypatch):
+  import threading
+  real, gate = _tiers.copy_step, threading.Event()
+
+  def held_copy(*args, **kw):
+    gate.wait(timeout=60)
+    return real(*args, **kw)
+
+  monkeypatch.setattr(_tiers, "copy_step", held_copy)
+  mgr = fnckpt.CheckpointManager(str(tmp_path / "durable"), local_directory=str(
+      tmp_path / "fast"))
+  mgr.save(0, state_of(0))
+  got = []
+  asker = threading.Thread(target=lambda: got.append((mgr.latest_step(), mgr.metrics(0))))
+  asker.start()
+  asker.join(timeout=30)
+  done = not asker.is_alive()
+  gate.set()
+  mgr.wait()
+  assert done and got == [(0, None)]              # answered while the copy was held
+  assert fnckpt.CheckpointManager(str(tmp_path / "durable")).all_steps() == [0]
+
+
+def test_ls_with_local_needs_an_existing_durable_run_directory(tmp_path, capsys):
+  from fnckpt import cli
+  mgr, durable, fast = run(tmp_path, steps=range(2))
+  assert cli.main(["ls", str(tmp_path / "nope"), "--local", fast]) == 1
+  assert "holds nothing, not a run directory: with --local, DIR must be the manager's " \
+         "durable directory" in capsys.readouterr().err
+  assert cli.main(["ls", os.path.join(fast, "1"), "--local", fast]) == 1
+  assert "is a single checkpoint, not a run directory" in capsys.readouterr().err
+  assert cli.main(["ls", durable, "--local", fast]) == 0
+
+
+def test_a_wiped_local_tier_does_not_let_an_older_or_durable_step_be_shadowed(tmp_path):
+  mgr, durable, fast = run(tmp_path, steps=range(4))
+  mgr.close()
+  shutil.rmtree(fast)
+  again = fnckpt.CheckpointManager(durable, local_directory=fast, save_interval_steps=3)
+  with pytest.raises(fnckpt.CheckpointError, match=rf"Step 1 is older than step 3, already in "
+                                                   rf"'{durable}'"):
+    again.save(1, state_of(1))                    # local-only, but durable holds 3
