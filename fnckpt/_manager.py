@@ -49,7 +49,7 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _commit, _coordination, _paths, _retention, _steps
+from . import _commit, _coordination, _fork, _lineage, _paths, _retention, _steps
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
@@ -102,8 +102,15 @@ class CheckpointManager:
                best_metric: str | None = None, best_mode: str = "min",
                save_interval_steps: int = 1, handle_preemption: bool = False,
                storage_options: dict[str, Any] | None = None,
-               save_options: Mapping[str, Any] | None = None):
+               save_options: Mapping[str, Any] | None = None, incremental: bool = False,
+               full_every: int | None = None):
     policy = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
+    self._options = dict(max_to_keep=max_to_keep, keep_every=keep_every, best_n=best_n,
+                         best_metric=best_metric, best_mode=best_mode,
+                         save_interval_steps=save_interval_steps,
+                         storage_options=storage_options, save_options=save_options,
+                         incremental=incremental, full_every=full_every)
+    self._incremental = _lineage.Incremental(incremental, full_every)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -115,7 +122,9 @@ class CheckpointManager:
     self._index = _steps.StepIndex(self._root, storage_options)
     self._claims = StepClaims()
     self._background = Background()
-    self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
+    self._refs = _fork.References(self._root, storage_options)
+    self._retention = RetentionRunner(self._index, self._claims, policy, best_metric,
+                                      self._refs)
     self._preemption = Preemption(self.directory)
     self._last_saved: int | None = None
     self._closed = False
@@ -203,20 +212,23 @@ class CheckpointManager:
         self.path(step), "may-save", lambda: _check_may_save(
             self._claims, self._index, step, force, self.directory, self._storage_options),
         self._timeout)
+    base = self._incremental.choose(self, step)  # (claimed for reading till committed)
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       handle = _api().save(tree, self.path(step), overwrite=True, metadata=user,
-                           storage_options=self._storage_options, **self._save_options)
+                           storage_options=self._storage_options, **self._save_options,
+                           **({"base": self.path(base.step)} if base else {}))
     except BaseException:
       self._claims.release_save(step)
+      self._incremental.release(base)
       raise
     self._claims.set_handle(step, handle)
     self._last_saved = step
     self._background.spawn(f"fnckpt-manager:{self.directory}/{step}", self._after_commit,
-                           step, handle)
+                           step, handle, base)
     return handle
 
-  def _after_commit(self, step: int, handle: Any) -> None:
+  def _after_commit(self, step: int, handle: Any, base: Any = None) -> None:
     """Background: wait for the save's commit, then (process 0) apply retention."""
     try:
       handle.wait()
@@ -226,6 +238,7 @@ class CheckpointManager:
       return
     finally:
       self._claims.release_save(step, handle)
+      self._incremental.release(base)
     if jax.process_index() == 0:
       self._retention.run()  # its errors are recorded (and warned about) by Background
 
@@ -245,7 +258,8 @@ class CheckpointManager:
     def remove() -> None:
       if not self._index.exists(step):
         raise CheckpointError(f"There is no step {step} in {self.directory!r}.")
-      self._index.delete(step)
+      listing = self._index.list()
+      self._index.delete(step, self._refs.kept(listing.committed, {step}).get(step, set()))
 
     self._claims.claim_delete(step)
     try:
@@ -259,8 +273,10 @@ class CheckpointManager:
     manager's saves in flight are spared (another job's are not: do not run it then)."""
     def remove() -> list[int]:
       leftovers = self.uncommitted_steps()
+      committed = self._index.list().committed
       deleted, failed = delete_unclaimed(self._index, self._claims, lambda busy: [
-          s for s in leftovers if s not in busy])
+          s for s in leftovers if s not in busy], lambda doomed: self._refs.kept(
+              committed, doomed))
       if failed:
         raise failed[0][1]
       return deleted
@@ -284,6 +300,26 @@ class CheckpointManager:
     with self._claims.reading(step):  # retention and delete() leave it alone meanwhile
       return _api().restore(self.path(step), target, storage_options=self._storage_options,
                             **kwargs)
+
+  def fork(self, step: int, directory: str) -> "CheckpointManager":
+    """A new run in ``directory`` whose newest step is ``step`` of this run, without copying
+    its data: the fork's checkpoint refers to this run's data, and this run records the fork
+    (``<run>/forks/``) so its retention and deletes keep that data. Both runs then go their
+    own way. Returns a manager of the fork with this manager's options (collective).
+
+    >>> import numpy as np, fnckpt
+    >>> mgr = fnckpt.CheckpointManager("memory://doc/fork/a")
+    >>> _ = mgr.save(0, {"w": np.arange(40000.0)}); mgr.wait()
+    >>> child = mgr.fork(0, "memory://doc/fork/b")
+    >>> child.all_steps(), float(child.restore()["w"][-1])
+    ([0], 39999.0)
+    """
+    step = _steps.as_step(step)
+    self._claims.wait_saved(step)
+    with self._claims.reading(step):
+      _coordination.from_process_0(
+          self._root, "fork", lambda: _lineage.fork(self, step, directory), self._timeout)
+    return CheckpointManager(directory, **self._options)
 
   def _agreed_latest(self) -> int | None:
     self._background.join()

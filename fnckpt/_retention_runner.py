@@ -80,16 +80,19 @@ class Background:
 
 
 def delete_unclaimed(index: StepIndex, claims: StepClaims,
-                     choose: Callable[[set[int]], list[int]]
+                     choose: Callable[[set[int]], list[int]],
+                     keep: Callable[[set[int]], dict[int, set[str]]] | None = None
                      ) -> tuple[list[int], list[tuple[int, BaseException]]]:
   """Claim and delete the steps ``choose(claimed steps)`` names (never a claimed one); return
-  (deleted steps, [(step, error)] for those that could not be deleted)."""
+  (deleted steps, [(step, error)] for those that could not be deleted). ``keep(doomed)``: per
+  step, its data directories that the steps left (or forks) refer to, which stay."""
   doomed = claims.claim_unprotected(choose)
   deleted, failed = [], []
   try:
+    kept = keep(set(doomed)) if keep is not None and doomed else {}
     for step in doomed:
       try:
-        index.delete(step)
+        index.delete(step, kept.get(step, set()))
         deleted.append(step)
       except Exception as e:  # TensorStore raises ValueError and others
         failed.append((step, e))
@@ -103,8 +106,9 @@ class RetentionRunner:
   the newest committed step, and (through the policy) whatever it keeps."""
 
   def __init__(self, index: StepIndex, claims: StepClaims, policy: _retention.Policy,
-               best_metric: str | None):
+               best_metric: str | None, refs: Any = None):
     self.index = index
+    self.refs = refs     # fnckpt._fork.References: data other steps and forks refer to
     self.claims = claims
     self.policy = policy
     self.best_metric = best_metric
@@ -121,8 +125,15 @@ class RetentionRunner:
     listing = self.index.list(in_flight=self.claims.saving())
     metrics = (self.index.metric_values(listing, self.best_metric)
                if self.policy.best_n and self.best_metric else {})
-    _, failed = delete_unclaimed(self.index, self.claims, lambda protect: _retention.to_delete(
-        listing.steps, self.policy, metrics, protect))
+    keep = (lambda doomed: self.refs.kept(listing.committed, doomed)) if self.refs else None
+    deleted, failed = delete_unclaimed(
+        self.index, self.claims, lambda protect: _retention.to_delete(
+            listing.steps, self.policy, metrics, protect), keep)
+    if self.refs is not None and listing.held:
+      from . import _fork
+      _fork.collect(self.index.root, listing.held,
+                    self.refs.kept(listing.committed, set(deleted)),
+                    self.index.storage_options)
     if failed:
       raise self._error(failed)
 

@@ -38,6 +38,7 @@ __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
 # The commit marker's key in a checkpoint (the README's format spec; the same key that
 # _commit.is_committed reads; tests/test_manager.py checks that a saved step has it).
 MARKER = "COMMIT"
+HELD = "REFERENCED"   # a deleted step whose data others still refer to (fnckpt._fork)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 
 
@@ -64,6 +65,7 @@ class Listing:
   changes whenever the step is committed again); ``uncommitted``: leftovers, sorted."""
   committed: dict[int, bytes]
   uncommitted: list[int]
+  held: list[int] = dataclasses.field(default_factory=list)  # deleted; data still referred to
 
   @property
   def steps(self) -> list[int]:
@@ -135,11 +137,17 @@ class StepIndex:
     probed for leftover data while their marker is missing)."""
     try:
       committed, leftovers = self._list_local() if self._local else self._list_kv(in_flight)
+      held = [s for s in leftovers if self._is_held(s)]
     except Exception as e:  # TensorStore raises ValueError & co.; OSError from local files
       raise _paths.io_error(e, self.root, "listing its steps") from e
     with self._lock:
       self._committed = set(committed)
-    return Listing(committed, sorted(leftovers))
+    return Listing(committed, sorted(set(leftovers) - set(held)), sorted(held))
+
+  def _is_held(self, step: int) -> bool:
+    if self._local:
+      return os.path.exists(os.path.join(self._local, str(step), HELD))
+    return self._kv.read(f"{step}/{HELD}").result().state == "value"
 
   def _list_local(self) -> tuple[dict[int, bytes], list[int]]:
     committed: dict[int, bytes] = {}
@@ -187,9 +195,11 @@ class StepIndex:
     except Exception as e:
       raise _paths.io_error(e, self.path(step), "listing") from e
 
-  def delete(self, step: int) -> None:
-    """Delete ``step``'s directory, its commit marker first (never seen half deleted)."""
-    _paths.delete_prefix(self.path(step), self.storage_options, first=(MARKER,))
+  def delete(self, step: int, keep: set[str] | frozenset[str] = frozenset()) -> None:
+    """Delete ``step``'s directory, its commit marker first (never seen half deleted); its
+    data directories in ``keep`` (that other steps or forks refer to) stay."""
+    from . import _fork
+    _fork.delete_step(self.root, step, set(keep), self.storage_options)
     self.forget(step)
 
   def forget(self, step: int) -> None:

@@ -1,0 +1,89 @@
+"""The manager's incremental saves (which earlier step a save refers to) and forks.
+
+Kept out of ``_manager`` so that the manager only asks two questions: which base for this
+save (:meth:`Incremental.choose`) and fork this step (:func:`fork`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from . import _commit, _coordination, _fork, _paths
+from ._errors import CheckpointError
+
+__all__ = ["Incremental", "Base", "fork"]
+
+
+@dataclasses.dataclass
+class Base:
+  """The committed step an incremental save refers to; on process 0 it stays claimed for
+  reading (so retention and deletes spare it) until the save has committed or failed."""
+  step: int
+  claim: Any = None
+
+
+class Incremental:
+  """``incremental``: each save refers to the newest committed step; ``full_every``: every
+  ``full_every``-th save of this manager is a full save (then its first one is full too)."""
+
+  def __init__(self, enabled: bool, full_every: int | None):
+    if not isinstance(enabled, bool):
+      raise ValueError(f"incremental must be True or False, got {enabled!r}.")
+    if full_every is not None and (not isinstance(full_every, int) or isinstance(
+        full_every, bool) or full_every < 1):
+      raise ValueError(f"full_every must be None or an int >= 1, got {full_every!r}.")
+    if full_every is not None and not enabled:
+      raise ValueError("full_every needs incremental=True.")
+    self.enabled = enabled
+    self.full_every = full_every
+    self._since_full: int | None = None   # saves since the last full one (None: none yet)
+    self._lock = threading.Lock()
+
+  def choose(self, mgr: Any, step: int) -> Base | None:
+    """The base of ``mgr``'s save of ``step`` (None: a full save). Collective: process 0
+    decides (the newest committed step before ``step``) and claims it."""
+    if not self.enabled:
+      return None
+    with self._lock:
+      full = self.full_every is not None and (
+          self._since_full is None or self._since_full + 1 >= self.full_every)
+    claimed: list[Any] = []
+
+    def decide() -> int | None:
+      if full:
+        return None
+      older = [s for s in mgr._index.list(in_flight=mgr._claims.saving()).steps if s < step]
+      if not older:
+        return None
+      cm = mgr._claims.reading(older[-1])
+      cm.__enter__()
+      if not _commit.is_committed(_paths.open_kvstore(mgr.path(older[-1]),
+                                                      mgr._storage_options)):
+        cm.__exit__(None, None, None)  # deleted meanwhile: a full save then
+        return None
+      claimed.append(cm)
+      return older[-1]
+
+    chosen = _coordination.from_process_0(mgr.path(step), "base", decide, mgr._timeout)
+    with self._lock:
+      self._since_full = 0 if chosen is None else (self._since_full or 0) + 1
+    return None if chosen is None else Base(chosen, claimed[0] if claimed else None)
+
+  def release(self, base: Base | None) -> None:
+    if base is not None and base.claim is not None:
+      claim, base.claim = base.claim, None
+      claim.__exit__(None, None, None)
+
+
+def fork(mgr: Any, step: int, directory: str) -> None:
+  """(Process 0.) Fork committed ``step`` of ``mgr``'s run into ``directory``."""
+  if not _commit.is_committed(_paths.open_kvstore(mgr.path(step), mgr._storage_options)):
+    raise CheckpointError(f"Cannot fork step {step} of {mgr.directory!r}: it is not a "
+                          "committed step (see manager.all_steps()).")
+  target = _paths.join(directory, str(step))
+  if _paths.list_keys(target, mgr._storage_options):
+    raise CheckpointError(f"Cannot fork into {_paths.display(directory)!r}: step {step} "
+                          "exists there already. Fork into a new directory.")
+  _fork.fork_step(mgr._root, step, directory, mgr._storage_options)
