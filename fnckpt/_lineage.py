@@ -87,3 +87,19 @@ def fork(mgr: Any, step: int, directory: str) -> None:
     raise CheckpointError(f"Cannot fork into {_paths.display(directory)!r}: step {step} "
                           "exists there already. Fork into a new directory.")
   _fork.fork_step(mgr._root, step, directory, mgr._storage_options)
+
+
+def check_replace(mgr: Any, step: int) -> None:
+  """(Process 0.) Refuse to save over ``step`` (``force``, or a deleted step whose data is
+  kept) while other steps or forks refer to its data: replacing it would break them."""
+  if not mgr._index.exists(step):
+    return
+  listing = mgr._index.list(in_flight=mgr._claims.saving())
+  kept = mgr._refs.kept(listing.committed, {step}).get(step)
+  if kept:
+    users = sorted(s for s, stamp in listing.committed.items() if s != step and any(
+        t == step for t, _ in mgr._refs.of_step(s, stamp)))
+    who = f"steps {users}" if users else "a fork of this run"
+    raise CheckpointError(
+        f"Step {step} of {mgr.directory!r} cannot be replaced: {who} refer to its data "
+        "(incremental saves or forks). Delete those first, or save a new step.")

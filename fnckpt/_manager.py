@@ -209,9 +209,9 @@ class CheckpointManager:
     user = _user_metadata(step, metrics, metadata)
     # Decided on process 0 for all: every process calls the collective save, or none does.
     _coordination.from_process_0(
-        self.path(step), "may-save", lambda: _check_may_save(
+        self.path(step), "may-save", lambda: (_check_may_save(
             self._claims, self._index, step, force, self.directory, self._storage_options),
-        self._timeout)
+            _lineage.check_replace(self, step)), self._timeout)
     base = self._incremental.choose(self, step)  # (claimed for reading till committed)
     self._claims.claim_save(step)  # retention and deletes leave it alone from here
     try:

@@ -160,7 +160,8 @@ class Writer:
         return
       if self.error is not None:
         raise self.error
-      self.phase = "sharing the content hashes"
+      if self.session.multi:
+        self.phase = "sharing the content hashes"
       manifest = self._commit.manifest() if self._commit else None
       self.write_s = time.perf_counter() - t0
       self._reached("written")
