@@ -21,10 +21,11 @@ import tensorstore as ts
 from . import _commit, _manifest, _paths, _records, _refs
 from ._errors import CheckpointError
 
-__all__ = ["REFERENCED", "FORKS", "References", "delete_step", "collect", "fork_step"]
+__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect", "fork_step"]
 
 REFERENCED = "REFERENCED"
 FORKS = "forks"
+LINEAGE = "LINEAGE"     # in a fork's run directory: {"run": parent (relative), "step"}
 
 
 class References:
@@ -139,9 +140,9 @@ def fork_step(root: str, step: int, directory: str,
   if src_loc.store != dst_loc.store:
     raise CheckpointError(f"Cannot fork {src_path!r} into {directory!r}: a fork must be on "
                           "the same storage (scheme, bucket, options) as its parent.")
-  if fork_run == run_loc.path or fork_run.startswith(run_loc.path + "/") and \
-      posixpath.relpath(fork_run, run_loc.path).split("/")[0].isdigit():
-    raise CheckpointError(f"Cannot fork into {directory!r}: it is (inside) the run itself.")
+  if fork_run == run_loc.path or fork_run.startswith(run_loc.path + "/"):
+    raise CheckpointError(f"Cannot fork into {directory!r}: it is (inside) the run "
+                          f"{root!r} itself. Fork into a directory beside it.")
   m = _manifest.unpack(raw)
   new_bases = _rebase(m, manifest, src_loc, dst_loc)
   own = _records.Base(_refs.relative(src_loc.path, fork_run), manifest.data)
@@ -160,6 +161,8 @@ def fork_step(root: str, step: int, directory: str,
                           "data": data})
   name = secrets.token_hex(16)
   _paths.open_kvstore(_paths.join(root, FORKS), storage_options).write(name, record).result()
+  _paths.open_kvstore(directory, storage_options).write(LINEAGE, msgpack.packb(
+      {"format": _manifest.FORMAT_NAME, **m["fork"]})).result()
   out = _paths.open_kvstore(dst_path, storage_options)
   _copy_per_process(kv, out, manifest, m["data"])
   body = _manifest.encode(m)
@@ -196,3 +199,17 @@ def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manif
     got = src.read(_perprocess.values_key(manifest.data, p)).result()
     if got.state == "value":
       dst.write(_perprocess.values_key(data, p), got.value).result()
+
+
+def lineage(root: str, storage_options: dict[str, Any] | None) -> str:
+  """'fork of run <parent> at step <n>' for a forked run directory, else ''."""
+  got = _paths.open_kvstore(root, storage_options).read(LINEAGE).result()
+  if got.state != "value":
+    return ""
+  try:
+    rec = _manifest.unpack(bytes(got.value))
+    run = _records.check_rel(rec["run"], "run")
+    parent = _refs.display(_paths.join(_paths.display(root), "x"), run)
+    return f"fork of run {parent!r} at step {int(rec['step'])}"
+  except Exception:
+    return f"fork (its {LINEAGE} record is unreadable)"

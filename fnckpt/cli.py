@@ -302,6 +302,8 @@ def _ls(args: argparse.Namespace) -> int:
     rows.append([str(step), "referenced", "-", "-", "-", str(files.get(str(step), 0)), "-",
                  "deleted step: data kept while later steps or forks refer to it"])
   print(_table(rows))
+  if steps and steps[0][0] != ".":
+    lineage = _fork.lineage(root, options) or lineage
   if lineage:
     print(f"this run is a {lineage}")
   forks = [k for k in keys if k.startswith(_fork.FORKS + "/")]
