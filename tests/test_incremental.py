@@ -345,7 +345,7 @@ def machine_tree(v: int) -> dict:
           "sharded": jax.device_put(rows, NamedSharding(MESH8, P("x"))), "v": v}
 
 
-CRASH_PHASES = ("staging", "staged", "written", "manifest", "committing")
+CRASH_PHASES = ("staging", "written", "manifest", "committing")
 
 
 class IncrementalMachine(RuleBasedStateMachine):
@@ -442,6 +442,6 @@ class IncrementalMachine(RuleBasedStateMachine):
 
 
 IncrementalMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=12, deadline=None,
+    max_examples=60, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestIncrementalMachine = IncrementalMachine.TestCase
