@@ -13,7 +13,9 @@ in one directory), and process 0 writes the ``zarr.json`` of those leaves.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import threading
 from typing import Any, Callable
 
@@ -50,6 +52,27 @@ class Plan:
   build: Callable[[list, list, list], bytes] | None   # process 0: records, packs, bases -> bytes
 
 
+# Off only to measure what hashing costs (bench/incremental.py): then full saves record no
+# hashes (and later saves cannot reuse their data).
+HASHING = True
+# Threads hashing chunks beside the writer thread (hashlib releases the GIL).
+HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+class _Countdown:
+  """Call ``fn`` once after ``n`` calls (from any threads)."""
+
+  def __init__(self, n: int, fn: Callable[[], None]):
+    self._n, self._fn, self._lock = n, fn, threading.Lock()
+
+  def __call__(self) -> None:
+    with self._lock:
+      self._n -= 1
+      last = self._n == 0
+    if last:
+      self._fn()
+
+
 class Delta:
   """One save's hashing state in the writer thread."""
 
@@ -67,33 +90,89 @@ class Delta:
     self._limit = segment_bytes
     self._buffer: list[PackLeaf] = []
     self._hashers: dict[int, Any] = {}
+    self._lock = threading.Lock()
+    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._jobs: list[concurrent.futures.Future] = []
+    self._writes: list[ts.Future] = []
 
   # stored chunks ------------------------------------------------------------------------
 
-  def before_write(self, leaf: int, pos: int, host: np.ndarray, expect: bytes | None,
-                   nbytes: int) -> bool:
-    """Hash a candidate chunk; True when it must be written (it differs from the base's)."""
+  def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
+            host: np.ndarray, write: Callable[[], ts.Future]) -> None:
+    """Write one staged chunk and hash it, on a small thread pool (hashlib releases the GIL):
+    a candidate's chunk is hashed first and written only if it differs from the base's; any
+    other stored chunk is written at once and hashed meanwhile. Its budget ``cost`` is given
+    back once it is both hashed and durable (or skipped)."""
+    if leaf is None or (expect is None and not HASHING):
+      self._track(write(), cost)
+      return
     if expect is None:
-      return True
-    h = _refs.array_digest(host)
-    self.report.chunks.setdefault(leaf, {})[pos] = h
-    if h == expect:
-      self.skipped.append((leaf, pos))
-      self.skipped_bytes += nbytes
-      self.skipped_chunks += 1
-      return False
-    self.report.changed.add(leaf)
-    return True
+      fut = write()
+      done = _Countdown(2, lambda: self._release(cost))
+      fut.add_done_callback(lambda _f: done())
+      with self._lock:
+        self._writes.append(fut)
+      self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
+      return
+    self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
+                                          cost, write))
 
-  def after_write(self, leaf: int | None, pos: int, host: np.ndarray, expect: bytes | None
-                  ) -> None:
-    """Hash a written chunk (while TensorStore encodes and writes its own copy)."""
-    if leaf is not None and expect is None:
-      self.report.chunks.setdefault(leaf, {})[pos] = _refs.array_digest(host)
+  def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
+    try:
+      h = _refs.array_digest(host)
+      with self._lock:
+        self.report.chunks.setdefault(leaf, {})[pos] = h
+    finally:
+      done()
+
+  def _decide(self, leaf, pos, host, expect, nbytes, cost, write) -> None:
+    try:
+      h = _refs.array_digest(host)
+    except BaseException:
+      self._release(cost)
+      raise
+    with self._lock:
+      self.report.chunks.setdefault(leaf, {})[pos] = h
+      same = h == expect
+      if same:
+        self.skipped.append((leaf, pos))
+        self.skipped_bytes += nbytes
+        self.skipped_chunks += 1
+      else:
+        self.report.changed.add(leaf)
+    if same:
+      self._release(cost)
+      return
+    self._track(write(), cost)
+
+  def _track(self, fut: ts.Future, cost: int) -> None:
+    fut.add_done_callback(lambda _f: self._release(cost))
+    with self._lock:
+      self._writes.append(fut)
+
+  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._executor is None:
+      self._executor = concurrent.futures.ThreadPoolExecutor(
+          max_workers=HASH_THREADS, thread_name_prefix="fnckpt-hash")
+    return self._executor
+
+  def settle(self) -> list[ts.Future]:
+    """Wait for every hashing job (raising the first failure); the writes started."""
+    try:
+      for job in self._jobs:
+        job.result()
+    finally:
+      if self._executor is not None:
+        self._executor.shutdown(wait=True)
+        self._executor = None
+    with self._lock:
+      return list(self._writes)
 
   def hash_piece(self, leaf: int, data: np.ndarray) -> None:
     """Bytes of a leaf in a (plan-laid) pack, in order."""
     import hashlib
+    if not HASHING:
+      return
     self._hashers.setdefault(leaf, hashlib.sha256()).update(memoryview(data))
 
   # pack segments ------------------------------------------------------------------------

@@ -118,31 +118,26 @@ class Writer:
         if isinstance(item, _delta.PackLeaf):
           commits += self.delta.pack_leaf(item)
           continue
-        fut = self._write(item)
+        self._write(item)
       except BaseException as e:
         self.budget.release(item.cost)
         self.error = e
         continue
-      if fut is not None:
-        commits.append(fut)
-    if self.error is None and not self.aborted:
-      try:
+    try:  # (after a failure too: every hashing job ends and gives its budget back)
+      commits += self.delta.settle()
+      if self.error is None and not self.aborted:
         commits += self.delta.finish()
-      except BaseException as e:
-        self.error = e
+    except BaseException as e:
+      self.error = self.error or e
     return commits
 
-  def _write(self, item: Chunk) -> ts.Future | None:
-    """Hash and write one chunk (None: equal to the base's, not written)."""
+  def _write(self, item: Chunk) -> None:
+    """Hand one chunk to the delta: hashed, and written unless equal to the base's."""
     host = item.host() if callable(item.host) else item.host
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
-    if not self.delta.before_write(item.leaf, item.pos, host, item.expect, item.nbytes):
-      self.budget.release(item.cost)
-      return None
-    fut = _store.write_chunk(item.store.result(), item.index, host)
-    self.delta.after_write(item.leaf, item.pos, host, item.expect)
-    fut.add_done_callback(lambda _f, n=item.cost: self.budget.release(n))
-    return fut
+    store = item.store.result()
+    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
+                     lambda: _store.write_chunk(store, item.index, host))
 
   def _run(self) -> None:
     error: BaseException | None = None

@@ -284,9 +284,9 @@ def test_contract_on_memory_and_s3(kind, request):
   assert not [k for k in _paths.list_keys(f"{root}/x/2", options) if "/a/" in k]
   mgr = fnckpt.CheckpointManager(f"{root}/run", max_to_keep=1, incremental=True,
                                  storage_options=options)
-  for v in range(3):
+  for v in range(3):  # (each committed before the next: a save refers to a committed step)
     mgr.save(v, lora_tree(v))
-  mgr.wait()
+    mgr.wait()
   child = mgr.fork(2, f"{root}/fork")
   mgr.save(3, lora_tree(3))
   child.save(3, lora_tree(33))
