@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -121,25 +122,32 @@ def bench_run_and_fork(root: str, base: dict) -> dict:
           "fork_bytes": fork_bytes, "fork_record_bytes": du(os.path.join(run, "forks"))}
 
 
+def cpu_s() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def bench_dense(root: str, mib: int, runs: int) -> dict:
-  out = {True: ([], []), False: ([], [])}
+  out = {True: ([], [], []), False: ([], [], [])}
   for r in range(runs):
     for hashing in (True, False) if r % 2 == 0 else (False, True):
       state = frozen_base(mib * MiB, salt=float(r * 2 + hashing))
       _delta.HASHING = hashing
       try:
         d = os.path.join(root, f"dense{r}{hashing}")
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         h = fnckpt.save(state, d)
         blocked = time.perf_counter() - t0
         h.wait()
         out[hashing][0].append(time.perf_counter() - t0)
         out[hashing][1].append(blocked)
+        out[hashing][2].append(cpu_s() - c0)
         shutil.rmtree(d)
       finally:
         _delta.HASHING = True
-  med = {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in out.items()}
+  med = {k: tuple(statistics.median(x) for x in v) for k, v in out.items()}
   return {"hash_committed_s": med[True][0], "nohash_committed_s": med[False][0],
+          "hash_cpu_s": med[True][2], "nohash_cpu_s": med[False][2],
           "hash_blocked_s": med[True][1], "nohash_blocked_s": med[False][1],
           "committed_overhead": med[True][0] / med[False][0] - 1,
           "all": {str(k): v for k, v in out.items()}}
@@ -152,6 +160,8 @@ def main() -> None:
   p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   args = p.parse_args()
   root = tempfile.mkdtemp(prefix="fnckpt-inc-", dir=args.dir)
+  print(f"python bench/incremental.py --mib {args.mib} --runs {args.runs}; {os.cpu_count()} "
+        f"cores, load average {os.getloadavg()}")
   try:
     base = frozen_base(args.mib * MiB)
     lora = bench_lora(root, base, args.runs)
@@ -172,8 +182,10 @@ def main() -> None:
     print(f"dense ({args.mib} MiB, all changed): committed {dense['hash_committed_s']:.3f} s "
           f"with hashing vs {dense['nohash_committed_s']:.3f} s without "
           f"({100 * dense['committed_overhead']:+.1f}%); blocked "
-          f"{dense['hash_blocked_s']:.3f} vs {dense['nohash_blocked_s']:.3f} s")
-    print(f"  runs (committed s, blocked s): {dense['all']}")
+          f"{dense['hash_blocked_s']:.3f} vs {dense['nohash_blocked_s']:.3f} s; CPU "
+          f"{dense['hash_cpu_s']:.2f} vs {dense['nohash_cpu_s']:.2f} s")
+    print(f"  runs (committed s, blocked s, CPU s): {dense['all']}")
+    print(f"  load average now: {os.getloadavg()}")
   finally:
     shutil.rmtree(root, ignore_errors=True)
 

@@ -98,11 +98,14 @@ class Delta:
   # stored chunks ------------------------------------------------------------------------
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
-            host: np.ndarray, write: Callable[[], ts.Future]) -> None:
+            host: np.ndarray, write: Callable[[], ts.Future],
+            expect_fp: bytes | None = None) -> None:
     """Write one staged chunk and hash it, on a small thread pool (hashlib releases the GIL):
-    a candidate's chunk is hashed first and written only if it differs from the base's; any
-    other stored chunk is written at once and hashed meanwhile. Its budget ``cost`` is given
-    back once it is both hashed and durable (or skipped)."""
+    a candidate's chunk is hashed first and written only if it differs from the base's (a
+    fingerprint that differs from the base's proves a change at a fraction of a hash's cost:
+    then the chunk is written unhashed, recorded as such, and never reused); any other stored
+    chunk is written at once and hashed meanwhile. Its budget ``cost`` is given back once it
+    is both hashed and durable (or skipped)."""
     if leaf is None or (expect is None and not HASHING):
       self._track(write(), cost)
       return
@@ -115,25 +118,29 @@ class Delta:
       self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
       return
     self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
-                                          cost, write))
+                                          cost, write, expect_fp))
 
   def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
     try:
-      h = _refs.array_digest(host)
+      h = _refs.array_digest(host) + _refs.fingerprint(host)
       with self._lock:
         self.report.chunks.setdefault(leaf, {})[pos] = h
     finally:
       done()
 
-  def _decide(self, leaf, pos, host, expect, nbytes, cost, write) -> None:
+  def _decide(self, leaf, pos, host, expect, nbytes, cost, write, expect_fp) -> None:
     try:
-      h = _refs.array_digest(host)
+      fp = _refs.fingerprint(host)
+      if expect_fp is not None and fp != expect_fp:
+        h = _refs.NO_HASH  # changed for sure: not worth a hash (never reused then)
+      else:
+        h = _refs.array_digest(host)
     except BaseException:
       self._release(cost)
       raise
     with self._lock:
-      self.report.chunks.setdefault(leaf, {})[pos] = h
-      same = h == expect
+      self.report.chunks.setdefault(leaf, {})[pos] = h + fp
+      same = h == expect and h != _refs.NO_HASH
       if same:
         self.skipped.append((leaf, pos))
         self.skipped_bytes += nbytes

@@ -48,6 +48,7 @@ MAX_BIGINT_DIGITS = 4000          # below Python's int() digit limit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DATA_NAME = re.compile(r"data-[0-9a-f]{32}")
 HASH_BYTES = 32                   # SHA-256
+FP_BYTES = 8                      # a chunk's fingerprint (fnckpt._refs.fingerprint)
 MAX_UP = 64                       # '..' names at the front of a reference
 
 
@@ -211,6 +212,7 @@ class Leaf:
   value: Any = None
   hash: bytes | None = None        # SHA-256 of the stored bytes (see README "References")
   chunk_hashes: bytes | None = None
+  chunk_fps: bytes | None = None
 
   @property
   def where(self) -> str:
@@ -459,7 +461,7 @@ def _array(i, path, rec, version, packs, bases=()) -> Leaf:
   kind = rec["kind"]
   storage = ("inline", "store", "pack")
   optional = (("impl",) if kind == "key" else ()) + (
-      ("hash", "chunk_hashes") if version >= 2 else ())
+      ("hash", "chunk_hashes", "chunk_fps") if version >= 2 else ())
   _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
         storage + optional)
   where = [k for k in storage if k in rec]
@@ -479,7 +481,7 @@ def _array(i, path, rec, version, packs, bases=()) -> Leaf:
   if "inline" in rec:
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
          lambda: f"'inline' must hold {nbytes} bytes")
-    _req("hash" not in rec and "chunk_hashes" not in rec, "an inline array has no 'hash'")
+    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
     return dataclasses.replace(leaf, inline=rec["inline"])
   if "hash" in rec:
     leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'"))
@@ -490,8 +492,13 @@ def _array(i, path, rec, version, packs, bases=()) -> Leaf:
       _req(leaf.hash is not None, "'chunk_hashes' needs 'hash'")
       leaf = dataclasses.replace(leaf, chunk_hashes=_hash(
           rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", HASH_BYTES * n))
+      if "chunk_fps" in rec:
+        leaf = dataclasses.replace(leaf, chunk_fps=_hash(
+            rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
+    _req("chunk_fps" not in rec or "chunk_hashes" in rec, "'chunk_fps' needs 'chunk_hashes'")
     return dataclasses.replace(leaf, stored=stored)
-  _req("chunk_hashes" not in rec, "'chunk_hashes' belongs to stored arrays only")
+  _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
+       "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
   p = _keys(rec["pack"], "'pack'", ("index", "offset"))
   k = _int(p["index"], "'pack'.index", 0, max(len(packs) - 1, 0))

@@ -34,6 +34,30 @@ def digest(data: Any) -> bytes:
   return hashlib.sha256(data).digest()
 
 
+FP_BYTES = 8
+NO_HASH = bytes(_records.HASH_BYTES)   # a chunk_hashes entry for a chunk not hashed
+_FP_WINDOWS, _FP_WINDOW = 16, 512     # elements sampled by a fingerprint
+
+
+def fingerprint(host: np.ndarray) -> bytes:
+  """A cheap 64-bit fingerprint of an array's bytes: BLAKE2b of 16 windows of 512 elements
+  spread over it (and its size). Equal bytes give equal fingerprints, so a different
+  fingerprint proves a change; equality is only ever decided by :func:`array_digest`."""
+  n = host.size
+  if n <= _FP_WINDOWS * _FP_WINDOW:
+    idx = np.arange(n)
+  else:
+    starts = np.linspace(0, n - _FP_WINDOW, _FP_WINDOWS).astype(np.int64)
+    idx = (starts[:, None] + np.arange(_FP_WINDOW)[None, :]).reshape(-1)
+  sample = np.ascontiguousarray(host.flat[idx])
+  if sample.dtype.byteorder == ">":
+    sample = sample.astype(sample.dtype.newbyteorder("<"))
+  h = hashlib.blake2b(digest_size=FP_BYTES)
+  h.update(n.to_bytes(8, "little"))
+  h.update(memoryview(sample.reshape(-1).view(np.uint8)))
+  return h.digest()
+
+
 def array_digest(host: np.ndarray) -> bytes:
   """SHA-256 of an array's C-order little-endian bytes (what the checkpoint stores)."""
   a = np.ascontiguousarray(host)
@@ -113,10 +137,16 @@ class StoredCand:
   base: _records.Base               # relative to the *new* checkpoint's parent
   dir: str
   chunk_hashes: bytes
+  chunk_fps: bytes | None = None
 
   def expect(self, pos: int) -> bytes:
     n = _records.HASH_BYTES
     return self.chunk_hashes[pos * n:(pos + 1) * n]
+
+  def expect_fp(self, pos: int) -> bytes | None:
+    if self.chunk_fps is None:
+      return None
+    return self.chunk_fps[pos * FP_BYTES:(pos + 1) * FP_BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +192,7 @@ def candidates(records: Sequence[dict[str, Any]], base: _records.Manifest,
         list(old.stored.chunks), list(old.stored.inner), old.stored.zstd) == (
             list(s["chunks"]), list(s["inner"]), s["zstd"]):
       stored[i] = StoredCand(_rebased(base, base_loc, new_loc, old.stored.base),
-                             old.stored.dir, old.chunk_hashes)
+                             old.stored.dir, old.chunk_hashes, old.chunk_fps)
     elif s is None and "inline" not in rec and old.packed is not None:
       pack = base.packs[old.packed.pack]
       packed[i] = PackCand(_rebased(base, base_loc, new_loc, pack.base),
@@ -268,7 +298,8 @@ def finalize(records: list[dict[str, Any]], packs: list[dict[str, Any]],
     if sorted(hashes) != list(range(n)):
       raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf #{i} are "
                             f"incomplete ({len(hashes)} of {n}); nothing was committed.")
-    rec["chunk_hashes"] = b"".join(hashes[p] for p in range(n))
+    rec["chunk_hashes"] = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
+    rec["chunk_fps"] = b"".join(hashes[p][_records.HASH_BYTES:] for p in range(n))
     rec["hash"] = digest(rec["chunk_hashes"])
     if i in stored and i not in changed:
       cand = stored[i]

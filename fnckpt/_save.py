@@ -542,7 +542,8 @@ def _stage_array(a: _Array, fut, cand: _refs.StoredCand | None, writer: Writer, 
       raise _at(e, a.rec["path"])
     pos = _refs.chunk_pos(unit.index, chunks, shape)
     writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
-                     cand.expect(pos) if cand is not None else None, n))
+                     cand.expect(pos) if cand is not None else None, n,
+                     cand.expect_fp(pos) if cand is not None else None))
     _count(handle, budget, n)
 
 
