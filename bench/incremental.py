@@ -12,9 +12,10 @@ Three measurements, each a median over ``--runs`` (8 virtual CPU devices, a (2, 
   the changed bytes (the adapters and moments), their ratio, and time to committed. Then a
   manager (``incremental=True, max_to_keep=3``) saves 6 steps; its run's bytes on disk
   against one full state plus the deltas.
-- ``dense``: the same matrices, all changed before every save, saved in full with content
-  hashing on and off (a private switch, ``fnckpt._delta.HASHING``), runs interleaved:
-  time to committed and time the caller is blocked.
+- ``dense``: the same matrices, all changed before every save, saved without hashing (a
+  private switch, ``fnckpt._delta.HASHING``), as a full save (every chunk hashed) and as an
+  incremental save on the previous state (fingerprints show every chunk changed): time to
+  committed, time the caller is blocked, CPU seconds; runs rotated.
 - ``fork``: ``CheckpointManager.fork`` of the LoRA run's newest step: wall time and bytes the
   fork wrote.
 """
@@ -128,29 +129,39 @@ def cpu_s() -> float:
 
 
 def bench_dense(root: str, mib: int, runs: int) -> dict:
-  out = {True: ([], [], []), False: ([], [], [])}
-  for r in range(runs):
-    for hashing in (True, False) if r % 2 == 0 else (False, True):
-      state = frozen_base(mib * MiB, salt=float(r * 2 + hashing))
-      _delta.HASHING = hashing
+  """Per run a new state (every byte changed): saved without any hashing (the switch off),
+  as a full save (every chunk hashed), and incrementally (base= the previous run's full
+  save: fingerprints find every chunk changed, so nothing is hashed); order rotated."""
+  modes = ("nohash", "full", "incremental")
+  out = {m: ([], [], []) for m in modes}
+  prev = None
+  for r in range(runs + 1):
+    state = frozen_base(mib * MiB, salt=float(r + 1))
+    order = modes[r % 3:] + modes[:r % 3]
+    for mode in order:
+      if mode == "incremental" and prev is None:
+        continue
+      _delta.HASHING = mode != "nohash"
       try:
-        d = os.path.join(root, f"dense{r}{hashing}")
+        d = os.path.join(root, f"dense{r}{mode}")
         c0, t0 = cpu_s(), time.perf_counter()
-        h = fnckpt.save(state, d)
+        h = fnckpt.save(state, d, base=prev if mode == "incremental" else None)
         blocked = time.perf_counter() - t0
         h.wait()
-        out[hashing][0].append(time.perf_counter() - t0)
-        out[hashing][1].append(blocked)
-        out[hashing][2].append(cpu_s() - c0)
-        shutil.rmtree(d)
+        if r > 0:  # (run 0: warm-up, and the first base)
+          out[mode][0].append(time.perf_counter() - t0)
+          out[mode][1].append(blocked)
+          out[mode][2].append(cpu_s() - c0)
       finally:
         _delta.HASHING = True
+    if prev is not None:
+      shutil.rmtree(prev)
+    prev = os.path.join(root, f"dense{r}full")
+    for mode in ("nohash", "incremental"):
+      shutil.rmtree(os.path.join(root, f"dense{r}{mode}"), ignore_errors=True)
   med = {k: tuple(statistics.median(x) for x in v) for k, v in out.items()}
-  return {"hash_committed_s": med[True][0], "nohash_committed_s": med[False][0],
-          "hash_cpu_s": med[True][2], "nohash_cpu_s": med[False][2],
-          "hash_blocked_s": med[True][1], "nohash_blocked_s": med[False][1],
-          "committed_overhead": med[True][0] / med[False][0] - 1,
-          "all": {str(k): v for k, v in out.items()}}
+  best = {k: tuple(min(x) for x in v) for k, v in out.items()}
+  return {"med": med, "best": best, "all": out}
 
 
 def main() -> None:
@@ -179,12 +190,18 @@ def main() -> None:
     print(f"fork: {rf['fork_s'] * 1000:.1f} ms, {rf['fork_bytes']} bytes in the fork "
           f"(+ {rf['fork_record_bytes']} bytes of fork record in the parent)")
     dense = bench_dense(root, args.mib, args.runs)
-    print(f"dense ({args.mib} MiB, all changed): committed {dense['hash_committed_s']:.3f} s "
-          f"with hashing vs {dense['nohash_committed_s']:.3f} s without "
-          f"({100 * dense['committed_overhead']:+.1f}%); blocked "
-          f"{dense['hash_blocked_s']:.3f} vs {dense['nohash_blocked_s']:.3f} s; CPU "
-          f"{dense['hash_cpu_s']:.2f} vs {dense['nohash_cpu_s']:.2f} s")
-    print(f"  runs (committed s, blocked s, CPU s): {dense['all']}")
+    med = dense["med"]
+    print(f"dense ({args.mib} MiB, every byte changed), medians: committed s / blocked s / "
+          "CPU s of the process")
+    for mode in ("nohash", "full", "incremental"):
+      c, b, cpu = med[mode]
+      best = dense["best"]
+      print(f"  {mode:12s} {c:.3f} / {b:.3f} / {cpu:.2f}  ({100 * (c / med['nohash'][0] - 1):+.1f}%"
+            f" committed, {100 * (cpu / med['nohash'][2] - 1):+.1f}% CPU vs no hashing); best "
+            f"{best[mode][0]:.3f} / {best[mode][1]:.3f} / {best[mode][2]:.2f} "
+            f"({100 * (best[mode][0] / best['nohash'][0] - 1):+.1f}% committed, "
+            f"{100 * (best[mode][2] / best['nohash'][2] - 1):+.1f}% CPU)")
+    print(f"  runs: {dense['all']}")
     print(f"  load average now: {os.getloadavg()}")
   finally:
     shutil.rmtree(root, ignore_errors=True)
