@@ -13,8 +13,9 @@ module:
 - :mod:`fnckpt._coordination`: what processes agree on (process 0 decides and publishes).
 
 A second storage tier (a fast local one beside a durable one) is another ``StepIndex`` and
-``RetentionRunner``; references between steps (incremental saves) change what ``StepIndex``
-deletes. Neither exists yet.
+``RetentionRunner`` (not there yet). Incremental saves and forks live in
+:mod:`fnckpt._lineage` (which step a save refers to; forking) and :mod:`fnckpt._fork` (what
+data steps and forks refer to, so deletes keep it).
 
 Resuming after preemption (the pattern every training loop can copy)::
 
