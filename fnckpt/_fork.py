@@ -120,9 +120,15 @@ def delete_step(root: str, step: int, keep: set[str],
 
 def collect(root: str, held: list[int], kept: dict[int, set[str]],
             storage_options: dict[str, Any] | None) -> None:
-  """Held steps (``REFERENCED``): drop the data nothing refers to any more."""
+  """Held steps (``REFERENCED``): drop the data nothing refers to any more (a held step whose
+  data is all still referred to is left as it is)."""
   for step in held:
-    delete_step(root, step, kept.get(step, set()), storage_options)
+    keep = kept.get(step, set())
+    kv = _paths.open_kvstore(_paths.join(root, str(step)), storage_options)
+    tops = {k.decode("utf-8", "replace").split("/", 1)[0] for k in kv.list().result()}
+    if keep and not tops - keep - {REFERENCED}:
+      continue
+    delete_step(root, step, keep, storage_options)
 
 
 def fork_step(root: str, step: int, directory: str,

@@ -281,8 +281,18 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
   stored_c, packed_c = (_refs.candidates(records, base.manifest, base.loc, base.new_loc)
                         if base is not None else ({}, {}))
   maybe = [c for c in candidates if c[0] in packed_c]
-  candidates = [c for c in candidates if c[0] not in packed_c]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
+  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
+                                data_dir, nproc, me)
+  mine = [p for p in packs if p["dir"] == f"{data_dir}/p/{me}"]
+  return _Plan(records, arrays, packed, packs, mine[0] if mine else None, data_dir, values,
+               holders, stored_c, packed_c,
+               [(i, d) for i, d, _ in maybe if owners[i][0] == me])
+
+
+def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int):
+  """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
+  (record index, data) this process packs."""
   plan = _packing.assign([c[2] for c in candidates], nproc)
   packs, index_of = [], {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
@@ -294,9 +304,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     records[i]["pack"] = {"index": index_of[p], "offset": offset}
     if p == me:
       packed.append((i, data))
-  return _Plan(records, arrays, packed, packs, packs[index_of[me]] if me in index_of else None,
-               data_dir, values, holders, {i: c for i, c in stored_c.items()},
-               packed_c, [(i, d) for i, d, _ in maybe if owners[i][0] == me])
+  return packs, packed
 
 
 def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, zstd) -> _Array:

@@ -445,3 +445,18 @@ IncrementalMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestIncrementalMachine = IncrementalMachine.TestCase
+
+
+def test_fork_keeps_per_process_values(tmp_path):
+  mgr = fnckpt.CheckpointManager(str(tmp_path / "a"))
+  mgr.save(1, {"w": np.arange(10000.0), "pos": fnckpt.PerProcess({"i": 7})})
+  mgr.wait()
+  child = mgr.fork(1, str(tmp_path / "b"))
+  got = child.restore(1, {"w": np.zeros(10000), "pos": fnckpt.PerProcess(None)})
+  assert got["pos"].value == {"i": 7} and got["w"][-1] == 9999.0
+  with pytest.raises(fnckpt.CheckpointError, match="exists there already"):
+    mgr.fork(1, str(tmp_path / "b"))
+  with pytest.raises(fnckpt.CheckpointError, match="inside\\) the run"):
+    mgr.fork(1, str(tmp_path / "a" / "sub"))
+  mgr.close()
+  child.close()
