@@ -50,6 +50,7 @@ class Plan:
   kv_spec: dict[str, Any]
   data_dir: str
   build: Callable[[list, list, list], bytes] | None   # process 0: records, packs, bases -> bytes
+  check_base: Callable[[], None] | None = None        # raises if the base is gone
 
 
 # Off only to measure what hashing costs (bench/incremental.py): then full saves record no
@@ -270,6 +271,8 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
         changed)]
   for f in futures:
     f.result()
+  if manifest is not None and plan.check_base is not None:
+    plan.check_base()
   return manifest
 
 

@@ -232,6 +232,18 @@ class _Base:
   manifest: Any
   loc: _refs.Location
   new_loc: _refs.Location
+  source: Any = None              # the opened base (its commit marker as read at the start)
+
+  def check(self) -> None:
+    """Before the new checkpoint commits: the base is still the committed checkpoint read at
+    the start (else the new one would refer to data that may be gone)."""
+    from . import _commit
+    src = self.source
+    if not _commit.unchanged(src.kv, src.commit):
+      raise CheckpointError(
+          f"The base {src.location!r} was deleted or replaced while this save was writing; "
+          "the new checkpoint would refer to its data, so it is not committed. Save again "
+          "(with a committed base, or without base=). Earlier checkpoints are intact.")
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
@@ -435,7 +447,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     writer.start()
     where = "staging the arrays"
     _reached(location, "staging")
-    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata)
+    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
   except BaseException as e:
     err = _wrap(e, location, where)
     if writer is not None:
@@ -466,7 +478,7 @@ def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Bas
         f"save(base={src.location!r}) to {location!r}: the base must be another checkpoint "
         "on the same storage (same scheme, bucket and options) as the new one. Save without "
         "base=, or pick a base beside the new checkpoint.")
-  return _Base(src.manifest, loc, new_loc)
+  return _Base(src.manifest, loc, new_loc, src)
 
 
 def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
@@ -501,7 +513,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
 
 
 def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
-               metadata: Any) -> Commit:
+               metadata: Any, based: _Base | None = None) -> Commit:
   """Stage this process's chunks and pack into the writer; return what committing needs."""
   is_main = jax.process_index() == 0
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
@@ -528,7 +540,8 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       {a.index: a.rec["store"]["dir"] for a in plan.arrays if a.index in plan.stored_c},
       kv_spec, plan.data_dir,
       (lambda records, packs, bases: _manifest.encode(_manifest_dict(
-          plan, metadata, records, packs, bases))) if is_main else None)
+          plan, metadata, records, packs, bases))) if is_main else None,
+      based.check if based is not None else None)
   return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
                                             writer.location), creating, is_main)
 

@@ -460,3 +460,20 @@ def test_fork_keeps_per_process_values(tmp_path):
     mgr.fork(1, str(tmp_path / "a" / "sub"))
   mgr.close()
   child.close()
+
+
+def test_a_base_deleted_during_the_save_fails_it(tmp_path, monkeypatch):
+  """No committed checkpoint ever refers to data that may be gone."""
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  fnckpt.save(lora_tree(1), a).wait()
+
+  def hook(name):
+    if name == "staging":
+      shutil.rmtree(a)
+
+  monkeypatch.setattr(_save, "_phase", hook)
+  with pytest.raises(fnckpt.CheckpointError, match="was deleted or replaced while this save "
+                     "was writing; the new checkpoint would refer to its data, so it is not "
+                     "committed"):
+    fnckpt.save(lora_tree(2), b, base=a).wait()
+  assert not os.path.exists(os.path.join(b, "COMMIT"))
