@@ -356,10 +356,16 @@ class IncrementalMachine(RuleBasedStateMachine):
     self.runs = []          # [(manager, model)]
     self.counter = 0
 
+  root_kind = "memory"
+
   @initialize(k=st.integers(1, 3), full_every=st.none() | st.integers(2, 3))
   def start(self, k, full_every):
     self.k, self.full_every = k, full_every
-    self.prefix = f"memory://inc-machine/{uuid.uuid4().hex}"
+    if self.root_kind == "memory":
+      self.prefix = f"memory://inc-machine/{uuid.uuid4().hex}"
+    else:
+      import tempfile
+      self.prefix = tempfile.mkdtemp(prefix="fnckpt-inc-machine-")
     self.runs.append((self._manager(f"{self.prefix}/r0"), {}))
 
   def _manager(self, root):
@@ -439,12 +445,22 @@ class IncrementalMachine(RuleBasedStateMachine):
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mgr.close()
+    if self.root_kind == "file" and hasattr(self, "prefix"):
+      shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+class FileIncrementalMachine(IncrementalMachine):
+  root_kind = "file"
 
 
 IncrementalMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestIncrementalMachine = IncrementalMachine.TestCase
+FileIncrementalMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=15, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestFileIncrementalMachine = FileIncrementalMachine.TestCase
 
 
 def test_fork_keeps_per_process_values(tmp_path):
