@@ -269,14 +269,14 @@ def test_fork_shares_data_and_both_runs_go_their_own_way(tmp_path, capsys):
     m_.close()
 
 
-# --- memory:// and S3 ---------------------------------------------------------------------------
+# --- memory://, S3 and GCS ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["memory", "s3"])
-def test_contract_on_memory_and_s3(kind, request):
+@pytest.mark.parametrize("kind", ["memory", "s3", "gcs"])
+def test_contract_on_memory_and_object_stores(kind, request):
   if kind == "memory":
     root, options = f"memory://inc/{uuid.uuid4().hex}", None
   else:
-    server = request.getfixturevalue("s3_env")
+    server = request.getfixturevalue(f"{kind}_env")
     root, options = server.unique_url("inc"), dict(server.storage_options)
   fnckpt.save(lora_tree(1), f"{root}/x/1", storage_options=options).wait()
   fnckpt.save(lora_tree(2), f"{root}/x/2", storage_options=options, base=f"{root}/x/1").wait()
