@@ -83,6 +83,9 @@ class CheckpointManager:
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
       ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
       manager's own barriers).
+    incremental: each save refers to the newest committed step (``save(base=...)``): what is
+      unchanged is not written again; retention keeps data that kept steps refer to.
+    full_every: with ``incremental``, every ``n``-th save of this manager is a full save.
 
   With no retention rule every step is kept. The newest committed step and steps being saved
   or restored are never deleted. Uncommitted leftovers of crashed saves are ignored, reported
