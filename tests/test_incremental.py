@@ -454,11 +454,11 @@ class FileIncrementalMachine(IncrementalMachine):
 
 
 IncrementalMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=20, deadline=None,
+    max_examples=40, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestIncrementalMachine = IncrementalMachine.TestCase
 FileIncrementalMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=15, deadline=None,
+    max_examples=20, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestFileIncrementalMachine = FileIncrementalMachine.TestCase
 
