@@ -82,6 +82,9 @@ class References:
     """step -> its data directories that a committed step outside ``doomed``, or a fork,
     refers to."""
     pairs = set(self.of_forks())
+    with self._lock:  # (bounded: only committed steps stay cached)
+      for gone in set(self._cache) - set(committed):
+        del self._cache[gone]
     for step, stamp in committed.items():
       if step not in doomed:
         try:
