@@ -155,10 +155,9 @@ def fork_step(root: str, step: int, directory: str,
   m = _manifest.unpack(raw)
   new_bases = _rebase(m, manifest, src_loc, dst_loc)
   own = _records.Base(_refs.relative(src_loc.path, fork_run), manifest.data)
-  if own not in new_bases:
+  if _owns_data(manifest):  # (the parent step's own data, if it has any)
     new_bases.append(own)
-  k = new_bases.index(own)
-  _point_at(m, k, new_bases, manifest)
+    _point_at(m, len(new_bases) - 1, new_bases, manifest)
   m["bases"] = [{"dir": b.dir, "data": b.data} for b in new_bases]
   m["fork"] = {"run": _refs.relative(run_loc.path, fork_run), "step": step}
   m["data"] = f"{_manifest.DATA_PREFIX}{secrets.token_hex(16)}"
@@ -186,6 +185,11 @@ def _rebase(m: dict, manifest: _records.Manifest, src_loc: _refs.Location,
   start = posixpath.dirname(dst_loc.path)
   return [_records.Base(_refs.relative(_refs.resolve(src_loc, b.dir, "fork"), start), b.data)
           for b in manifest.bases]
+
+
+def _owns_data(manifest: _records.Manifest) -> bool:
+  return any(p.base is None for p in manifest.packs) or any(
+      l.stored is not None and l.stored.base is None for l in manifest.leaves)
 
 
 def _point_at(m: dict, k: int, bases: list[_records.Base], manifest: _records.Manifest) -> None:
