@@ -18,7 +18,9 @@ module:
 - :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
   ``StepIndex``, the background copy to durable storage, the pure recovery choice);
 - :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
-  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read.
+  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read;
+- :mod:`fnckpt._lineage`: which step an incremental save refers to, forking a step;
+  :mod:`fnckpt._fork`: what data steps and forks refer to, so deletes keep it.
 
 Resuming after preemption (the pattern every training loop can copy)::
 
@@ -54,13 +56,13 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _coordination, _health, _interval, _paths, _retention, _steps, _tiers
+from . import _coordination, _health, _interval, _lineage, _paths, _retention, _steps, _tiers
 from ._claims import StepClaims
 from ._recovery import Recovery
 from ._saver import Saver
 from ._errors import CheckpointError
 from ._preemption import Preemption
-from ._retention_runner import Background, RetentionRunner, delete_unclaimed
+from ._retention_runner import Background, RetentionRunner, delete_referenced
 
 __all__ = ["CheckpointManager"]
 
@@ -94,6 +96,10 @@ class CheckpointManager:
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
       ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
       manager's own barriers).
+    incremental: each save refers to the newest committed step (``save(base=...)``): what is
+      unchanged is not written again; retention keeps data that kept steps refer to. Every
+      save of such a manager records content hashes (a plain manager's saves do not).
+    full_every: with ``incremental``, every ``n``-th save of this manager is a full save.
 
   With no retention rule every step is kept. The newest committed step and steps being saved
   or restored are never deleted. Uncommitted leftovers of crashed saves are ignored, reported
@@ -117,8 +123,12 @@ class CheckpointManager:
                save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
                keep_durable: int | None = None, local_directory: str | None = None,
                local_save_interval_steps: int = 1, local_max_to_keep: int = 2,
-               local_storage_options: dict[str, Any] | None = None):
+               local_storage_options: dict[str, Any] | None = None, incremental: bool = False,
+               full_every: int | None = None):
+    self._options = {k: v for k, v in locals().items()  # a fork's manager: the same options
+                     if k not in ("self", "directory", "handle_preemption", "local_directory")}
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
+    incremental = _lineage.Incremental(incremental, full_every)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -140,7 +150,7 @@ class CheckpointManager:
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
                         self._preemption, self._background, self._retention,
-                        self._save_options, self._timeout)
+                        self._save_options, self._timeout, incremental)
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -237,7 +247,8 @@ class CheckpointManager:
   def delete(self, step: int) -> None:
     """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
     one of process 0), its commit marker first (so it is never seen half deleted) and its
-    damage mark. Waits for this manager's save of it."""
+    damage mark; its data that other steps or forks refer to stays until they go. Waits for
+    this manager's save of it."""
     step = _steps.as_step(step)
     indexes = [self._index] + ([self._local.index] if self._local else [])
     self._claims.claim_delete(step)
@@ -254,8 +265,8 @@ class CheckpointManager:
     manager's saves in flight are spared (another job's are not: do not run it then)."""
     def remove() -> list[int]:
       leftovers = self.uncommitted_steps()
-      deleted, failed = delete_unclaimed(self._index, self._claims, lambda busy: [
-          s for s in leftovers if s not in busy])
+      deleted, failed = delete_referenced(self._index, self._claims, self._index.list(),
+                                          lambda busy: [s for s in leftovers if s not in busy])
       if failed:
         raise failed[0][1]
       return deleted
@@ -282,6 +293,27 @@ class CheckpointManager:
         raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
+
+  def fork(self, step: int, directory: str) -> "CheckpointManager":
+    """A new run in ``directory`` whose newest step is the durable ``step`` of this run,
+    without copying its data: the fork's checkpoint refers to this run's data, and this run
+    records the fork (``<run>/forks/``) so its retention and deletes keep that data. Both runs
+    then go their own way. Returns a manager of the fork with this manager's options (but no
+    local tier; collective).
+
+    >>> import numpy as np, fnckpt
+    >>> mgr = fnckpt.CheckpointManager("memory://doc/fork/a")
+    >>> _ = mgr.save(0, {"w": np.arange(40000.0)}); mgr.wait()
+    >>> child = mgr.fork(0, "memory://doc/fork/b")
+    >>> child.all_steps(), float(child.restore()["w"][-1])
+    ([0], 39999.0)
+    """
+    step = _steps.as_step(step)
+    self._claims.wait_saved(step)
+    with self._claims.reading(step):
+      _coordination.from_process_0(self._root, "fork", lambda: _lineage.fork(
+          self._index, step, directory), self._timeout)
+    return CheckpointManager(directory, **self._options)
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
@@ -403,7 +435,7 @@ def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
   if not there:
     raise CheckpointError(f"There is no step {step} in {directory!r}.")
   for index in there:
-    index.delete(step)
+    index.delete_keeping(step)
 
 
 def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,

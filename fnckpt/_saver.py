@@ -19,7 +19,9 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from . import _commit, _coordination, _interval, _paths, _steps, _tiers
+import contextlib
+
+from . import _commit, _coordination, _interval, _lineage, _paths, _steps, _tiers
 from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._preemption import Preemption
@@ -34,8 +36,10 @@ class Saver:
   def __init__(self, index: _steps.StepIndex, local: _tiers.LocalTier | None,
                claims: StepClaims, cadence: _interval.Cadence, preemption: Preemption,
                background: Background, retention: RetentionRunner,
-               save_options: Mapping[str, Any], timeout_s: float):
+               save_options: Mapping[str, Any], timeout_s: float,
+               incremental: _lineage.Incremental | None = None):
     self.index, self.local, self.claims, self.cadence = index, local, claims, cadence
+    self.incremental = incremental or _lineage.Incremental(False, None)
     self.preemption, self.background, self.retention = preemption, background, retention
     self.save_options, self.timeout_s = dict(save_options), timeout_s
     self.last_saved: int | None = None
@@ -56,6 +60,8 @@ class Saver:
 
     def decide() -> dict[str, Any]:
       _check_may_save(self.claims, index, step, force)
+      for written in {index, self.index if durable else index}:  # (references to it?)
+        _lineage.check_replace(written, self.claims, step)
       busy = self.local.pending if self.local else self.claims.saving()
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
@@ -71,20 +77,28 @@ class Saver:
 
   def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
              durable: bool) -> Any:
-    import fnckpt  # the public save; imported late (fnckpt imports this module)
+    from . import _save
+    inc = self.incremental  # the base: the newest committed step where this save goes
+    # (claimed till committed); not with local tiers of several processes (each host's
+    # local directory may hold only its own chunks: see fnckpt._tiers)
+    base = (inc.choose(index, self.claims, step, self.timeout_s)
+            if not (self.local and jax.process_count() > 1) else None)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
-      handle = fnckpt.save(tree, index.path(step), overwrite=True, metadata=metadata,
-                           storage_options=index.storage_options, **self.save_options)
+      handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
+                           storage_options=index.storage_options, **self.save_options,
+                           base=index.path(base.step) if base else None,
+                           hashes=inc.enabled)
     except BaseException:
       self.claims.release_save(step)
+      inc.release(base)
       raise
     self.claims.set_handle(step, handle)
     self.last_saved = step
     if self.local and durable:
       self.local.pending.add(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step, handle, durable)
+                          step, handle, durable, base)
     return handle
 
   def _copy(self, step: int) -> float:
@@ -95,9 +109,10 @@ class Saver:
       warnings.warn(str(error), RuntimeWarning, stacklevel=1)
       raise error from e
 
-  def _after_commit(self, step: int, handle: Any, durable: bool) -> None:
+  def _after_commit(self, step: int, handle: Any, durable: bool, base: Any = None) -> None:
     """Background: wait for the save's commit; (process 0) copy it to the durable tier if
-    it was saved to the local one, then apply retention."""
+    it was saved to the local one (with the data of other steps it refers to), then apply
+    retention (never while a copy runs: it may be bringing referenced data)."""
     try:
       handle.wait()
       cost = handle.stats.total_s
@@ -112,10 +127,12 @@ class Saver:
       return
     finally:
       self.claims.release_save(step, handle)
+      self.incremental.release(base)
       if self.local:
         self.local.pending.discard(step)
     if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
-      self.retention.run()
+      with self.local.copying if self.local else contextlib.nullcontext():
+        self.retention.run()
       if self.local:
         self.local.retain(self.claims)
 

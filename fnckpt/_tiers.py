@@ -110,6 +110,8 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     if manifest.state != "value" or _manifest.digest(bytes(manifest.value)) != want:
       raise DamagedError(f"The manifest of {_paths.display(src_path)!r} does not match its "
                          "commit marker; it was not copied.")
+    copied += copy_referenced(src_root, dst_root, step, bytes(manifest.value), src_options,
+                              dst_options, concurrency)
     dst.write(_manifest.COMMIT, bytes(commit.value)).result()
   except CheckpointError:
     raise
@@ -117,6 +119,37 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     raise _paths.io_error(e, dst_path, f"copying step {step} from "
                           f"{_paths.display(src_path)!r}") from e
   return copied
+
+
+def copy_referenced(src_root: str, dst_root: str, step: int, manifest: bytes,
+                    src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None,
+                    concurrency: int = 32) -> int:
+  """The data of other steps that ``step``'s manifest refers to (an incremental save's base),
+  copied from ``src_root`` where ``dst_root`` lacks it: ``dst_root/<s>/<data>/`` as in the
+  source, and ``dst_root/<s>/REFERENCED`` naming it when ``<s>`` is no committed step there
+  (so the durable tier holds every byte its steps refer to; its retention drops that data
+  once nothing refers to it). Returns the bytes copied."""
+  from . import _fork
+  copied = 0
+  for s, data in sorted(_fork.sibling_refs(src_root, step, manifest, src_options)):
+    src = _paths.open_kvstore(_paths.join(src_root, str(s)), src_options)
+    dst = _paths.open_kvstore(_paths.join(dst_root, str(s)), dst_options)
+    have = set(dst.list(range=_prefix_range(data)).result())
+    keys = [k for k in src.list(range=_prefix_range(data)).result() if k not in have]
+    if not keys and not have:
+      raise DamagedError(f"Step {step} of {_paths.display(src_root)!r} refers to the data "
+                         f"{data} of step {s}, which is missing there; it was not copied.")
+    if keys and dst.read(_manifest.COMMIT).result().state != "value":
+      _fork.write_referenced(dst, {data})  # (first: never a leftover without a marker)
+    copied += _copy_keys(src, dst, [k.decode("utf-8", "surrogateescape") for k in keys],
+                         concurrency)
+  return copied
+
+
+def _prefix_range(name: str) -> Any:
+  """The keys under the directory ``name/``."""
+  import tensorstore as ts
+  return ts.KvStore.KeyRange(name + "/", name + "0")
 
 
 def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
@@ -157,22 +190,23 @@ class LocalTier:
     self.durable_root, self.durable_options = durable_root, durable_options
     self.pending: set[int] = set()  # steps whose durable copy is due and not done
     self._lock = threading.Lock()
+    self.copying = threading.Lock()  # held by a durable copy (durable retention waits)
 
   def copy_to_durable(self, step: int) -> float:
     """Copy the committed local ``step`` to the durable tier; return the seconds it took."""
     start = time.monotonic()
-    with self._lock:
+    with self._lock, self.copying:
       copy_step(self.index.root, self.durable_root, step, self.storage_options,
                 self.durable_options)
     return time.monotonic() - start
 
   def retain(self, claims: Any) -> None:
     """Delete local steps beyond the newest ``local_max_to_keep`` (claimed steps spared)."""
-    from ._retention_runner import RetentionError, delete_unclaimed
+    from ._retention_runner import RetentionError, delete_referenced
     with self._lock:
-      steps = self.index.list(in_flight=claims.saving()).steps
-      _, failed = delete_unclaimed(self.index, claims,
-                                   lambda busy: self.policy.local_to_delete(steps, busy))
+      listing = self.index.list(in_flight=claims.saving())
+      _, failed = delete_referenced(self.index, claims, listing, lambda busy: (
+          self.policy.local_to_delete(listing.steps, busy)))
     if failed:  # a RetentionError: every process's wait() raises it
       step, error = failed[0]
       failure = RetentionError(f"Could not delete local step {step} of "
