@@ -9,6 +9,7 @@ committed checkpoint of every run bitwise.
 """
 
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -295,6 +296,98 @@ def test_fork_shares_data_and_both_runs_go_their_own_way(tmp_path, capsys):
   assert_same(child2.restore(5), lora_tree(105))
   for m_ in (mgr, child, child2):
     m_.close()
+
+
+# --- with two tiers and self-healing -----------------------------------------------------------
+
+def tiered_tree(v: int) -> dict:
+  """lora_tree whose optimizer moments change at step 1 only: later steps refer to step 1's
+  data for them (and to step 0's for the frozen base)."""
+  out = lora_tree(v)
+  out["opt"]["mu"] = np.full((8192,), min(v, 1) * 0.5, np.float32)
+  return out
+
+
+def test_incremental_manager_with_a_fast_tier_restores_from_the_durable_tier_alone(tmp_path):
+  """Saves go to the fast tier, incremental on its newest step; every durable copy brings the
+  referenced data the durable tier lacks (step 1 was never durable: its data arrives as a
+  REFERENCED step). Both tiers' retention keeps referenced data. With the fast tier wiped, a
+  new manager restores the newest durable step bitwise."""
+  durable, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  kw = dict(max_to_keep=2, save_interval_steps=2, local_directory=fast,
+            local_save_interval_steps=1, local_max_to_keep=2, incremental=True)
+  mgr = fnckpt.CheckpointManager(durable, **kw)
+  for v in range(6):
+    mgr.save(v, tiered_tree(v))
+    mgr.wait()
+  for s in (4, 5):
+    assert_same(mgr.restore(s), tiered_tree(s))
+  mgr.close()
+  m4 = _records_of(f"{durable}/4")
+  assert sorted(b.dir for b in m4.bases) == ["0", "1"]   # the frozen base; the moments
+  listing = fnckpt._steps.StepIndex(durable).list()
+  assert listing.steps == [2, 4] and listing.held == [0, 1]
+  assert not os.path.exists(f"{durable}/1/COMMIT") and os.path.exists(f"{durable}/1/REFERENCED")
+  assert fnckpt._steps.StepIndex(fast).list().held == [0, 1]
+  assert cli_main(["ls", durable]) == 0
+  shutil.rmtree(fast)
+  again = fnckpt.CheckpointManager(durable, **kw)
+  state, step = again.restore_or_init(tiered_tree(0))
+  assert step == 4
+  assert_same(state, tiered_tree(4))
+  assert_same(again.restore(2), tiered_tree(2))
+  again.close()
+
+
+def test_a_missing_reference_is_damage_self_healing_falls_back(tmp_path):
+  """Data a newer step refers to is gone: restore() warns, marks the steps that cannot be
+  restored and restores the newest one that can (never one with a missing reference)."""
+  root = str(tmp_path / "run")
+  mgr = fnckpt.CheckpointManager(root, incremental=True, full_every=2)
+  for v in range(4):   # 0 full, 1 -> 0, 2 full, 3 -> 2
+    mgr.save(v, lora_tree(v))
+    mgr.wait()
+  data = [d for d in os.listdir(f"{root}/2") if d.startswith("data-")]
+  shutil.rmtree(f"{root}/2/{data[0]}")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = mgr.restore()
+  texts = [str(w.message) for w in caught if w.category is RuntimeWarning]
+  assert len(texts) == 2, texts
+  assert re.search(r"Step 3 of .* is damaged: .*refers to the data data-\w+ of the checkpoint "
+                   r"at '.*/2', which is missing", texts[0]), texts[0]
+  assert re.search(r"Step 2 of .* is damaged: .*a chunk of its data is missing", texts[1])
+  assert_same(state, lora_tree(1))
+  listing = fnckpt._steps.StepIndex(root).list()
+  assert sorted(listing.damaged) == [2, 3] and mgr.all_steps() == [0, 1]
+  with pytest.raises(fnckpt.CheckpointError, match="Step 3 of .* is marked damaged"):
+    mgr.restore(3)
+  mgr.close()
+
+
+def test_a_damaged_step_whose_data_others_refer_to(tmp_path, capsys):
+  """A step marked damaged is never deleted by retention, and the data it refers to stays;
+  deleting it keeps the data that other steps refer to (its REFERENCED rest)."""
+  from fnckpt import _health
+  root = str(tmp_path / "run")
+  mgr = fnckpt.CheckpointManager(root, max_to_keep=2, incremental=True)
+  for v in range(3):
+    mgr.save(v, tiered_tree(v))
+    mgr.wait()
+  _health.mark_step(root, 1, "found damaged (test)")
+  for v in range(3, 6):
+    mgr.save(v, tiered_tree(v))
+    mgr.wait()
+  listing = fnckpt._steps.StepIndex(root).list()
+  assert listing.steps == [4, 5] and list(listing.damaged) == [1] and listing.held == [0]
+  assert 1 in listing.referrers and os.path.exists(f"{root}/1/COMMIT")
+  mgr.delete(1)   # steps 4 and 5 refer to its moments: that data stays
+  assert fnckpt._steps.StepIndex(root).list().held == [0, 1]
+  for s in (4, 5):
+    assert_same(mgr.restore(s), tiered_tree(s))
+  assert cli_main(["ls", root]) == 0
+  assert "referenced" in capsys.readouterr().out
+  mgr.close()
 
 
 # --- memory://, S3 and GCS ---------------------------------------------------------------------------
