@@ -9,13 +9,15 @@ Three measurements, each a median over ``--runs`` (8 virtual CPU devices, a (2, 
   LoRA adapters and their AdamW moments (packed leaves). A full save, then an incremental
   save (``base=`` the full one) after the adapters and moments changed. Reported: bytes on
   disk under each new checkpoint (``du``: data, zarr.json, shard indexes, manifest, marker),
-  the changed bytes (the adapters and moments), their ratio, and time to committed. Then a
+  the changed bytes (the adapters and moments), their ratio, and time to committed (the full
+  save records hashes, as an ``incremental=True`` manager's full saves do). Then a
   manager (``incremental=True, max_to_keep=3``) saves 6 steps; its run's bytes on disk
   against one full state plus the deltas.
-- ``dense``: the same matrices, all changed before every save, saved without hashing (a
-  private switch, ``fnckpt._delta.HASHING``), as a full save (every chunk hashed) and as an
-  incremental save on the previous state (fingerprints show every chunk changed): time to
-  committed, time the caller is blocked, CPU seconds; runs rotated.
+- ``dense``: the same matrices, all changed before every save, saved by a plain
+  ``fnckpt.save`` (no base: nothing hashed), as a full save that records hashes (an
+  incremental manager's full save: ``fnckpt._save.start(hashes=True)``) and as an incremental
+  save on the previous state (fingerprints show every chunk changed): time to committed, time
+  the caller is blocked, CPU seconds; runs rotated.
 - ``fork``: ``CheckpointManager.fork`` of the LoRA run's newest step: wall time and bytes the
   fork wrote.
 """
@@ -44,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fnckpt  # noqa: E402
-from fnckpt import _delta  # noqa: E402
+from fnckpt import _save  # noqa: E402
 
 MiB = 1 << 20
 
@@ -89,7 +91,7 @@ def bench_lora(root: str, base: dict, runs: int) -> dict:
   for r in range(runs):
     d = os.path.join(root, f"lora{r}")
     t0 = time.perf_counter()
-    fnckpt.save({"frozen": base, "lora": adapters(1), "step": 1}, f"{d}/1").wait()
+    _save.start({"frozen": base, "lora": adapters(1), "step": 1}, f"{d}/1", hashes=True).wait()
     full_t.append(time.perf_counter() - t0)
     full_b.append(du(f"{d}/1"))
     t0 = time.perf_counter()
@@ -129,10 +131,10 @@ def cpu_s() -> float:
 
 
 def bench_dense(root: str, mib: int, runs: int) -> dict:
-  """Per run a new state (every byte changed): saved without any hashing (the switch off),
-  as a full save (every chunk hashed), and incrementally (base= the previous run's full
-  save: fingerprints find every chunk changed, so nothing is hashed); order rotated."""
-  modes = ("nohash", "full", "incremental")
+  """Per run a new state (every byte changed): a plain save (no base: nothing hashed), a full
+  save recording hashes (every chunk hashed), and incrementally (base= the previous run's
+  hashed save: fingerprints find every chunk changed, so nothing is hashed); order rotated."""
+  modes = ("plain", "hashed", "incremental")
   out = {m: ([], [], []) for m in modes}
   prev = None
   for r in range(runs + 1):
@@ -141,23 +143,20 @@ def bench_dense(root: str, mib: int, runs: int) -> dict:
     for mode in order:
       if mode == "incremental" and prev is None:
         continue
-      _delta.HASHING = mode != "nohash"
-      try:
-        d = os.path.join(root, f"dense{r}{mode}")
-        c0, t0 = cpu_s(), time.perf_counter()
-        h = fnckpt.save(state, d, base=prev if mode == "incremental" else None)
-        blocked = time.perf_counter() - t0
-        h.wait()
-        if r > 0:  # (run 0: warm-up, and the first base)
-          out[mode][0].append(time.perf_counter() - t0)
-          out[mode][1].append(blocked)
-          out[mode][2].append(cpu_s() - c0)
-      finally:
-        _delta.HASHING = True
+      d = os.path.join(root, f"dense{r}{mode}")
+      c0, t0 = cpu_s(), time.perf_counter()
+      h = _save.start(state, d, base=prev if mode == "incremental" else None,
+                      hashes=mode != "plain")
+      blocked = time.perf_counter() - t0
+      h.wait()
+      if r > 0:  # (run 0: warm-up, and the first base)
+        out[mode][0].append(time.perf_counter() - t0)
+        out[mode][1].append(blocked)
+        out[mode][2].append(cpu_s() - c0)
     if prev is not None:
       shutil.rmtree(prev)
-    prev = os.path.join(root, f"dense{r}full")
-    for mode in ("nohash", "incremental"):
+    prev = os.path.join(root, f"dense{r}hashed")
+    for mode in ("plain", "incremental"):
       shutil.rmtree(os.path.join(root, f"dense{r}{mode}"), ignore_errors=True)
   med = {k: tuple(statistics.median(x) for x in v) for k, v in out.items()}
   best = {k: tuple(min(x) for x in v) for k, v in out.items()}
@@ -193,14 +192,14 @@ def main() -> None:
     med = dense["med"]
     print(f"dense ({args.mib} MiB, every byte changed), medians: committed s / blocked s / "
           "CPU s of the process")
-    for mode in ("nohash", "full", "incremental"):
+    for mode in ("plain", "hashed", "incremental"):
       c, b, cpu = med[mode]
       best = dense["best"]
-      print(f"  {mode:12s} {c:.3f} / {b:.3f} / {cpu:.2f}  ({100 * (c / med['nohash'][0] - 1):+.1f}%"
-            f" committed, {100 * (cpu / med['nohash'][2] - 1):+.1f}% CPU vs no hashing); best "
+      print(f"  {mode:12s} {c:.3f} / {b:.3f} / {cpu:.2f}  ({100 * (c / med['plain'][0] - 1):+.1f}%"
+            f" committed, {100 * (cpu / med['plain'][2] - 1):+.1f}% CPU vs plain); best "
             f"{best[mode][0]:.3f} / {best[mode][1]:.3f} / {best[mode][2]:.2f} "
-            f"({100 * (best[mode][0] / best['nohash'][0] - 1):+.1f}% committed, "
-            f"{100 * (best[mode][2] / best['nohash'][2] - 1):+.1f}% CPU)")
+            f"({100 * (best[mode][0] / best['plain'][0] - 1):+.1f}% committed, "
+            f"{100 * (best[mode][2] / best['plain'][2] - 1):+.1f}% CPU)")
     print(f"  runs: {dense['all']}")
     print(f"  load average now: {os.getloadavg()}")
   finally:

@@ -96,9 +96,8 @@ class CheckpointManager:
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
       ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
       manager's own barriers).
-    incremental: each save refers to the newest committed step (``save(base=...)``): what is
-      unchanged is not written again; retention keeps data that kept steps refer to. Every
-      save of such a manager records content hashes (a plain manager's saves do not).
+    incremental: each save refers to the newest committed step (``save(base=...)``) and
+      records content hashes: what is unchanged is not written again (README "Incremental").
     full_every: with ``incremental``, every ``n``-th save of this manager is a full save.
 
   With no retention rule every step is kept. The newest committed step and steps being saved
@@ -249,29 +248,13 @@ class CheckpointManager:
     one of process 0), its commit marker first (so it is never seen half deleted) and its
     damage mark; its data that other steps or forks refer to stays until they go. Waits for
     this manager's save of it."""
-    step = _steps.as_step(step)
-    indexes = [self._index] + ([self._local.index] if self._local else [])
-    self._claims.claim_delete(step)
-    try:
-      _coordination.from_process_0(self._root, "delete", lambda: _remove(
-          indexes, step, self.directory), self._timeout)
-    finally:
-      self._claims.release_delete([step])
-    for index in indexes:
-      index.forget(step)
+    _delete(self, _steps.as_step(step))
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
     manager's saves in flight are spared (another job's are not: do not run it then)."""
-    def remove() -> list[int]:
-      leftovers = self.uncommitted_steps()
-      deleted, failed = delete_referenced(self._index, self._claims, self._index.list(),
-                                          lambda busy: [s for s in leftovers if s not in busy])
-      if failed:
-        raise failed[0][1]
-      return deleted
-
-    return _coordination.from_process_0(self._root, "cleanup", remove, self._timeout)
+    return _coordination.from_process_0(self._root, "cleanup", lambda: _cleanup(self),
+                                        self._timeout)
 
   # --- restoring ----------------------------------------------------------------------------
 
@@ -295,18 +278,15 @@ class CheckpointManager:
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
   def fork(self, step: int, directory: str) -> "CheckpointManager":
-    """A new run in ``directory`` whose newest step is the durable ``step`` of this run,
-    without copying its data: the fork's checkpoint refers to this run's data, and this run
-    records the fork (``<run>/forks/``) so its retention and deletes keep that data. Both runs
-    then go their own way. Returns a manager of the fork with this manager's options (but no
-    local tier; collective).
+    """A new run in ``directory`` whose newest step is this run's durable ``step``, its data
+    not copied but referred to (the fork is recorded under ``<run>/forks/``, so retention
+    keeps that data); returns its manager, with these options but no local tier (collective).
 
     >>> import numpy as np, fnckpt
     >>> mgr = fnckpt.CheckpointManager("memory://doc/fork/a")
     >>> _ = mgr.save(0, {"w": np.arange(40000.0)}); mgr.wait()
-    >>> child = mgr.fork(0, "memory://doc/fork/b")
-    >>> child.all_steps(), float(child.restore()["w"][-1])
-    ([0], 39999.0)
+    >>> float(mgr.fork(0, "memory://doc/fork/b").restore()["w"][-1])
+    39999.0
     """
     step = _steps.as_step(step)
     self._claims.wait_saved(step)
@@ -427,6 +407,29 @@ def _warn_leftovers(leftovers: list[int], directory: str) -> None:
         f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
         "They are ignored; manager.cleanup() removes them, and saving one of these steps "
         "replaces it.", stacklevel=3)
+
+
+def _delete(mgr: CheckpointManager, step: int) -> None:
+  """delete(step): claimed, then process 0 removes it from every tier (collective)."""
+  indexes = [mgr._index] + ([mgr._local.index] if mgr._local else [])
+  mgr._claims.claim_delete(step)
+  try:
+    _coordination.from_process_0(mgr._root, "delete", lambda: _remove(
+        indexes, step, mgr.directory), mgr._timeout)
+  finally:
+    mgr._claims.release_delete([step])
+  for index in indexes:
+    index.forget(step)
+
+
+def _cleanup(mgr: CheckpointManager) -> list[int]:
+  """cleanup(), on process 0: the leftovers, never data that steps or forks refer to."""
+  leftovers = mgr.uncommitted_steps()
+  deleted, failed = delete_referenced(mgr._index, mgr._claims, mgr._index.list(),
+                                      lambda busy: [s for s in leftovers if s not in busy])
+  if failed:
+    raise failed[0][1]
+  return deleted
 
 
 def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
