@@ -83,6 +83,13 @@ def test_a_plain_save_records_no_hashes_and_a_base_without_them_is_written_whole
   assert stats.bytes_reused >= FROZEN.nbytes
   assert_same(fnckpt.restore(c), lora_tree(2))
   assert_same(fnckpt.restore(b), lora_tree(1))
+  for incremental in (False, True):   # a manager's saves hash only when incremental
+    run = str(tmp_path / f"run{incremental}")
+    with fnckpt.CheckpointManager(run, incremental=incremental) as mgr:
+      mgr.save(0, lora_tree(0))
+    hashed = [l.hash is not None for l in _records_of(f"{run}/0").leaves
+              if l.is_array and l.inline is None]
+    assert hashed and all(hashed) == incremental and any(hashed) == incremental
 
 
 def _records_of(path):
@@ -308,7 +315,8 @@ def tiered_tree(v: int) -> dict:
   return out
 
 
-def test_incremental_manager_with_a_fast_tier_restores_from_the_durable_tier_alone(tmp_path):
+def test_incremental_manager_with_a_fast_tier_restores_from_the_durable_tier_alone(tmp_path,
+                                                                                   capsys):
   """Saves go to the fast tier, incremental on its newest step; every durable copy brings the
   referenced data the durable tier lacks (step 1 was never durable: its data arrives as a
   REFERENCED step). Both tiers' retention keeps referenced data. With the fast tier wiped, a
@@ -329,7 +337,18 @@ def test_incremental_manager_with_a_fast_tier_restores_from_the_durable_tier_alo
   assert listing.steps == [2, 4] and listing.held == [0, 1]
   assert not os.path.exists(f"{durable}/1/COMMIT") and os.path.exists(f"{durable}/1/REFERENCED")
   assert fnckpt._steps.StepIndex(fast).list().held == [0, 1]
-  assert cli_main(["ls", durable]) == 0
+  assert cli_main(["ls", durable, "--local", fast]) == 0
+  rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()]
+  for tier in ("durable", "local"):
+    assert [tier, "0", "referenced"] in rows and [tier, "1", "referenced"] in rows
+  assert ["durable", "4", "committed"] in rows and ["local", "5", "committed"] in rows
+  # a copy interrupted midway is completed by the next one (missing objects copied again)
+  from fnckpt import _tiers
+  held = sorted(k for k in files_under(f"{durable}/1") if k.startswith("data-"))
+  os.remove(f"{durable}/1/{held[0]}")
+  with open(f"{fast}/5/manifest.msgpack", "rb") as f:
+    assert _tiers.copy_referenced(fast, durable, 5, f.read(), None, None) > 0
+  assert sorted(k for k in files_under(f"{durable}/1") if k.startswith("data-")) == held
   shutil.rmtree(fast)
   again = fnckpt.CheckpointManager(durable, **kw)
   state, step = again.restore_or_init(tiered_tree(0))
