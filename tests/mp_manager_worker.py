@@ -248,7 +248,7 @@ def mode_tiers(cfg):
   opts = {"barrier_timeout_s": cfg["barrier_s"]}
   mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=cfg["local"],
                                  local_save_interval_steps=1, save_interval_steps=2,
-                                 save_options=opts)
+                                 save_options=opts, incremental=cfg.get("incremental", False))
   out: dict[str, Any] = {"process": jax.process_index()}
   if cfg["phase"] == "save":
     for step in range(6):
