@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from . import _collective, _manifest, _packing, _records, _refs, _store
+from . import _collective, _manifest, _packing, _refs, _store
 from ._errors import CheckpointError
 
 __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]

@@ -14,12 +14,11 @@ measured, and process 0 runs retention on both tiers.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Mapping
 
 import jax
-
-import contextlib
 
 from . import _commit, _coordination, _interval, _lineage, _paths, _steps, _tiers
 from ._claims import StepClaims
