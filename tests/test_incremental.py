@@ -164,6 +164,24 @@ def test_a_missing_reference_is_an_error_naming_leaf_and_reference(tmp_path, cap
   assert "['base']['w']" in out and f"{a}/data-" in out
 
 
+def test_export_reads_referenced_data(tmp_path):
+  """export_safetensors of an incremental checkpoint reads reused leaves (stored and packed)
+  from the checkpoint that wrote them."""
+  from safetensors.numpy import load_file
+  a, b = str(tmp_path / "1"), str(tmp_path / "2")
+  hashed_save(lora_tree(1), a).wait()
+  fnckpt.save(lora_tree(2), b, base=a).wait()
+  m = _records_of(b)
+  assert m.bases and any(l.stored is not None and l.stored.base is not None for l in m.leaves)
+  assert any(m.packs[l.packed.pack].base is not None for l in m.leaves if l.packed)
+  out = str(tmp_path / "out.safetensors")
+  fnckpt.export_safetensors(b, out)
+  got, want = load_file(out), lora_tree(2)
+  for name in ("base.w", "base.norm", "lora.a", "lora.b", "opt.mu"):
+    first, second = name.split(".")
+    assert got[name].tobytes() == np.asarray(want[first][second]).tobytes(), name
+
+
 def test_verify_reads_referenced_data(tmp_path, capsys):
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   hashed_save(lora_tree(1), a).wait()
