@@ -33,7 +33,7 @@ from ._errors import BarrierTimeoutError, CheckpointError
 __all__ = ["Session", "PHASES", "PeerFailedError"]
 
 # Every attempt passes these barriers, in this order (also when it fails: see abort()).
-PHASES = ("agreed", "checked", "cleared", "written", "committed")
+PHASES = ("agreed", "checked", "cleared", "hashed", "written", "committed")
 
 # How long one wait for process 0's shared data lasts before looking for published errors.
 _POLL_S = 0.5
@@ -122,6 +122,19 @@ class Session:
               "came. Every process must call save for the same location, in the same order; "
               "raise barrier_timeout_s if process 0 is merely slow.") from None
         time.sleep(max(0.0, _POLL_S - (time.monotonic() - start)))  # (an error at once)
+
+  def gather(self, phase: str, data: bytes) -> list[bytes] | None:
+    """Every process publishes ``data`` and arrives at barrier ``phase``; process 0 returns
+    every process's data (in process order), the others ``None``. One process: ``[data]``."""
+    if not self.multi:
+      return [data]
+    key = f"{self.prefix}/{self.nonce}/gather/{phase}"
+    self.client.key_value_set_bytes(f"{key}/{jax.process_index()}", data, allow_overwrite=True)
+    self.barrier(phase)
+    if jax.process_index() != 0:
+      return None
+    return [self.client.blocking_key_value_get_bytes(f"{key}/{p}", self._ms())
+            for p in range(jax.process_count())]
 
   def barrier(self, phase: str) -> None:
     """Wait for every process at ``phase``; then raise if any process has failed."""

@@ -19,7 +19,9 @@ module:
 - :mod:`fnckpt._tiers`: a fast local tier beside the durable one (its policy, its
   ``StepIndex``, the background copy to durable storage, the pure recovery choice);
 - :class:`fnckpt._saver.Saver`: whether and where a step is saved, the collective save, and
-  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read.
+  the work after its commit; :class:`fnckpt._recovery.Recovery`: which step and copy to read;
+- :mod:`fnckpt._lineage`: which step an incremental save refers to, forking a step;
+  :mod:`fnckpt._fork`: what data steps and forks refer to, so deletes keep it.
 
 Resuming after preemption (the pattern every training loop can copy)::
 
@@ -55,13 +57,13 @@ import jax
 import msgpack
 import numpy as np
 
-from . import _coordination, _interval, _paths, _retention, _starts, _steps, _tiers
+from . import _coordination, _interval, _lineage, _paths, _retention, _starts, _steps, _tiers
 from ._claims import StepClaims
 from ._recovery import Recovery
 from ._saver import Saver
 from ._errors import CheckpointError
 from ._preemption import Preemption
-from ._retention_runner import Background, RetentionRunner, delete_unclaimed
+from ._retention_runner import Background, RetentionRunner, delete_referenced
 
 __all__ = ["CheckpointManager"]
 
@@ -96,6 +98,9 @@ class CheckpointManager:
     save_options: more keyword arguments for every :func:`fnckpt.save` (``zstd``,
       ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
       manager's own barriers).
+    incremental: each save refers to the newest committed step (``save(base=...)``) and
+      records content hashes: what is unchanged is not written again (README "Incremental").
+    full_every: with ``incremental``, every ``n``-th save of this manager is a full save.
 
   With no retention rule every step is kept. The newest committed step and steps being saved
   or restored are never deleted. Uncommitted leftovers of crashed saves are ignored, reported
@@ -119,8 +124,12 @@ class CheckpointManager:
                save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
                keep_durable: int | None = None, local_directory: str | None = None,
                local_save_interval_steps: int = 1, local_max_to_keep: int = 2,
-               local_storage_options: dict[str, Any] | None = None):
+               local_storage_options: dict[str, Any] | None = None, incremental: bool = False,
+               full_every: int | None = None):
+    self._options = {k: v for k, v in locals().items()  # a fork's manager: the same options
+                     if k not in ("self", "directory", "handle_preemption", "local_directory")}
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
+    incremental = _lineage.Incremental(incremental, full_every)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -142,7 +151,7 @@ class CheckpointManager:
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
                         self._preemption, self._background, self._retention,
-                        self._save_options, self._timeout)
+                        self._save_options, self._timeout, incremental)
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -239,22 +248,15 @@ class CheckpointManager:
   def delete(self, step: int) -> None:
     """Delete the checkpoint (or uncommitted leftover) of ``step`` in both tiers (the local
     one of process 0), its commit marker first (so it is never seen half deleted) and its
-    damage mark. Waits for this manager's save of it."""
-    indexes = [self._index] + ([self._local.index] if self._local else [])
-    _delete(indexes, self._claims, _steps.as_step(step), self._root, self._timeout)
+    damage mark; its data that other steps or forks refer to stays until they go. Waits for
+    this manager's save of it."""
+    _delete(self, _steps.as_step(step))
 
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
     manager's saves in flight are spared (another job's are not: do not run it then)."""
-    def remove() -> list[int]:
-      leftovers = self.uncommitted_steps()
-      deleted, failed = delete_unclaimed(self._index, self._claims, lambda busy: [
-          s for s in leftovers if s not in busy])
-      if failed:
-        raise failed[0][1]
-      return deleted
-
-    return _coordination.from_process_0(self._root, "cleanup", remove, self._timeout)
+    return _coordination.from_process_0(self._root, "cleanup", lambda: _cleanup(self),
+                                        self._timeout)
 
   # --- restoring ----------------------------------------------------------------------------
 
@@ -276,6 +278,24 @@ class CheckpointManager:
         raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
+
+  def fork(self, step: int, directory: str) -> "CheckpointManager":
+    """A new run in ``directory`` whose newest step is this run's durable ``step``, its data
+    not copied but referred to (the fork is recorded under ``<run>/forks/``, so retention
+    keeps that data); returns its manager, with these options but no local tier (collective).
+
+    >>> import numpy as np, fnckpt
+    >>> mgr = fnckpt.CheckpointManager("memory://doc/fork/a")
+    >>> _ = mgr.save(0, {"w": np.arange(40000.0)}); mgr.wait()
+    >>> float(mgr.fork(0, "memory://doc/fork/b").restore()["w"][-1])
+    39999.0
+    """
+    step = _steps.as_step(step)
+    self._claims.wait_saved(step)
+    with self._claims.reading(step):
+      _coordination.from_process_0(self._root, "fork", lambda: _lineage.fork(
+          self._index, step, directory), self._timeout)
+    return CheckpointManager(directory, **self._options)
 
   def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
                       **kwargs: Any) -> tuple[Any, int | None]:
@@ -391,17 +411,27 @@ def _warn_leftovers(leftovers: list[int], directory: str) -> None:
         "replaces it.", stacklevel=3)
 
 
-def _delete(indexes: list[_steps.StepIndex], claims: StepClaims, step: int, root: str,
-            timeout_s: float) -> None:
-  """delete(step) (collective): process 0 removes ``step`` from every tier holding it."""
-  claims.claim_delete(step)
+def _delete(mgr: CheckpointManager, step: int) -> None:
+  """delete(step): claimed, then process 0 removes it from every tier (collective)."""
+  indexes = [mgr._index] + ([mgr._local.index] if mgr._local else [])
+  mgr._claims.claim_delete(step)
   try:
-    _coordination.from_process_0(root, "delete", lambda: _remove(
-        indexes, step, _paths.display(root)), timeout_s)
+    _coordination.from_process_0(mgr._root, "delete", lambda: _remove(
+        indexes, step, mgr.directory), mgr._timeout)
   finally:
-    claims.release_delete([step])
+    mgr._claims.release_delete([step])
   for index in indexes:
     index.forget(step)
+
+
+def _cleanup(mgr: CheckpointManager) -> list[int]:
+  """cleanup(), on process 0: the leftovers, never data that steps or forks refer to."""
+  leftovers = mgr.uncommitted_steps()
+  deleted, failed = delete_referenced(mgr._index, mgr._claims, mgr._index.list(),
+                                      lambda busy: [s for s in leftovers if s not in busy])
+  if failed:
+    raise failed[0][1]
+  return deleted
 
 
 def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
@@ -410,7 +440,7 @@ def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
   if not there:
     raise CheckpointError(f"There is no step {step} in {directory!r}.")
   for index in there:
-    index.delete(step)
+    index.delete_keeping(step)
 
 
 def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,

@@ -23,9 +23,9 @@ import numpy as np
 from ._errors import CheckpointError
 from ._tree import keystr
 
-__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "parse", "parse_values",
-           "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype", "check_dir",
-           "MAX_DIMS"]
+__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "Base", "Fork", "parse",
+           "parse_values", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
+           "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
 DTYPES = frozenset((
@@ -46,6 +46,10 @@ MAX_CHUNKS = 1 << 32              # chunks of one stored array
 MAX_DEPTH = 32                    # nesting of a Generator's state
 MAX_BIGINT_DIGITS = 4000          # below Python's int() digit limit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DATA_NAME = re.compile(r"data-[0-9a-f]{32}")
+HASH_BYTES = 32                   # SHA-256
+FP_BYTES = 8                      # a chunk's fingerprint (fnckpt._refs.fingerprint)
+MAX_UP = 64                       # '..' names at the front of a reference
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -110,6 +114,44 @@ def check_dir(path: Any, what: str) -> str:
   return path
 
 
+def check_rel(path: Any, what: str) -> str:
+  """A reference to another checkpoint or run: up to 64 ``..`` names, then plain names.
+
+  >>> check_rel("5", "dir"), check_rel("../../runs/a/5", "dir")
+  ('5', '../../runs/a/5')
+  """
+  _str(path, what, 2048)
+  parts = path.split("/")
+  up = 0
+  while up < len(parts) and parts[up] == "..":
+    up += 1
+  rest = parts[up:]
+  _req(up <= MAX_UP and rest and all(_NAME.fullmatch(p) and p not in (".", "..") for p in rest),
+       lambda: f"{what} must be up to {MAX_UP} '..' then plain names, found {_short(path)}")
+  return path
+
+
+def _hash(v: Any, what: str, n: int = HASH_BYTES) -> bytes:
+  _req(isinstance(v, bytes) and len(v) == n,
+       lambda: f"{what} must be {n} bytes, found {_short(v)}")
+  return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """A referenced checkpoint: ``dir`` relative to the parent of the referring checkpoint's
+  directory, and the ``data`` directory (of the save that wrote the bytes) referred to."""
+  dir: str
+  data: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+  """Lineage of a forked run: the parent ``run`` (relative to this run's directory), ``step``."""
+  run: str
+  step: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharding:
   """A saved sharding: ``type`` "named" (mesh ``axes``/``sizes`` and ``spec``), "single", or
@@ -129,6 +171,7 @@ class Stored:
   inner: tuple[int, ...]
   zstd: int | None
   blosc: tuple[tuple[str, Any], ...] | None = None  # blosc's configuration (sorted items)
+  base: int | None = None          # index in the manifest's ``bases``: ``dir`` is relative to it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +182,7 @@ class Pack:
   nbytes: int
   chunk: int
   inner: int
+  base: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +211,9 @@ class Leaf:
   type: str | None = None          # scalar type, or the empty container's type
   name: str | None = None          # an empty container's class
   value: Any = None
+  hash: bytes | None = None        # SHA-256 of the stored bytes (see README "References")
+  chunk_hashes: bytes | None = None
+  chunk_fps: bytes | None = None
 
   @property
   def where(self) -> str:
@@ -191,10 +238,13 @@ class Manifest:
   leaves: tuple[Leaf, ...]
   data: str | None = None           # format 2: the directory of this save's data
   packs: tuple[Pack, ...] = ()
+  bases: tuple[Base, ...] = ()      # checkpoints whose data this one refers to
+  fork: Fork | None = None
 
 
 _TOP_V1 = ("format", "version", "created", "process_count", "versions", "metadata", "leaves")
 _TOP_V2 = _TOP_V1 + ("data", "packs")
+_TOP_V2_OPTIONAL = ("bases", "fork")
 
 
 def parse(m: Any, location: str, reader_version: int) -> Manifest:
@@ -202,7 +252,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   try:
     version = _int(m.get("version") if isinstance(m, dict) else None, "'version'", 1,
                    reader_version)
-    top = _keys(m, "it", _TOP_V1 if version == 1 else _TOP_V2)
+    top = _keys(m, "it", _TOP_V1 if version == 1 else _TOP_V2,
+                () if version == 1 else _TOP_V2_OPTIONAL)
     _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
     created = top["created"]
     _req(isinstance(created, (int, float)) and not isinstance(created, bool)
@@ -213,14 +264,17 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
                                             for k, v in versions.items()),
          "'versions' must map names to version strings")
     data = check_dir(top["data"], "'data'") if version >= 2 else None
-    packs = tuple(_pack(p, i) for i, p in enumerate(_list(top.get("packs", []), "'packs'")))
+    bases = _bases(top.get("bases", []))
+    fork = _fork(top.get("fork"))
+    packs = tuple(_pack(p, i, bases) for i, p in enumerate(_list(top.get("packs", []),
+                                                                  "'packs'")))
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if str(e).startswith("it ") else f"its {e}") from None
   leaves = []
   for i, rec in enumerate(raw):
     try:
-      leaves.append(_leaf(i, rec, version, packs))
+      leaves.append(_leaf(i, rec, version, packs, bases))
     except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
       raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
           from None
@@ -232,7 +286,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   except _Bad as e:
     raise _error(location, str(e)) from None
   return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
-                  tuple(leaves), data, packs)
+                  tuple(leaves), data, packs, bases, fork)
 
 
 def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
@@ -270,14 +324,45 @@ def _list(v: Any, what: str, limit: int = 1 << 26) -> list:
   return v
 
 
-def _pack(p: Any, i: int) -> Pack:
-  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"))
+def _bases(v: Any) -> tuple[Base, ...]:
+  out = []
+  for i, b in enumerate(_list(v, "'bases'", 1 << 16)):
+    _keys(b, f"'bases'[{i}]", ("dir", "data"))
+    data = _str(b["data"], f"'bases'[{i}].data", 64)
+    _req(_DATA_NAME.fullmatch(data) is not None,
+         lambda: f"'bases'[{i}].data must be data-<32 hex digits>, found {_short(data)}")
+    out.append(Base(check_rel(b["dir"], f"'bases'[{i}].dir"), data))
+  _req(len(set(out)) == len(out), "'bases' entries must be distinct")
+  return tuple(out)
+
+
+def _fork(v: Any) -> Fork | None:
+  if v is None:
+    return None
+  _keys(v, "'fork'", ("run", "step"))
+  return Fork(check_rel(v["run"], "'fork'.run"), _int(v["step"], "'fork'.step", 0, 1 << 62))
+
+
+def _base_of(v: Any, d: str, what: str, bases: tuple[Base, ...]) -> int | None:
+  """A ``base`` index (or None): it names an entry of ``bases`` whose data holds ``d``."""
+  if v is None:
+    return None
+  k = _int(v, f"{what}.base", 0, max(len(bases) - 1, 0))
+  _req(k < len(bases), lambda: f"{what}.base names no entry of 'bases'")
+  _req(d.startswith(bases[k].data + "/"),
+       lambda: f"{what}.dir {_short(d)} lies outside the referenced data {bases[k].data!r}")
+  return k
+
+
+def _pack(p: Any, i: int, bases: tuple[Base, ...] = ()) -> Pack:
+  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"), ("base",))
   nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
   chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, min(nbytes, MAX_PACK_CHUNK))
   inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
   _req(chunk % inner == 0 and nbytes % inner == 0,
        lambda: f"'packs'[{i}].inner must divide its chunk and nbytes")
-  return Pack(check_dir(p["dir"], f"'packs'[{i}].dir"), nbytes, chunk, inner)
+  d = check_dir(p["dir"], f"'packs'[{i}].dir")
+  return Pack(d, nbytes, chunk, inner, _base_of(p.get("base"), d, f"'packs'[{i}]", bases))
 
 
 def _path_ok(rec: Any) -> bool:
@@ -308,7 +393,8 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   return tuple(out)
 
 
-def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
+def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
+          bases: tuple[Base, ...] = ()) -> Leaf:
   _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
   _req(isinstance(kind, str) and kind in LEAF_KINDS,
@@ -320,7 +406,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...]) -> Leaf:
     _keys(rec, "it", common)
     return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs)
+    return _array(i, path, rec, version, packs, bases)
   if kind == "empty":
     _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
@@ -372,10 +458,11 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs) -> Leaf:
+def _array(i, path, rec, version, packs, bases=()) -> Leaf:
   kind = rec["kind"]
   storage = ("inline", "store", "pack")
-  optional = ("impl",) if kind == "key" else ()
+  optional = (("impl",) if kind == "key" else ()) + (
+      ("hash", "chunk_hashes", "chunk_fps") if version >= 2 else ())
   _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
         storage + optional)
   where = [k for k in storage if k in rec]
@@ -395,9 +482,24 @@ def _array(i, path, rec, version, packs) -> Leaf:
   if "inline" in rec:
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
          lambda: f"'inline' must hold {nbytes} bytes")
+    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
     return dataclasses.replace(leaf, inline=rec["inline"])
+  if "hash" in rec:
+    leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'"))
   if "store" in rec:
-    return dataclasses.replace(leaf, stored=_stored(rec["store"], shape, dtype, version))
+    stored = _stored(rec["store"], shape, dtype, version, bases)
+    if "chunk_hashes" in rec:
+      n = math.prod(-(-s // c) for s, c in zip(shape, stored.chunks)) if all(shape) else 0
+      _req(leaf.hash is not None, "'chunk_hashes' needs 'hash'")
+      leaf = dataclasses.replace(leaf, chunk_hashes=_hash(
+          rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", HASH_BYTES * n))
+      if "chunk_fps" in rec:
+        leaf = dataclasses.replace(leaf, chunk_fps=_hash(
+            rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
+    _req("chunk_fps" not in rec or "chunk_hashes" in rec, "'chunk_fps' needs 'chunk_hashes'")
+    return dataclasses.replace(leaf, stored=stored)
+  _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
+       "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
   p = _keys(rec["pack"], "'pack'", ("index", "offset"))
   k = _int(p["index"], "'pack'.index", 0, max(len(packs) - 1, 0))
@@ -409,9 +511,11 @@ def _array(i, path, rec, version, packs) -> Leaf:
   return dataclasses.replace(leaf, packed=Packed(k, offset, nbytes))
 
 
-def _stored(s: Any, shape, dtype: str, version: int) -> Stored:
-  _keys(s, "'store'", ("dir", "chunks", "inner", "zstd"), ("blosc",) if version >= 2 else ())
+def _stored(s: Any, shape, dtype: str, version: int, bases=()) -> Stored:
+  _keys(s, "'store'", ("dir", "chunks", "inner", "zstd"),
+        ("blosc", "base") if version >= 2 else ())
   d = check_dir(s["dir"], "'store'.dir")
+  base = _base_of(s.get("base"), d, "'store'", bases)
   if version == 1:
     _req(re.fullmatch(r"d/[0-9]{1,9}", d) is not None, "'store'.dir must be d/<n>")
   chunks = tuple(_int(c, "a chunk dimension", 1, MAX_ELEMENTS) for c in
@@ -429,7 +533,7 @@ def _stored(s: Any, shape, dtype: str, version: int) -> Stored:
        "'store'.zstd must be nil or a zstd level")
   blosc = _blosc(s.get("blosc"))
   _req(not z or blosc is None, "'store' has both zstd and blosc")
-  return Stored(d, chunks, inner, z, blosc)
+  return Stored(d, chunks, inner, z, blosc, base)
 
 
 def _blosc(b: Any) -> tuple[tuple[str, Any], ...] | None:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _commit, _layout, _leaves, _manifest, _paths, _perprocess, _records, _store, _tree
+from . import _commit, _layout, _leaves, _manifest, _paths, _perprocess, _records, _refs, _store, _tree
 from ._errors import CheckpointError, DamagedError, NotCommittedError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
@@ -577,9 +577,11 @@ class _Stream:
     rec = r.want.rec
     if self.src.reader is not None:  # Orbax, safetensors
       read = self.src.reader.slice_reader(rec)
-    else:
+    else:  # (a reused leaf's data is in the checkpoint its ``base`` names)
+      kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
+                                self.src.location)
       read = functools.partial(_store.read_slice, _store.open_array(  # no I/O: the manifest
-          _store.zarr_spec(self.src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
+          _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
                            rec.shape), self.src.ctx, mode="read").result())
     itemsize = _leaves.dtype_of(rec.dtype).itemsize
     if r.sharding is None:
@@ -721,7 +723,8 @@ def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
     if p.pack not in packs:
       pack = src.manifest.packs[p.pack]
       packs[p.pack] = _store.open_array(_store.pack_spec(
-          src.kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read")
+          _refs.base_spec(src.kv_spec, src.manifest, pack.base, src.location), pack.dir,
+          pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read")
     if window and held + p.nbytes > half:
       close()
     store = packs[p.pack].result()
@@ -789,11 +792,23 @@ def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointErro
   if not _commit.unchanged(src.kv, src.commit):
     return _commit.changed_error(location)
   where = rec.where
+  base = None
   if rec.packed is not None:
+    base = src.manifest.packs[rec.packed.pack].base
     store = f"{location}/{src.manifest.packs[rec.packed.pack].dir}"
   else:
+    base = rec.stored.base if rec.stored is not None else None
     store = f"{location}/{rec.stored.dir}" if rec.stored is not None else location
   text = _paths.error_text(e)
+  if base is not None:
+    ref = _refs.describe(location, src.manifest, base)
+    store = _refs.display(location, src.manifest.bases[base].dir) + store[len(location):]
+    if _paths.read_failure(e) == "missing":  # (damage: self-healing restores skip the step)
+      return DamagedError(
+          f"Cannot restore {where} from {location!r}: it refers to {ref}, which is missing "
+          f"(no data at {store!r}: that checkpoint was deleted or moved). This checkpoint "
+          "cannot be restored without it; restore another step, or put the referenced "
+          f"checkpoint back. [{text}]")
   cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
            "corrupt": "its data is corrupt or truncated",
            "missing": "a chunk of its data is missing",

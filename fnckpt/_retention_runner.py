@@ -80,22 +80,40 @@ class Background:
 
 
 def delete_unclaimed(index: StepIndex, claims: StepClaims,
-                     choose: Callable[[set[int]], list[int]]
+                     choose: Callable[[set[int]], list[int]],
+                     keep: Callable[[set[int]], dict[int, set[str]]] | None = None
                      ) -> tuple[list[int], list[tuple[int, BaseException]]]:
   """Claim and delete the steps ``choose(claimed steps)`` names (never a claimed one); return
-  (deleted steps, [(step, error)] for those that could not be deleted)."""
+  (deleted steps, [(step, error)] for those that could not be deleted). ``keep(doomed)``: per
+  step, its data directories that the steps left (or forks) refer to, which stay."""
   doomed = claims.claim_unprotected(choose)
   deleted, failed = [], []
   try:
+    kept = keep(set(doomed)) if keep is not None and doomed else {}
     for step in doomed:
       try:
-        index.delete(step)
+        index.delete(step, kept.get(step, set()))
         deleted.append(step)
       except Exception as e:  # TensorStore raises ValueError and others
         failed.append((step, e))
   finally:
     claims.release_delete(doomed)
   return sorted(deleted), failed
+
+
+def delete_referenced(index: StepIndex, claims: StepClaims, listing: Any,
+                      choose: Callable[[set[int]], list[int]]
+                      ) -> tuple[list[int], list[tuple[int, BaseException]]]:
+  """:func:`delete_unclaimed` keeping the data that the steps left (damaged ones too) or
+  forks refer to (``REFERENCED``, :mod:`fnckpt._fork`); then the deleted steps kept for their
+  data (``listing.held``) lose what nothing refers to any more."""
+  from . import _fork
+  deleted, failed = delete_unclaimed(index, claims, choose,
+                                     lambda doomed: index.refs.kept(listing, doomed))
+  if listing.held:
+    _fork.collect(index.root, [s for s in listing.held if s not in claims.busy()],
+                  index.refs.kept(listing, set(deleted)), index.storage_options)
+  return deleted, failed
 
 
 class RetentionRunner:
@@ -121,8 +139,8 @@ class RetentionRunner:
     listing = self.index.list(in_flight=self.claims.saving())
     metrics = (self.index.metric_values(listing, self.best_metric)
                if self.policy.best_n and self.best_metric else {})
-    _, failed = delete_unclaimed(self.index, self.claims, lambda protect: _retention.to_delete(
-        listing.steps, self.policy, metrics, protect))
+    _, failed = delete_referenced(self.index, self.claims, listing, lambda protect: (
+        _retention.to_delete(listing.steps, self.policy, metrics, protect)))
     if failed:
       raise self._error(failed)
 

@@ -22,8 +22,8 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from . import (_collective, _commit, _layout, _leaves, _manifest, _packing, _paths, _perprocess,
-               _store, _tree)
+from . import (_collective, _commit, _delta, _layout, _leaves, _manifest, _packing, _paths,
+               _perprocess, _refs, _store, _tree)
 from ._errors import CheckpointError
 from ._writer import Chunk, Commit, Writer
 
@@ -89,6 +89,7 @@ class SaveStats:
   total_s: float = 0.0         # from the call until committed
   bytes_written: int = 0       # array bytes this process wrote (chunks and packs)
   chunks_written: int = 0
+  bytes_reused: int = 0        # array bytes equal to the base's, not written (save(base=))
   peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
                                # (as charged to the budget: CHUNK_COST x each chunk in flight)
 
@@ -184,6 +185,7 @@ def _finish_at_exit() -> None:
 
 @dataclasses.dataclass
 class _Array:
+  index: int
   rec: dict[str, Any]
   data: Any                      # jax.Array or np.ndarray holding the bytes
   spec: dict[str, Any]
@@ -200,6 +202,9 @@ class _Plan:
   data_dir: str
   values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
   holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
+  stored_c: dict[int, _refs.StoredCand] = dataclasses.field(default_factory=dict)
+  packed_c: dict[int, _refs.PackCand] = dataclasses.field(default_factory=dict)
+  maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
 
 
 def _holders(data: Any) -> str:
@@ -221,8 +226,28 @@ def _processes(sharding: Any) -> frozenset[int]:
   return frozenset(d.process_index for d in sharding.device_set)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Base:
+  """An incremental save's base: its manifest and where it and the new checkpoint are."""
+  manifest: Any
+  loc: _refs.Location
+  new_loc: _refs.Location
+  source: Any = None              # the opened base (its commit marker as read at the start)
+
+  def check(self) -> None:
+    """Before the new checkpoint commits: the base is still the committed checkpoint read at
+    the start (else the new one would refer to data that may be gone)."""
+    from . import _commit
+    src = self.source
+    if not _commit.unchanged(src.kv, src.commit):
+      raise CheckpointError(
+          f"The base {src.location!r} was deleted or replaced while this save was writing; "
+          "the new checkpoint would refer to its data, so it is not committed. Save again "
+          "(with a committed base, or without base=). Earlier checkpoints are intact.")
+
+
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
-          codecs: dict[str, Any]) -> _Plan:
+          codecs: dict[str, Any], base: _Base | None = None) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
   queries)."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
@@ -265,6 +290,21 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
+  stored_c, packed_c = (_refs.candidates(records, base.manifest, base.loc, base.new_loc)
+                        if base is not None else ({}, {}))
+  maybe = [c for c in candidates if c[0] in packed_c]
+  owners = _packing.assign([c[2] for c in maybe], nproc).where
+  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
+                                data_dir, nproc, me)
+  mine = [p for p in packs if p["dir"] == f"{data_dir}/p/{me}"]
+  return _Plan(records, arrays, packed, packs, mine[0] if mine else None, data_dir, values,
+               holders, stored_c, packed_c,
+               [(i, d) for i, d, _ in maybe if owners[i][0] == me])
+
+
+def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int):
+  """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
+  (record index, data) this process packs."""
   plan = _packing.assign([c[2] for c in candidates], nproc)
   packs, index_of = [], {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
@@ -276,8 +316,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     records[i]["pack"] = {"index": index_of[p], "offset": offset}
     if p == me:
       packed.append((i, data))
-  return _Plan(records, arrays, packed, packs, packs[index_of[me]] if me in index_of else None,
-               data_dir, values, holders)
+  return packs, packed
 
 
 def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any]) -> _Array:
@@ -294,7 +333,7 @@ def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any
   inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
   rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, codecs)
   units = units if _layout.nbytes(shape, 1) else []
-  return _Array(rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
+  return _Array(i, rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
 
 
 def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
@@ -339,8 +378,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
          zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
-         storage_options: dict[str, Any] | None = None,
-         _barrier_location: str | None = None) -> SaveHandle:
+         storage_options: dict[str, Any] | None = None, base: str | None = None) -> SaveHandle:
   """Save a pytree to ``path``; return once its arrays are copied off the devices.
 
   Writing and committing continue in the background: ``handle.wait()`` (or
@@ -366,8 +404,13 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     zstd: short for ``compression="zstd:<zstd>"``.
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
-    _barrier_location: (internal: the manager's local tier) the name the processes' barriers
-      are keyed on instead of ``path``, for per-host paths that differ between processes.
+    base: a committed checkpoint on the same storage (e.g. the previous step): arrays whose
+      bytes equal the base's (by SHA-256, computed in the background) are not written again;
+      the new checkpoint refers to the base's data. The base must outlive it (the manager's
+      retention keeps referenced data; see README "Incremental saves and forks"). Only a save
+      with a base hashes its data (a plain save pays nothing for hashing); a base saved
+      without hashes (a plain save) has nothing to compare with, so that save writes
+      everything, and records its hashes so that the next save with it as base can reuse.
 
   >>> import jax.numpy as jnp, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -375,7 +418,27 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   >>> _ = h.wait()
   >>> fnckpt.restore(f"{d}/ckpt")["step"]
   1
+  >>> s = fnckpt.save({"w": jnp.ones((4, 4)), "step": 2}, f"{d}/next", base=f"{d}/ckpt").wait()
+  >>> fnckpt.restore(f"{d}/next")["step"], s.bytes_reused  # the base had no hashes
+  (2, 0)
   """
+  return start(tree, path, overwrite=overwrite, metadata=metadata, budget_bytes=budget_bytes,
+               inline_bytes=inline_bytes, pack_bytes=pack_bytes, compression=compression,
+               zstd=zstd, barrier_timeout_s=barrier_timeout_s,
+               storage_options=storage_options, base=base, hashes=base is not None)
+
+
+def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
+          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
+          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
+          zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+          storage_options: dict[str, Any] | None = None, base: str | None = None,
+          hashes: bool = False, barrier_location: str | None = None) -> SaveHandle:
+  """:func:`save`; ``hashes``: record the content hashes of what is written even without a
+  base (the saves of an ``incremental=True`` manager: its full saves are the next saves'
+  bases). Every process passes the same ``hashes``. ``barrier_location`` (the manager's local
+  tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
+  paths that differ between processes."""
   t0 = time.perf_counter()
   location = _paths.display(path)
   handle = SaveHandle(location)
@@ -386,7 +449,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   if earlier is not None:
     earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
   session, writer, where = None, None, "planning"
-  key = _paths.display(_barrier_location) if _barrier_location else location
+  key = _paths.display(barrier_location) if barrier_location else location
   try:
     # The session first: from here on any failure is published to the other processes (and
     # every process counts this attempt, so the next one pairs up again).
@@ -397,17 +460,24 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     codecs = _codecs(compression, zstd)
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
-    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs)
+    where = "reading the base checkpoint"
+    based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
+    where = "planning"
+    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
+                 based)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
     budget = _process_budget(budget_bytes or default_budget_bytes())
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, writer, err, t0))
+    writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
+                                min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
+                                hashing=hashes or base is not None)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
-    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata)
+    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
   except BaseException as e:
     err = _wrap(e, location, where)
     if writer is not None:
@@ -423,6 +493,22 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
+  """The committed checkpoint ``base`` (on the same storage as the new one)."""
+  from . import _restore
+  if not isinstance(base, (str, os.PathLike)):
+    raise CheckpointError(f"save(base={base!r}): expected the location of a committed "
+                          "checkpoint (a str), e.g. the previous step's path.")
+  src = _restore.open_source(os.fspath(base), storage_options)
+  loc, new_loc = _refs.locate(src.kv_spec), _refs.locate(kv_spec)
+  if loc.store != new_loc.store or loc.path == new_loc.path:
+    raise CheckpointError(
+        f"save(base={src.location!r}) to {location!r}: the base must be another checkpoint "
+        "on the same storage (same scheme, bucket and options) as the new one. Save without "
+        "base=, or pick a base beside the new checkpoint.")
+  return _Base(src.manifest, loc, new_loc, src)
 
 
 def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
@@ -455,38 +541,68 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   if writer.aborted:
     return  # save() raises the staging error itself
   handle.stats.write_s, handle.stats.commit_s = writer.write_s, writer.commit_s
+  d = writer.delta
+  handle.stats.bytes_reused = d.skipped_bytes - d.copied_bytes + d.reused_pack_bytes
+  handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
+  handle.stats.chunks_written -= d.skipped_chunks
   handle.stats.total_s = time.perf_counter() - t0
   handle._finish(error)
 
 
 def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
-               metadata: Any) -> Commit:
+               metadata: Any, based: _Base | None = None) -> Commit:
   """Stage this process's chunks and pack into the writer; return what committing needs."""
   is_main = jax.process_index() == 0
-  creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays] if is_main \
-      else []
+  creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
+              if a.index not in plan.stored_c] if is_main else []  # (candidates: if changed)
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
   _start_copies(plan, budget)
   for a, fut in zip(plan.arrays, opened):
-    shard_data = ({s.device: s.data for s in a.data.addressable_shards}
-                  if isinstance(a.data, jax.Array) and a.units else {})
-    itemsize = np.dtype(a.data.dtype).itemsize
-    for unit in a.units:
-      n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
-      try:
-        host = _charge(budget, CHUNK_COST * n, writer,
-                       lambda: _stage(a.data, unit, shard_data.get(unit.device)))
-      except BaseException as e:
-        raise _at(e, a.rec["path"])
-      writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n))
-      _count(handle, budget, n)
+    _stage_array(a, fut, plan.stored_c.get(a.index), writer, budget, handle)
   if plan.my_pack is not None:
     _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
-  manifest = _manifest.encode(_manifest_dict(plan, metadata)) if is_main else None
+  for i, data in plan.maybe_packed:
+    n = _nbytes(data)
+    try:
+      staged = _charge(budget, CHUNK_COST * n, writer, lambda: _Staged.of(data))
+    except BaseException as e:
+      raise _at(e, plan.records[i]["path"])
+    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.packed_c[i].hash))
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
-  return Commit(kv, manifest, creating, is_main)
+  dplan = _delta.Plan(
+      plan.records, plan.packs, plan.stored_c, plan.packed_c,
+      {a.index: a.spec for a in plan.arrays if a.index in plan.stored_c},
+      {a.index: a.rec["store"]["dir"] for a in plan.arrays if a.index in plan.stored_c},
+      kv_spec, plan.data_dir,
+      (lambda records, packs, bases: _manifest.encode(_manifest_dict(
+          plan, metadata, records, packs, bases))) if is_main else None,
+      based.check if based is not None else None)
+  return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
+                                            writer.location), creating, is_main)
+
+
+def _stage_array(a: _Array, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
+                 handle: SaveHandle) -> None:
+  """Stage the chunks of one zarr array this process writes (each hashed by the writer; a
+  candidate's chunk equal to the base's is not written)."""
+  shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                if isinstance(a.data, jax.Array) and a.units else {})
+  itemsize = np.dtype(a.data.dtype).itemsize
+  chunks, shape = a.rec["store"]["chunks"], a.rec["shape"]
+  for unit in a.units:
+    n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+    try:
+      host = _charge(budget, CHUNK_COST * n, writer,
+                     lambda: _stage(a.data, unit, shard_data.get(unit.device)))
+    except BaseException as e:
+      raise _at(e, a.rec["path"])
+    pos = _refs.chunk_pos(unit.index, chunks, shape)
+    writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
+                     cand.expect(pos) if cand is not None else None, n,
+                     cand.expect_fp(pos) if cand is not None else None))
+    _count(handle, budget, n)
 
 
 def _charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
@@ -526,7 +642,7 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
   todo = sorted((plan.records[i]["pack"]["offset"], i, data) for i, data in plan.packed)
   staged: dict[int, _Staged] = {}
 
-  def pieces(start: int, end: int) -> list[tuple[int, "_Staged", int, int]]:
+  def pieces(start: int, end: int) -> list[tuple[int, "_Staged", int, int, int]]:
     out = []
     for offset, i, data in todo:
       if offset >= end or offset + _nbytes(data) <= start:
@@ -536,14 +652,15 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
       except BaseException as e:
         raise _at(e, plan.records[i]["path"])
       lo, hi = max(offset, start), min(offset + leaf.nbytes, end)
-      out.append((lo - start, leaf, lo - offset, hi - offset))
+      out.append((lo - start, leaf, lo - offset, hi - offset, i))
     return out
 
   for start in range(0, pack["nbytes"], pack["chunk"]):
     end = min(start + pack["chunk"], pack["nbytes"])
     cost = CHUNK_COST * (end - start)
     parts = _charge(budget, cost, writer, lambda: pieces(start, end))
-    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts), cost))
+    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts, writer.delta.hash_piece),
+                     cost))
     del parts  # (while staging the next chunk) the writer frees them once assembled
     _count(handle, budget, end - start)
     for offset, i, _ in todo:  # a leaf that ends in this chunk is not needed any more
@@ -598,14 +715,17 @@ class _Staged:
 @dataclasses.dataclass
 class _Assemble:
   """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
-  staged leaf, at ``offset`` in the chunk."""
+  staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
   nbytes: int
-  pieces: list[tuple[int, _Staged, int, int]]
+  pieces: list[tuple[int, _Staged, int, int, int]]
+  hash_piece: Any = None
 
   def __call__(self) -> np.ndarray:
     buf = np.zeros(self.nbytes, np.uint8)
-    for offset, leaf, lo, hi in self.pieces:
+    for offset, leaf, lo, hi, i in self.pieces:
       buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
+      if self.hash_piece is not None:
+        self.hash_piece(i, buf[offset:offset + hi - lo])
     return buf
 
 
@@ -684,7 +804,7 @@ def _disagreement(location: str, mine, theirs) -> str:
           "checkpoints are intact.")
 
 
-def _manifest_dict(plan: _Plan, metadata) -> dict[str, Any]:
+def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, Any]:
   from importlib import metadata as importlib_metadata
   from . import __version__
   try:
@@ -695,8 +815,8 @@ def _manifest_dict(plan: _Plan, metadata) -> dict[str, Any]:
           "created": time.time(), "process_count": jax.process_count(),
           "versions": {"fnckpt": __version__, "jax": jax.__version__,
                        "tensorstore": ts_version},
-          "metadata": metadata, "data": plan.data_dir, "packs": plan.packs,
-          "leaves": plan.records}
+          "metadata": metadata, "data": plan.data_dir, "packs": packs,
+          "leaves": records, **({"bases": bases} if bases else {})}
 
 
 def _is_ours(key: str) -> bool:

@@ -17,12 +17,13 @@ own local tier's. No cross-process wait covers a copy (copies happen with one pr
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Mapping
 
 import jax
 
-from . import _commit, _coordination, _interval, _paths, _steps, _tiers
+from . import _commit, _coordination, _interval, _lineage, _paths, _steps, _tiers
 from ._claims import StepClaims
 from ._errors import CheckpointError, DamagedError
 from ._preemption import Preemption
@@ -37,8 +38,10 @@ class Saver:
   def __init__(self, index: _steps.StepIndex, local: _tiers.LocalTier | None,
                claims: StepClaims, cadence: _interval.Cadence, preemption: Preemption,
                background: Background, retention: RetentionRunner,
-               save_options: Mapping[str, Any], timeout_s: float):
+               save_options: Mapping[str, Any], timeout_s: float,
+               incremental: _lineage.Incremental | None = None):
     self.index, self.local, self.claims, self.cadence = index, local, claims, cadence
+    self.incremental = incremental or _lineage.Incremental(False, None)
     self.preemption, self.background, self.retention = preemption, background, retention
     self.save_options, self.timeout_s = dict(save_options), timeout_s
     self.last_saved: int | None = None
@@ -59,6 +62,7 @@ class Saver:
     def decide() -> dict[str, Any]:
       for index in [self.index] + ([self.local.index] if self.local else []):
         _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
+        _lineage.check_replace(index, self.claims, step)  # (do other steps refer to it?)
       busy = self.local.pending if self._copies() else self.claims.saving()
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
@@ -90,23 +94,30 @@ class Saver:
 
   def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
              durable: bool) -> Any:
-    import fnckpt  # the public save; imported late (fnckpt imports this module)
+    from . import _save
+    inc = self.incremental  # the base: the newest committed step where this save goes
+    # (claimed till committed); not with local tiers of several processes (each host's
+    # local directory may hold only its own chunks: see fnckpt._tiers)
+    base = (inc.choose(index, self.claims, step, self.timeout_s)
+            if not (self.local and jax.process_count() > 1) else None)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
-      key = {} if index is self.index else {
-          "_barrier_location": _paths.join(self.index.path(step), "(local-tier)")}
-      handle = fnckpt.save(tree, index.path(step), overwrite=True, metadata=metadata,
-                           storage_options=index.storage_options, **self.save_options, **key)
+      key = None if index is self.index else _paths.join(self.index.path(step), "(local-tier)")
+      handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
+                           storage_options=index.storage_options, **self.save_options,
+                           base=index.path(base.step) if base else None,
+                           hashes=inc.enabled, barrier_location=key)
     except BaseException:
       self.claims.release_save(step)
+      inc.release(base)
       raise
     self.claims.set_handle(step, handle)
     self.last_saved = step
     if self.local and durable and index is not self.index:
       self.local.begin(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step, handle, durable, index)
+                          step, handle, durable, index, base)
     return handle
 
   def _copy(self, step: int) -> float:
@@ -118,10 +129,12 @@ class Saver:
       raise error from e
 
   def _after_commit(self, step: int, handle: Any, durable: bool,
-                    index: _steps.StepIndex) -> None:
+                    index: _steps.StepIndex, base: Any = None) -> None:
     """Background: wait for the save's commit (the step's claim ends there); copy it to the
-    durable tier if it was saved to the local one for that (one process); then retention:
-    the durable tier's on process 0, each process's own local tier on every process."""
+    durable tier if it was saved to the local one for that (one process; with the data of
+    other steps it refers to); then retention (never while a copy runs: it may be bringing
+    referenced data): the durable tier's on process 0, each process's own local tier on every
+    process. The base stays claimed until then."""
     try:
       try:
         handle.wait()
@@ -138,10 +151,12 @@ class Saver:
       self.background.record(e)
       return
     finally:
+      self.incremental.release(base)
       if self.local:
         self.local.finish(step)
     if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
-      self.retention.run()
+      with self.local.copying if self.local else contextlib.nullcontext():
+        self.retention.run()
     if self.local:
       self.local.retain(self.claims)
 

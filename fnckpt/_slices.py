@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import _leaves, _records, _restore, _store
+from . import _leaves, _records, _refs, _restore, _store
 from ._layout import Index
 
 __all__ = ["Piece", "Window", "blocks", "pieces"]
@@ -99,10 +99,10 @@ class _Reader:
         first = leaf.packed.offset + _first(index, leaf.shape) * size
         count = math.prod(b - a for a, b in index) * size
         return _store.read_slice(self._pack(leaf.packed.pack), ((first, first + count),))
-      if self.stored[0] != leaf.index:
+      if self.stored[0] != leaf.index:  # (a reused leaf: in the checkpoint its base names)
         self.stored = (leaf.index, _store.open_array(_store.zarr_spec(
-            self.src.kv_spec, dataclasses.asdict(leaf.stored), leaf.dtype, leaf.shape),
-            self.src.ctx, mode="read").result())
+            self._spec_of(leaf.stored.base), dataclasses.asdict(leaf.stored), leaf.dtype,
+            leaf.shape), self.src.ctx, mode="read").result())
       return _store.read_slice(self.stored[1], index)
     except Exception as e:  # TensorStore refused the spec or the read
       raise _restore._read_error(self.src, leaf, e) from None
@@ -111,9 +111,13 @@ class _Reader:
     if k not in self.packs:
       pk = self.src.manifest.packs[k]
       self.packs[k] = _store.open_array(_store.pack_spec(
-          self.src.kv_spec, pk.dir, pk.nbytes, pk.chunk, pk.inner), self.src.ctx,
+          self._spec_of(pk.base), pk.dir, pk.nbytes, pk.chunk, pk.inner), self.src.ctx,
           mode="read").result()
     return self.packs[k]
+
+  def _spec_of(self, base: int | None) -> dict:
+    """The kvstore of the checkpoint holding data whose record names ``base``."""
+    return _refs.base_spec(self.src.kv_spec, self.src.manifest, base, self.src.location)
 
   def finish(self, leaf: _records.Leaf, index: Index, got: ts.Future | np.ndarray
              ) -> np.ndarray:

@@ -42,6 +42,7 @@ __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
 # The commit marker's key in a checkpoint (the README's format spec; the same key that
 # _commit.is_committed reads; tests/test_manager.py checks that a saved step has it).
 MARKER = "COMMIT"
+HELD = "REFERENCED"   # a deleted step whose data others still refer to (fnckpt._fork)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 
 
@@ -70,6 +71,14 @@ class Listing:
   committed: dict[int, bytes]
   uncommitted: list[int]
   damaged: dict[int, str] = dataclasses.field(default_factory=dict)
+  held: list[int] = dataclasses.field(default_factory=list)  # deleted; data still referred to
+  marked: dict[int, bytes] = dataclasses.field(default_factory=dict)  # damaged: their stamps
+
+  @property
+  def referrers(self) -> dict[int, bytes]:
+    """Committed steps whose references keep data, damaged ones too (a mark is only a memo:
+    the data a marked step refers to stays while it is there)."""
+    return {**self.committed, **self.marked}
 
   @property
   def steps(self) -> list[int]:
@@ -142,6 +151,20 @@ class StepIndex:
     self._committed: set[int] = set()   # committed at the last listing (newest_known)
     self._noted: set[int] = set()       # committed by the caller since (note_committed)
     self._metrics: dict[int, tuple[bytes, Any]] = {}  # step -> (marker stamp, metric value)
+    self._refs: Any = None
+
+  @property
+  def refs(self) -> Any:
+    """What the run's steps and forks refer to (:class:`fnckpt._fork.References`)."""
+    if self._refs is None:
+      from . import _fork
+      self._refs = _fork.References(self.root, self.storage_options)
+    return self._refs
+
+  def delete_keeping(self, step: int) -> None:
+    """Delete ``step``, keeping its data that other steps (damaged ones too) or forks refer
+    to (see :meth:`delete`)."""
+    self.delete(step, self.refs.kept(self.list(), {step}).get(step, set()))
 
   def path(self, step: int) -> str:
     return _paths.join(self.root, str(as_step(step)))
@@ -153,12 +176,20 @@ class StepIndex:
       committed, leftovers, marks = (self._list_local() if self._local
                                      else self._list_kv(in_flight))
       damaged = _health.marks_in_force(self._marks_kv(), sorted(marks & set(committed)))
+      held = [s for s in leftovers if self._is_held(s)]
     except Exception as e:  # TensorStore raises ValueError & co.; OSError from local files
       raise _paths.io_error(e, self.root, "listing its steps") from e
+    marked = {s: v for s, v in committed.items() if s in damaged}
     committed = {s: v for s, v in committed.items() if s not in damaged}
     with self._lock:
       self._committed = set(committed)
-    return Listing(committed, sorted(leftovers), damaged)
+    return Listing(committed, sorted(set(leftovers) - set(held)), damaged, sorted(held),
+                   marked)
+
+  def _is_held(self, step: int) -> bool:
+    if self._local:
+      return os.path.exists(os.path.join(self._local, str(step), HELD))
+    return self._kv.read(f"{step}/{HELD}").result().state == "value"
 
   def _marks_kv(self) -> Any:
     if self._kv is None:  # local files: opened only when a mark is there
@@ -216,10 +247,12 @@ class StepIndex:
     except Exception as e:
       raise _paths.io_error(e, self.path(step), "listing") from e
 
-  def delete(self, step: int) -> None:
+  def delete(self, step: int, keep: set[str] | frozenset[str] = frozenset()) -> None:
     """Delete ``step``'s directory, its commit marker first (never seen half deleted), and
-    its damage mark."""
-    _paths.delete_prefix(self.path(step), self.storage_options, first=(MARKER,))
+    its damage mark; its data directories in ``keep`` (that other steps or forks refer to)
+    stay (``REFERENCED``, :func:`fnckpt._fork.delete_step`)."""
+    from . import _fork
+    _fork.delete_step(self.root, step, set(keep), self.storage_options)
     try:
       mark = _health.mark_key(step)
       self._marks_kv().delete_range(ts.KvStore.KeyRange(mark, mark + "\0")).result()

@@ -117,8 +117,9 @@ def expected_keys(manifest: Any) -> list[str]:
   ['data-0/p/0/zarr.json', 'data-0/p/0/c/0', 'data-0/p/0/c/1']
   """
   keys: list[str] = []
-  grids = [(p.dir, (p.nbytes,), (p.chunk,)) for p in manifest.packs]
-  grids += [(l.stored.dir, l.shape, l.stored.chunks) for l in manifest.leaves if l.stored]
+  grids = [(p.dir, (p.nbytes,), (p.chunk,)) for p in manifest.packs if p.base is None]
+  grids += [(l.stored.dir, l.shape, l.stored.chunks) for l in manifest.leaves
+            if l.stored and l.stored.base is None]  # referenced data: copy_referenced
   for where, shape, chunks in grids:
     where = where.strip("/")
     keys.append(f"{where}/zarr.json")
@@ -202,6 +203,9 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed meanwhile
       raise DamagedError(f"{_paths.display(src_path)!r} was saved again while being copied; "
                          "the copy was not committed.")
+    manifest = bytes(src.read(_manifest.MANIFEST).result().value)  # checked against commit above
+    copied += copy_referenced(src_root, dst_root, step, manifest, src_options, dst_options,
+                              concurrency)
     dst.write(_manifest.COMMIT, commit).result()
   except CheckpointError:
     raise
@@ -209,6 +213,37 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     raise _paths.io_error(e, dst_path, f"copying step {step} from "
                           f"{_paths.display(src_path)!r}") from e
   return copied
+
+
+def copy_referenced(src_root: str, dst_root: str, step: int, manifest: bytes,
+                    src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None,
+                    concurrency: int = 32) -> int:
+  """The data of other steps that ``step``'s manifest refers to (an incremental save's base),
+  copied from ``src_root`` where ``dst_root`` lacks it: ``dst_root/<s>/<data>/`` as in the
+  source, and ``dst_root/<s>/REFERENCED`` naming it when ``<s>`` is no committed step there
+  (so the durable tier holds every byte its steps refer to; its retention drops that data
+  once nothing refers to it). Returns the bytes copied."""
+  from . import _fork
+  copied = 0
+  for s, data in sorted(_fork.sibling_refs(src_root, step, manifest, src_options)):
+    src = _paths.open_kvstore(_paths.join(src_root, str(s)), src_options)
+    dst = _paths.open_kvstore(_paths.join(dst_root, str(s)), dst_options)
+    have = set(dst.list(range=_prefix_range(data)).result())
+    keys = [k for k in src.list(range=_prefix_range(data)).result() if k not in have]
+    if not keys and not have:
+      raise DamagedError(f"Step {step} of {_paths.display(src_root)!r} refers to the data "
+                         f"{data} of step {s}, which is missing there; it was not copied.")
+    if keys and dst.read(_manifest.COMMIT).result().state != "value":
+      _fork.write_referenced(dst, {data})  # (first: never a leftover without a marker)
+    copied += _copy_keys(src, dst, [k.decode("utf-8", "surrogateescape") for k in keys],
+                         concurrency)
+  return copied
+
+
+def _prefix_range(name: str) -> Any:
+  """The keys under the directory ``name/``."""
+  import tensorstore as ts
+  return ts.KvStore.KeyRange(name + "/", name + "0")
 
 
 def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
@@ -285,24 +320,26 @@ class LocalTier:
     with self._idle:
       self._idle.wait_for(lambda: not self._pending)
     return time.monotonic() - start
+    self.copying = threading.Lock()  # held by a durable copy (durable retention waits)
 
   def copy_to_durable(self, step: int) -> float:
     """Copy the committed local ``step`` to the durable tier; return the seconds it took."""
     start = time.monotonic()
-    with self._lock:
+    with self._lock, self.copying:
       copy_step(self.index.root, self.durable_root, step, self.storage_options,
                 self.durable_options)
     return time.monotonic() - start
 
   def retain(self, claims: Any) -> None:
     """Delete local step directories (committed, leftovers, marked damaged) beyond the newest
-    ``local_max_to_keep``; claimed steps and pending copies are spared."""
-    from ._retention_runner import RetentionError, delete_unclaimed
+    ``local_max_to_keep``; claimed steps and pending copies are spared; data other steps refer
+    to stays (``REFERENCED``)."""
+    from ._retention_runner import RetentionError, delete_referenced
     with self._lock:
       listing = self.index.list(in_flight=claims.saving())
       steps = sorted(set(listing.steps) | set(listing.uncommitted) | set(listing.damaged))
-      _, failed = delete_unclaimed(self.index, claims, lambda busy: self.policy.local_to_delete(
-          steps, set(busy) | self.pending))
+      _, failed = delete_referenced(self.index, claims, listing, lambda busy: (
+          self.policy.local_to_delete(steps, set(busy) | self.pending)))
     if failed:  # a RetentionError: this process's wait() raises it
       step, error = failed[0]
       failure = RetentionError(f"Could not delete local step {step} of "

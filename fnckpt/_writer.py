@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import tensorstore as ts
 
-from . import _collective, _commit, _manifest, _store
+from . import _collective, _commit, _delta, _manifest, _store
 from ._errors import CheckpointError
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -29,13 +29,18 @@ class Chunk:
   index: Any
   host: Any
   cost: int
+  leaf: int | None = None         # a stored array's record index (its chunks are hashed)
+  pos: int = 0                    # the chunk's position in the grid
+  expect: bytes | None = None     # the base's hash of this chunk: equal -> not written
+  nbytes: int = 0
+  expect_fp: bytes | None = None  # the base's fingerprint of it: different -> not hashed
 
 
 @dataclasses.dataclass
 class Commit:
   """What committing needs once every chunk is durable."""
   kv: ts.KvStore
-  manifest: bytes | None          # process 0 only
+  manifest: Callable[[], bytes | None]   # collective (hashes shared); bytes on process 0
   creating: list                  # futures of zarr.json writes (process 0)
   write_marker: bool              # process 0
 
@@ -69,6 +74,7 @@ class Writer:
     self.committed: bool | None = False   # whether the commit marker was written
     self.write_s = 0.0
     self.commit_s = 0.0
+    self.delta: _delta.Delta | None = None   # set before start()
     self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
 
   def start(self) -> None:
@@ -110,18 +116,29 @@ class Writer:
         self.budget.release(item.cost)
         continue
       try:
-        host = item.host() if callable(item.host) else item.host
-        item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
-        fut = _store.write_chunk(item.store.result(), item.index, host)
-        host = None
+        if isinstance(item, _delta.PackLeaf):
+          commits += self.delta.pack_leaf(item)
+          continue
+        self._write(item)
       except BaseException as e:
         self.budget.release(item.cost)
         self.error = e
         continue
-      cost, item = item.cost, None   # TensorStore has its own copy: drop ours
-      fut.add_done_callback(lambda _f, n=cost: self.budget.release(n))
-      commits.append(fut)
+    try:  # (after a failure too: every hashing job ends and gives its budget back)
+      commits += self.delta.settle()
+      if self.error is None and not self.aborted:
+        commits += self.delta.finish()
+    except BaseException as e:
+      self.error = self.error or e
     return commits
+
+  def _write(self, item: Chunk) -> None:
+    """Hand one chunk to the delta: hashed, and written unless equal to the base's."""
+    host = item.host() if callable(item.host) else item.host
+    item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
+    store = item.store.result()
+    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
+                     lambda: _store.write_chunk(store, item.index, host), item.expect_fp)
 
   def _run(self) -> None:
     error: BaseException | None = None
@@ -139,9 +156,12 @@ class Writer:
         return
       if self.error is not None:
         raise self.error
+      if self.session.multi:
+        self.phase = "sharing the content hashes"
+      manifest = self._commit.manifest() if self._commit else None
       self.write_s = time.perf_counter() - t0
       self._reached("written")
-      self._finish()
+      self._finish(manifest)
     except BaseException as e:
       error = e
     finally:
@@ -157,22 +177,22 @@ class Writer:
       self.session.close()
       self._on_done(None if self.aborted else error)
 
-  def _finish(self) -> None:
+  def _finish(self, manifest: bytes | None) -> None:
     """Manifest, barrier, commit marker, barrier."""
     t0 = time.perf_counter()
     c = self._commit
     if c is None:  # close() sets it before the end marker; only abort() omits it
       raise RuntimeError("internal: the writer reached commit without close()")
-    if c.manifest is not None:
+    if manifest is not None:
       self.phase = "writing the manifest"
-      c.kv.write(_manifest.MANIFEST, c.manifest).result()
+      c.kv.write(_manifest.MANIFEST, manifest).result()
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
     self.session.barrier("written")
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
-      _commit.write_commit(c.kv, c.manifest)
+      _commit.write_commit(c.kv, manifest)
       self.committed = True
     elif self.session.multi:
       self.committed = None  # process 0 may have written the marker

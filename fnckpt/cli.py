@@ -30,8 +30,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import (_records, _commit, _layout, _leaves, _manifest, _paths, _perprocess, _restore,
-               _steps, _store, _tree)
+from . import (_commit, _fork, _layout, _leaves, _manifest, _paths, _perprocess, _records, _refs,
+               _restore, _steps, _store, _tree)
 from ._errors import CheckpointError
 
 __all__ = ["main"]
@@ -171,8 +171,38 @@ def _spec(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any]:
   """The zarr3 spec of a stored leaf, or of pack number ``rec`` (as restore builds it)."""
   if isinstance(rec, int):
     pack = src.manifest.packs[rec]
-    return _store.pack_spec(src.kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
-  return _store.zarr_spec(src.kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape)
+    return _store.pack_spec(_base_spec(src, pack.base), pack.dir, pack.nbytes, pack.chunk,
+                            pack.inner)
+  return _store.zarr_spec(_base_spec(src, rec.stored.base), dataclasses.asdict(rec.stored),
+                          rec.dtype, rec.shape)
+
+
+def _base_spec(src: _restore.Source, base: int | None) -> dict[str, Any]:
+  return _refs.base_spec(src.kv_spec, src.manifest, base, src.location)
+
+
+def _where(src: _restore.Source, base: int | None, d: str) -> str:
+  """A stored directory's location (in the referenced checkpoint for a reference)."""
+  if base is None:
+    return f"{src.location}/{d}"
+  return f"{_refs.display(src.location, src.manifest.bases[base].dir)}/{d}"
+
+
+def _reused(src: _restore.Source, rec: _records.Leaf) -> int | None:
+  """The base index a leaf's bytes come from (None: written by this save, or inline)."""
+  if rec.stored is not None:
+    return rec.stored.base
+  if rec.packed is not None:
+    return src.manifest.packs[rec.packed.pack].base
+  return None
+
+
+def _lineage(src: _restore.Source) -> str:
+  fork = src.manifest.fork
+  if fork is None:
+    return ""
+  return (f"fork of run {_refs.display(src.location, fork.run)!r} at step "
+          f"{fork.step}")
 
 
 def _open_stored(src: _restore.Source, spec: dict[str, Any], *, check_metadata: bool
@@ -232,8 +262,10 @@ def _ls(args: argparse.Namespace) -> int:
   keys = _paths.list_keys(root, options)
   if args.local is None and (_manifest.COMMIT in keys or _manifest.MANIFEST in keys):
     print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
-    rows = _step_rows([(".", root)], keys, options)
+    rows, lineage = _step_rows([(".", root)], keys, options)
     print(_table([_LS_HEADER] + rows))
+    if lineage:
+      print(f"this checkpoint is a {lineage}")
     return 0
   if args.local is not None and (not keys or _manifest.COMMIT in keys
                                  or _manifest.MANIFEST in keys):
@@ -244,59 +276,78 @@ def _ls(args: argparse.Namespace) -> int:
   local_options = None  # the durable tier's --storage-option settings are not the local tier's
   tiers = [("durable", root, keys, options)] + ([("local", args.local, _paths.list_keys(
       args.local, local_options), local_options)] if args.local is not None else [])
-  rows, notes, restorable = [], [], set()
+  rows, notes, restorable, lineage = [], [], set(), ""
   for tier, location, tier_keys, options in tiers:
     listing = _steps.StepIndex(location, options).list()
     restorable |= set(listing.steps)
-    tier_rows = _step_rows([(str(s), _paths.join(location, str(s))) for s in listing.steps],
-                           tier_keys, options)
-    tier_rows += [[str(s), "DAMAGED", "-", "-", "-", "-", f"marked damaged ({_compact(d, 60)})"
-                   f"; skipped by the manager; manager.delete({s}) removes it"]
-                  for s, d in sorted(listing.damaged.items())]
-    tier_rows += [[str(s), "UNCOMMITTED", "-", "-", _files_of(tier_keys, str(s)), "-",
-                   "interrupted save: ignored; CheckpointManager.cleanup() removes it"]
-                  for s in listing.uncommitted]
-    rows += [([tier] if len(tiers) > 1 else []) + r for r in tier_rows]
+    tier_rows, found = _step_rows([(str(s), _paths.join(location, str(s)))
+                                   for s in listing.steps], tier_keys, options)
+    lineage = lineage or _fork.lineage(location, options) or found
+    rows += [([tier] if len(tiers) > 1 else []) + r
+             for r in tier_rows + _other_rows(listing, tier_keys)]
     notes.append(f"{len(listing.steps)} committed, {len(listing.uncommitted)} uncommitted"
                  + (f", {len(listing.damaged)} marked damaged" if listing.damaged else "")
+                 + (f", {len(listing.held)} referenced" if listing.held else "")
                  + (f" in {tier} {_paths.display(location)}" if len(tiers) > 1 else ""))
   if not rows:
     print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
     return 1
   rows.sort(key=lambda r: int(r[1] if len(tiers) > 1 else r[0]))
   print(_table([(["TIER"] if len(tiers) > 1 else []) + _LS_HEADER] + rows))
+  if lineage:
+    print(f"this run is a {lineage}")
+  forks = [k for k in keys if k.startswith(_fork.FORKS + "/")]
+  if forks:
+    print(f"{len(forks)} fork(s) of this run refer to its data (records in {_fork.FORKS}/)")
   latest = f"; latest: {max(restorable)}" if restorable else ""
   print("; ".join(notes) + latest)
   return 0
 
 
-_LS_HEADER = ["STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED", "METRICS"]
+_LS_HEADER = ["STEP", "STATUS", "DATA", "WRITTEN", "LEAVES", "FILES", "COMMITTED", "METRICS"]
 
 
 def _files_of(keys: list[str], name: str) -> str:
   return str(sum(1 for k in keys if k.partition("/")[0] == name) if name != "." else len(keys))
 
 
-def _step_rows(steps: list[tuple[str, str]], keys: list[str],
-               options: dict[str, Any] | None) -> list[list[str]]:
-  """One ``ls`` row per committed checkpoint (``DAMAGED`` where it cannot be opened)."""
-  rows = []
+def _other_rows(listing: _steps.Listing, keys: list[str]) -> list[list[str]]:
+  """``ls`` rows of a tier's steps marked damaged, leftovers and referenced (deleted) steps."""
+  return ([[str(s), "DAMAGED", "-", "-", "-", "-", "-", f"marked damaged ({_compact(d, 60)})"
+            f"; skipped by the manager; manager.delete({s}) removes it"]
+           for s, d in sorted(listing.damaged.items())]
+          + [[str(s), "UNCOMMITTED", "-", "-", "-", _files_of(keys, str(s)), "-",
+              "interrupted save: ignored; CheckpointManager.cleanup() removes it"]
+             for s in listing.uncommitted]
+          + [[str(s), "referenced", "-", "-", "-", _files_of(keys, str(s)), "-",
+              "deleted step: data kept while later steps or forks refer to it"]
+             for s in listing.held])
+
+
+def _step_rows(steps: list[tuple[str, str]], keys: list[str], options: dict[str, Any] | None
+               ) -> tuple[list[list[str]], str]:
+  """One ``ls`` row per committed checkpoint (``DAMAGED`` where it cannot be opened), and
+  the lineage of the first forked one ('' if none)."""
+  rows, lineage = [], ""
   for name, path in steps:
     try:
       src = _restore.open_source(path, options)
     except CheckpointError as e:
-      rows.append([name, "DAMAGED", "-", "-", _files_of(keys, name), "-", str(e)])
+      rows.append([name, "DAMAGED", "-", "-", "-", _files_of(keys, name), "-", str(e)])
       continue
     manifest, commit = src.manifest, _manifest.decode_commit(src.commit, src.location)
     meta = manifest.metadata
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
-    metric_text = (" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_compact(v, 20)}"
-                            for k, v in metrics.items())
+    metric_text = (", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in metrics.items())
                    if isinstance(metrics, dict) else "-")
     leaves = manifest.leaves
-    rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), str(len(leaves)),
-                 _files_of(keys, name), _when(commit.get("committed")), metric_text])
-  return rows
+    lineage = lineage or _lineage(src)
+    own = sum(_nbytes(r) for r in leaves if _reused(src, r) is None)
+    rows.append([name, "committed", _human(sum(_nbytes(r) for r in leaves)), _human(own),
+                 str(len(leaves)), _files_of(keys, name), _when(commit.get("committed")),
+                 metric_text])
+  return rows, lineage
 
 
 # --- inspect ---------------------------------------------------------------------------------
@@ -336,6 +387,8 @@ def _inspect(args: argparse.Namespace) -> int:
         f"created {_when(manifest.created)}, committed {_when(commit.get('committed'))}")
   if manifest.metadata is not None:
     print(f"metadata: {json.dumps(manifest.metadata, default=repr)}")
+  if manifest.fork is not None:
+    print(f"lineage: {_lineage(src)}")
   rows = [["KEY PATH", "KIND", "DTYPE", "SHAPE", "SAVED SHARDING", "BYTES", "STORED / VALUE"]]
   total = 0
   for rec in manifest.leaves:
@@ -344,8 +397,12 @@ def _inspect(args: argparse.Namespace) -> int:
       n = _nbytes(rec)
       total += n
       dtype = rec.dtype + (f" ({rec.impl})" if kind == "key" else "")
+      base = _reused(src, rec)
+      where = _value_text(rec) + (
+          f" <- reused from {_refs.display(location, manifest.bases[base].dir)}"
+          if base is not None else "")
       rows.append([_tree.keystr(rec.path), kind, dtype, _shape(rec.shape),
-                   _sharding(rec), _human(n), _value_text(rec)])
+                   _sharding(rec), _human(n), where])
     else:
       t = rec.type or rec.dtype or "-"
       rows.append([_tree.keystr(rec.path), kind, str(t), "-", "-", "-", _value_text(rec)])
@@ -355,6 +412,12 @@ def _inspect(args: argparse.Namespace) -> int:
   packed = sum(1 for r in manifest.leaves if r.packed is not None)
   print(f"{len(manifest.leaves)} leaves ({arrays} arrays: {stored} stored in their own "
         f"arrays, {packed} in {len(manifest.packs)} pack(s)), {_human(total)} of array data")
+  reused = [r for r in manifest.leaves if _reused(src, r) is not None]
+  if reused or manifest.bases:
+    print(f"written by this save: {_human(total - sum(map(_nbytes, reused)))} in "
+          f"{arrays - len(reused)} array(s); reused (references to {len(manifest.bases)} "
+          f"earlier checkpoint(s)): {_human(sum(map(_nbytes, reused)))} in {len(reused)} "
+          "array(s)")
   return 0
 
 
@@ -422,12 +485,13 @@ def _units(src: _restore.Source) -> list[_Unit]:
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
-      units.append(_Unit(rec.where, f"{location}/{rec.stored.dir}", _spec(src, rec),
+      units.append(_Unit(rec.where, _where(src, rec.stored.base, rec.stored.dir),
+                         _spec(src, rec),
                          rec.shape, rec.stored.inner, _leaves.dtype_of(rec.dtype).itemsize))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    units.append(_Unit(label, f"{location}/{pack.dir}", _spec(src, k),
+    units.append(_Unit(label, _where(src, pack.base, pack.dir), _spec(src, k),
                        (pack.nbytes,), (pack.inner,), 1))
   return units
 
@@ -441,7 +505,7 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[
     src = _restore.open_source(path, options)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"]
-  problems = _verify_arrays(src, quiet) + _verify_per_process(src)
+  problems = _verify_arrays(src, quiet) + _verify_per_process(src) + _verify_hashes(src)
   if problems and not _commit.unchanged(src.kv, src.commit):
     return [f"{src.location}: {_commit.changed_error(src.location)}"]
   return problems
@@ -471,6 +535,48 @@ def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
                       f"{_cause(first[1])}{more}")
   progress.draw(final=True)
   return problems
+
+
+def _verify_hashes(src: _restore.Source) -> list[str]:
+  """Every recorded content hash (README "References and hashes") against the bytes read:
+  each chunk of a stored array, each packed leaf (referenced data too)."""
+  problems = []
+  for rec in src.manifest.leaves:
+    if rec.hash is None or (rec.stored is None and rec.packed is None):
+      continue
+    try:
+      bad = _hash_mismatch(src, rec)
+    except Exception as e:  # a read error was reported by the checksum pass already
+      bad = None if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    if bad:
+      base = _reused(src, rec)
+      ref = f" (referenced: {_refs.describe(src.location, src.manifest, base)})" \
+          if base is not None else ""
+      problems.append(f"{rec.where}{ref}: content hash mismatch: {bad}")
+  return problems
+
+
+def _hash_mismatch(src: _restore.Source, rec: _records.Leaf) -> str | None:
+  itemsize = _leaves.dtype_of(rec.dtype).itemsize
+  if rec.packed is not None:
+    store = _open_stored(src, _spec(src, rec.packed.pack), check_metadata=False)
+    p = rec.packed
+    got = _refs.digest(store[p.offset:p.offset + p.nbytes].read().result().tobytes())
+    return None if got == rec.hash else "its bytes do not hash to the recorded SHA-256"
+  if rec.chunk_hashes is None:
+    return None
+  store = _open_stored(src, _spec(src, rec), check_metadata=False)
+  chunks, n = rec.stored.chunks, _records.HASH_BYTES
+  if _refs.digest(rec.chunk_hashes) != rec.hash:
+    return "its chunk hashes do not hash to its recorded hash"
+  grid = _regions(rec.shape, chunks)
+  for pos, region in enumerate(grid):
+    data = store[tuple(slice(a, b) for a, b in region)].read().result()
+    want = rec.chunk_hashes[pos * n:(pos + 1) * n]
+    if want != _refs.NO_HASH and _refs.array_digest(np.asarray(data)) != want:
+      return f"chunk {_region_str(region)} differs from what was saved"
+  del itemsize
+  return None
 
 
 def _verify_per_process(src: _restore.Source) -> list[str]:

@@ -250,7 +250,7 @@ def mode_tiers(cfg):
   local = cfg["local"] if isinstance(cfg["local"], str) else cfg["local"][jax.process_index()]
   mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=local,
                                  local_save_interval_steps=1, save_interval_steps=2,
-                                 save_options=opts)
+                                 save_options=opts, incremental=cfg.get("incremental", False))
   out: dict[str, Any] = {"process": jax.process_index()}
   if cfg["phase"] == "save":
     for step in range(6):
@@ -288,6 +288,45 @@ def mode_auto(cfg):
           "all_steps": mgr.all_steps(), "interval_steps": s.interval_steps,
           "saves": s.saves, "skipped": s.skipped, "cost": s.save_cost_s})
   mgr.close()
+
+
+def mode_incremental(cfg):
+  """An incremental manager (newest 2 kept): "w" never changes, "b" and "e" change at every
+  step; then a fork of the newest step saves on. Every kept step is restored and checked."""
+  import jax
+  import fnckpt
+  mesh, target = mesh_and_target()
+
+  def state(step):
+    out = state_at(mesh, step)
+    out["w"] = state_at(mesh, 0)["w"]
+    return out
+
+  mgr = fnckpt.CheckpointManager(cfg["root"], max_to_keep=2, incremental=True,
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  for step in range(5):
+    mgr.save(step, state(step))
+    mgr.wait()
+  child = mgr.fork(4, cfg["fork"])
+  child.save(5, state(5))
+  mgr.save(6, state(6))
+  mgr.wait()
+  child.wait()
+  checked = {}
+  for m, name in ((mgr, "parent"), (child, "fork")):
+    for step in m.all_steps():
+      got = m.restore(step, target)
+      w0 = mp_worker.expected("w", LEAVES["w"]["shape"], "float32", seed=0)
+      checked[f"{name}/{step}"] = mp_worker.check_addressable("w", got["w"], w0) + \
+          mp_worker.check_addressable("b", got["b"], mp_worker.expected(
+              "b", LEAVES["b"]["shape"], "float32", seed=step))
+  meta = fnckpt.metadata(mgr.path(6))
+  result({"process": jax.process_index(), "parent": mgr.all_steps(),
+          "fork": child.all_steps(), "checked": checked,
+          "w_reused": next(l for l in meta.leaves if l.where == "['w']").stored.base
+          is not None if any(l.stored for l in meta.leaves if l.where == "['w']") else "packed"})
+  mgr.close()
+  child.close()
 
 
 if __name__ == "__main__":

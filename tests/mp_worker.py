@@ -399,13 +399,16 @@ def mode_read_only(cfg):
 def _attempt_state(cfg, attempt, mesh):
   """This process's tree for one attempt: ``cfg["leaves"]`` at the attempt's ``seed`` plus
   ``step``, with this process's changes (``attempt["change"][str(process)]``): ``leaves``
-  (added or replaced leaf specs), ``drop`` (names) and ``unsupported`` (a name whose value
-  becomes an ``object()``, which save refuses)."""
+  (added or replaced leaf specs), ``drop`` (names), ``reseed`` (names whose values come from
+  the next seed on this process only) and ``unsupported`` (a name whose value becomes an
+  ``object()``, which save refuses)."""
   import jax
   change = attempt.get("change", {}).get(str(jax.process_index()), {})
   leaves = {k: v for k, v in cfg["leaves"].items() if k not in change.get("drop", ())}
   leaves.update(change.get("leaves", {}))
   state = make_state(leaves, mesh, seed=attempt.get("seed", 0))
+  for name in change.get("reseed", ()):  # this process's shards of ``name`` change
+    state[name] = make_state({name: leaves[name]}, mesh, seed=attempt.get("seed", 0) + 1)[name]
   state["step"] = 7
   if change.get("unsupported"):
     state[change["unsupported"]] = object()
@@ -467,18 +470,21 @@ def mode_attempts(cfg):
 
   def stats_of(h):
     s = h.wait()
-    return {"bytes_written": s.bytes_written, "chunks_written": s.chunks_written}
+    return {"bytes_written": s.bytes_written, "chunks_written": s.chunks_written,
+            "bytes_reused": s.bytes_reused}
 
   for i, attempt in enumerate(cfg["attempts"]):
     state = _attempt_state(cfg, attempt, mesh)
     real_phase, fault = save_mod._phase, attempt.get("fault")
     if fault and fault["process"] == jax.process_index():
       install_fault(fault["phase"], fault["action"])
-    kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes") if k in attempt}
+    kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes", "base", "hashes")
+              if k in attempt}
+    save_fn = save_mod.start if "hashes" in kwargs else fnckpt.save  # (a manager's full save)
     time.sleep(attempt.get("delay_s", {}).get(str(jax.process_index()), 0))
     barrier_s = attempt.get("barrier_s", cfg.get("barrier_s", 120))
-    started = _outcome(lambda: fnckpt.save(state, attempt["path"], barrier_timeout_s=barrier_s,
-                                           **kwargs))
+    started = _outcome(lambda: save_fn(state, attempt["path"], barrier_timeout_s=barrier_s,
+                                       **kwargs))
     if "ok" in started and not attempt.get("wait", True):  # (faults: waited attempts only)
       pending.append((i, started["ok"]))
       outcomes.append(None)

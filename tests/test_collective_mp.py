@@ -122,7 +122,7 @@ def test_a_failing_process_fails_every_process_and_a_retry_succeeds(tmp_path):
   staging = "RuntimeError: injected failure at staging"
   failed(p1[1], "CheckpointError", staging, NOTHING_COMMITTED)
   failed(p0[1], "PeerFailedError", f"Saving to {y!r} failed on process 1 (process 0 learned "
-         "of it at barrier 'written')", staging, NOTHING_COMMITTED)
+         "of it at barrier 'hashed')", staging, NOTHING_COMMITTED)
   assert "COMMIT" not in p0[1]["left"], p0[1]
   failed_data = [d for d in p0[1]["left"] if d.startswith("data-")]
   assert len(failed_data) == 1, p0[1]  # process 0 wrote its share before learning

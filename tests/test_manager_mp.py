@@ -19,6 +19,7 @@ import time
 import pytest
 
 import fnckpt
+from fnckpt import _manifest
 import helpers_proc as hp
 
 pytestmark = pytest.mark.slow
@@ -204,6 +205,27 @@ def test_one_local_tier_per_host_keeps_durable_steps_complete(tmp_path, local):
     assert cli.main(["verify", os.path.join(root, str(step))]) == 0
   out = results_of(hp.finish(launch({**cfg, "phase": "recover"}, 2), timeout=120))
   assert [(r["restored"], r["checked"]) for r in out] == [(4, 5), (4, 5)]
+
+
+def test_incremental_manager_with_two_tiers_on_two_processes(tmp_path):
+  """An incremental manager with a fast tier and 2 processes saves full (hashes recorded: a
+  host's fast directory may hold only its chunks, so no base there) and recovers from the
+  durable tier alone once both fast tiers are wiped."""
+  root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S,
+         "incremental": True}
+  out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
+  assert [r["all_steps"] for r in out] == [[0, 2, 4, 5]] * 2
+  with open(os.path.join(root, "4", "manifest.msgpack"), "rb") as f:
+    m = _manifest.decode(f.read(), root)
+  assert not m.bases and any(l.hash is not None for l in m.leaves)
+  shutil.rmtree(fast)
+  port = hp.free_port()
+  procs = [hp.start([sys.executable, WORKER, json.dumps(
+      {**cfg, "phase": "recover", "port": port, "num_processes": 2, "process_id": i})],
+      hp.child_env()) for i in range(2)]
+  assert [(r["restored"], r["checked"]) for r in results_of(hp.finish(procs, timeout=120))] \
+      == [(4, 5), (4, 5)]
 
 
 def test_auto_interval_is_the_same_on_every_process(tmp_path):

@@ -162,14 +162,15 @@ def _check_prev_intact_and_new_not_committed(tmp_path):
 
 def test_process_killed_mid_write_survivor_gets_barrier_timeout(tmp_path):
   """Process 1 dies with 2 of its chunks durable; process 0 finishes its writes and waits at
-  the 'written' barrier: its deadline (4 s, shorter than the heartbeat timeout) ends that
+  the 'hashed' barrier: its deadline (4 s, shorter than the heartbeat timeout) ends that
   with an error naming process 1 and its last phase."""
   results = hp.run_group(_kill_config(tmp_path, 1, "midwrite", 4, 30), 2, timeout=120)
   assert results[1].returncode == -9 and "PHASE midwrite" in results[1].stdout
   r0 = results[0].result
   assert not results[0].timed_out and r0, results[0].describe()
   assert r0["error"] == "BarrierTimeoutError", r0
-  assert "Barrier 'written'" in r0["message"] and "process(es) 1 did not arrive" in r0["message"]
+  # ('hashed': the first barrier after the writes, where the processes share content hashes)
+  assert "Barrier 'hashed'" in r0["message"] and "process(es) 1 did not arrive" in r0["message"]
   assert re.search(r"process 1 last reported phase '(staging|staged)'", r0["message"]), r0
   assert len(chunk_files(str(tmp_path / "new"))) >= 2  # partial data is there, not visible
   _check_prev_intact_and_new_not_committed(tmp_path)

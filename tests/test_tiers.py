@@ -117,7 +117,7 @@ def test_ls_shows_both_tiers_and_steps_marked_damaged(tmp_path, capsys):
   assert cli.main(["ls", durable, "--local", fast]) == 0
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines()]
-  assert rows[0] == ["TIER", "STEP", "STATUS", "DATA", "LEAVES", "FILES", "COMMITTED",
+  assert rows[0] == ["TIER", "STEP", "STATUS", "DATA", "WRITTEN", "LEAVES", "FILES", "COMMITTED",
                      "METRICS"]
   assert [r[:3] for r in rows[1:5]] == [["durable", "0", "committed"],
                                         ["durable", "3", "committed"],

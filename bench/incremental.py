@@ -1,0 +1,210 @@
+"""Incremental saves and forks: bytes written and time to committed, against full saves.
+
+    python bench/incremental.py                      # 512 MiB states, 3 runs each
+    python bench/incremental.py --mib 128 --runs 2 --dir /mnt/nvme/tmp
+
+Three measurements, each a median over ``--runs`` (8 virtual CPU devices, a (2, 4) mesh):
+
+- ``lora``: a frozen base (8 float32 matrices sharded over the mesh, ~99.5% of the bytes) plus
+  LoRA adapters and their AdamW moments (packed leaves). A full save, then an incremental
+  save (``base=`` the full one) after the adapters and moments changed. Reported: bytes on
+  disk under each new checkpoint (``du``: data, zarr.json, shard indexes, manifest, marker),
+  the changed bytes (the adapters and moments), their ratio, and time to committed (the full
+  save records hashes, as an ``incremental=True`` manager's full saves do). Then a
+  manager (``incremental=True, max_to_keep=3``) saves 6 steps; its run's bytes on disk
+  against one full state plus the deltas.
+- ``dense``: the same matrices, all changed before every save, saved by a plain
+  ``fnckpt.save`` (no base: nothing hashed), as a full save that records hashes (an
+  incremental manager's full save: ``fnckpt._save.start(hashes=True)``) and as an incremental
+  save on the previous state (fingerprints show every chunk changed): time to committed, time
+  the caller is blocked, CPU seconds; runs rotated.
+- ``fork``: ``CheckpointManager.fork`` of the LoRA run's newest step: wall time and bytes the
+  fork wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import fnckpt  # noqa: E402
+from fnckpt import _save  # noqa: E402
+
+MiB = 1 << 20
+
+
+def du(path: str) -> int:
+  total = 0
+  for d, _, names in os.walk(path):
+    total += sum(os.path.getsize(os.path.join(d, n)) for n in names)
+  return total
+
+
+def frozen_base(total_bytes: int, salt: float = 0.0) -> dict:
+  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+  rows = max(8, int(total_bytes // 8 // 4 // 4096) // 8 * 8)
+  out = {}
+  for i in range(8):
+    f = jax.jit(lambda k: jnp.arange(rows * 4096, dtype=jnp.float32).reshape(rows, 4096) + k,
+                out_shardings=s)
+    out[f"w{i}"] = f(float(i) + salt)
+  return jax.block_until_ready(out)
+
+
+def adapters(v: int, rank: int = 4) -> dict:
+  """LoRA A/B per frozen matrix plus AdamW mu/nu of each (float32, replicated numpy)."""
+  out = {}
+  for i in range(8):
+    a = np.full((4096, rank), v + i, np.float32)
+    b = np.full((rank, 4096), -v - i, np.float32)
+    out[f"w{i}"] = {"a": a, "b": b, "mu": {"a": a * 0.1, "b": b * 0.1},
+                    "nu": {"a": a * 0.01, "b": b * 0.01}}
+  return out
+
+
+def changed_bytes(tree: dict) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def bench_lora(root: str, base: dict, runs: int) -> dict:
+  full_t, inc_t, full_b, inc_b = [], [], [], []
+  delta = changed_bytes(adapters(0))
+  for r in range(runs):
+    d = os.path.join(root, f"lora{r}")
+    t0 = time.perf_counter()
+    _save.start({"frozen": base, "lora": adapters(1), "step": 1}, f"{d}/1", hashes=True).wait()
+    full_t.append(time.perf_counter() - t0)
+    full_b.append(du(f"{d}/1"))
+    t0 = time.perf_counter()
+    fnckpt.save({"frozen": base, "lora": adapters(2), "step": 2}, f"{d}/2",
+                base=f"{d}/1").wait()
+    inc_t.append(time.perf_counter() - t0)
+    inc_b.append(du(f"{d}/2"))
+    shutil.rmtree(d)
+  return {"state_bytes": full_b[0], "changed_bytes": delta,
+          "full_committed_s": statistics.median(full_t), "full_bytes": statistics.median(full_b),
+          "inc_committed_s": statistics.median(inc_t), "inc_bytes": statistics.median(inc_b),
+          "inc_over_changed": statistics.median(inc_b) / delta}
+
+
+def bench_run_and_fork(root: str, base: dict) -> dict:
+  run = os.path.join(root, "run")
+  mgr = fnckpt.CheckpointManager(run, max_to_keep=3, incremental=True)
+  for v in range(6):  # (a save refers to the newest *committed* step: steps are spaced out)
+    mgr.save(v, {"frozen": base, "lora": adapters(v), "step": v})
+    mgr.wait()
+  run_bytes = du(run)
+  t0 = time.perf_counter()
+  child = mgr.fork(5, os.path.join(root, "fork"))
+  fork_s = time.perf_counter() - t0
+  fork_bytes = du(os.path.join(root, "fork"))
+  got = child.restore()
+  assert got["step"] == 5
+  mgr.close()
+  child.close()
+  return {"run_steps": 6, "kept": 3, "run_bytes": run_bytes, "fork_s": fork_s,
+          "fork_bytes": fork_bytes, "fork_record_bytes": du(os.path.join(run, "forks"))}
+
+
+def cpu_s() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def bench_dense(root: str, mib: int, runs: int) -> dict:
+  """Per run a new state (every byte changed): a plain save (no base: nothing hashed), a full
+  save recording hashes (every chunk hashed), and incrementally (base= the previous run's
+  hashed save: fingerprints find every chunk changed, so nothing is hashed); order rotated."""
+  modes = ("plain", "hashed", "incremental")
+  out = {m: ([], [], []) for m in modes}
+  prev = None
+  for r in range(runs + 1):
+    state = frozen_base(mib * MiB, salt=float(r + 1))
+    order = modes[r % 3:] + modes[:r % 3]
+    for mode in order:
+      if mode == "incremental" and prev is None:
+        continue
+      d = os.path.join(root, f"dense{r}{mode}")
+      c0, t0 = cpu_s(), time.perf_counter()
+      h = _save.start(state, d, base=prev if mode == "incremental" else None,
+                      hashes=mode != "plain")
+      blocked = time.perf_counter() - t0
+      h.wait()
+      if r > 0:  # (run 0: warm-up, and the first base)
+        out[mode][0].append(time.perf_counter() - t0)
+        out[mode][1].append(blocked)
+        out[mode][2].append(cpu_s() - c0)
+    if prev is not None:
+      shutil.rmtree(prev)
+    prev = os.path.join(root, f"dense{r}hashed")
+    for mode in ("plain", "incremental"):
+      shutil.rmtree(os.path.join(root, f"dense{r}{mode}"), ignore_errors=True)
+  med = {k: tuple(statistics.median(x) for x in v) for k, v in out.items()}
+  best = {k: tuple(min(x) for x in v) for k, v in out.items()}
+  return {"med": med, "best": best, "all": out}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--mib", type=int, default=512, help="size of the frozen base / dense state")
+  p.add_argument("--runs", type=int, default=3)
+  p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+  args = p.parse_args()
+  root = tempfile.mkdtemp(prefix="fnckpt-inc-", dir=args.dir)
+  print(f"python bench/incremental.py --mib {args.mib} --runs {args.runs}; {os.cpu_count()} "
+        f"cores, load average {os.getloadavg()}")
+  try:
+    base = frozen_base(args.mib * MiB)
+    lora = bench_lora(root, base, args.runs)
+    print(f"lora: state {lora['state_bytes'] / MiB:.1f} MiB on disk, changed "
+          f"{lora['changed_bytes'] / MiB:.2f} MiB ({100 * lora['changed_bytes'] / lora['state_bytes']:.2f}%)")
+    print(f"  full save: {lora['full_committed_s']:.3f} s to committed, "
+          f"{lora['full_bytes'] / MiB:.1f} MiB written")
+    print(f"  incremental: {lora['inc_committed_s']:.3f} s to committed, "
+          f"{lora['inc_bytes'] / MiB:.3f} MiB written = {lora['inc_over_changed']:.3f}x the "
+          "changed bytes (manifest, marker, zarr.json and shard index included)")
+    rf = bench_run_and_fork(root, base)
+    full = lora["full_bytes"]
+    print(f"  manager, 6 steps, keep 3: {rf['run_bytes'] / MiB:.1f} MiB on disk = "
+          f"{rf['run_bytes'] / full:.3f}x one full checkpoint")
+    print(f"fork: {rf['fork_s'] * 1000:.1f} ms, {rf['fork_bytes']} bytes in the fork "
+          f"(+ {rf['fork_record_bytes']} bytes of fork record in the parent)")
+    dense = bench_dense(root, args.mib, args.runs)
+    med = dense["med"]
+    print(f"dense ({args.mib} MiB, every byte changed), medians: committed s / blocked s / "
+          "CPU s of the process")
+    for mode in ("plain", "hashed", "incremental"):
+      c, b, cpu = med[mode]
+      best = dense["best"]
+      print(f"  {mode:12s} {c:.3f} / {b:.3f} / {cpu:.2f}  ({100 * (c / med['plain'][0] - 1):+.1f}%"
+            f" committed, {100 * (cpu / med['plain'][2] - 1):+.1f}% CPU vs plain); best "
+            f"{best[mode][0]:.3f} / {best[mode][1]:.3f} / {best[mode][2]:.2f} "
+            f"({100 * (best[mode][0] / best['plain'][0] - 1):+.1f}% committed, "
+            f"{100 * (best[mode][2] / best['plain'][2] - 1):+.1f}% CPU)")
+    print(f"  runs: {dense['all']}")
+    print(f"  load average now: {os.getloadavg()}")
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()
