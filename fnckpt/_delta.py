@@ -215,8 +215,12 @@ class Delta:
     k = len(self.report.segments)
     d = f"{self._dir}/q/{self._me}/{k}"
     spec = _store.pack_spec(self._kv_spec, d, padded, chunk, inner)
-    store = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
-                              mode="create").result()
+    try:
+      store = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
+                                mode="create").result()
+    except BaseException:
+      self._release(sum(b.cost for b in items))
+      raise
     self.report.segments.append((d, padded, chunk, inner))
     futures = []
     for start in range(0, padded, chunk):

@@ -111,7 +111,7 @@ class Writer:
   def _write_all(self) -> list[ts.Future]:
     commits = []
     self._drain.wait()
-    while (item := self._queue.get()) is not _END:
+    while (item := self._next(commits)) is not _END:
       if self.error is not None or self.aborted:
         self.budget.release(item.cost)
         continue
@@ -131,6 +131,20 @@ class Writer:
     except BaseException as e:
       self.error = self.error or e
     return commits
+
+  def _next(self, commits: list) -> Any:
+    """The next queued item; before blocking on an empty queue, write the buffered pack
+    segment (its leaves hold budget the caller may be waiting for: else a deadlock)."""
+    try:
+      return self._queue.get_nowait()
+    except queue.Empty:
+      pass
+    if self.error is None and not self.aborted and self.delta is not None:
+      try:
+        commits += self.delta.flush()
+      except BaseException as e:
+        self.error = e
+    return self._queue.get()
 
   def _write(self, item: Chunk) -> None:
     """Hand one chunk to the delta: hashed, and written unless equal to the base's."""

@@ -670,3 +670,19 @@ def test_a_base_deleted_during_the_save_fails_it(tmp_path, monkeypatch):
                      "committed"):
     fnckpt.save(lora_tree(2), b, base=a).wait()
   assert not os.path.exists(os.path.join(b, "COMMIT"))
+
+
+# --- review findings (issue 12) -----------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_a_small_budget_does_not_hang_an_incremental_save(tmp_path):
+  """The writer's buffered pack segment holds budget: it is written before the writer waits
+  for more (else the caller, waiting for budget, and the writer wait for each other)."""
+  def t(v):
+    return {"a": np.full((1 << 18,), v, np.float32),             # 1 MiB, packed
+            "b": np.full(((4 << 20) // 4 - 16,), v, np.float32)}  # ~4 MiB, packed
+  a, b = str(tmp_path / "1"), str(tmp_path / "2")
+  fnckpt.save(t(1), a, budget_bytes=8 << 20).wait()
+  fnckpt.save(t(2), b, base=a, budget_bytes=8 << 20).wait()
+  assert_same(fnckpt.restore(b), t(2))
+  assert_same(fnckpt.restore(a), t(1))
