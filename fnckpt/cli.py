@@ -465,7 +465,7 @@ class _Unit:
   """What verify reads: a stored array, or a pack (labelled with the leaves in it)."""
   label: str
   here: str                        # its storage path
-  spec: dict[str, Any]
+  spec: dict[str, Any] | str       # a str: why it cannot be opened (e.g. a bad reference)
   shape: tuple[int, ...]
   inner: tuple[int, ...]
   itemsize: int
@@ -486,14 +486,21 @@ def _units(src: _restore.Source) -> list[_Unit]:
   for rec in manifest.leaves:
     if rec.stored is not None:
       units.append(_Unit(rec.where, _where(src, rec.stored.base, rec.stored.dir),
-                         _spec(src, rec),
+                         _spec_or_error(src, rec),
                          rec.shape, rec.stored.inner, _leaves.dtype_of(rec.dtype).itemsize))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    units.append(_Unit(label, _where(src, pack.base, pack.dir), _spec(src, k),
+    units.append(_Unit(label, _where(src, pack.base, pack.dir), _spec_or_error(src, k),
                        (pack.nbytes,), (pack.inner,), 1))
   return units
+
+
+def _spec_or_error(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any] | str:
+  try:
+    return _spec(src, rec)
+  except CheckpointError as e:  # a reference that leads nowhere valid: a problem of this leaf
+    return str(e)
 
 
 def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[str]:
@@ -518,6 +525,10 @@ def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
   progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units),
                        src.location, quiet)
   for u in units:
+    if isinstance(u.spec, str):
+      problems.append(f"{u.label} ({u.here}): cannot open its array: {u.spec}")
+      progress.advance(u.nbytes, u.chunks)
+      continue
     try:
       store = _open_stored(src, u.spec, check_metadata=True)
     except Exception as e:
@@ -546,8 +557,8 @@ def _verify_hashes(src: _restore.Source) -> list[str]:
       continue
     try:
       bad = _hash_mismatch(src, rec)
-    except Exception as e:  # a read error was reported by the checksum pass already
-      bad = None if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    except Exception as e:  # a read or reference error was reported by the checksum pass
+      bad = None if isinstance(e, (ValueError, CheckpointError)) else f"{type(e).__name__}: {e}"
     if bad:
       base = _reused(src, rec)
       ref = f" (referenced: {_refs.describe(src.location, src.manifest, base)})" \
