@@ -131,22 +131,39 @@ def write_referenced(kv: ts.KvStore, data: set[str]) -> None:
 def delete_step(root: str, step: int, keep: set[str],
                 storage_options: dict[str, Any] | None) -> None:
   """Delete ``step``: its commit marker first; its data directories in ``keep`` (referred to
-  by others) stay, with a ``REFERENCED`` marker naming them."""
+  by others) stay, with a ``REFERENCED`` marker naming them. Once the marker is gone the
+  fork records are read again: a fork written meanwhile (by another job) keeps its data too
+  (a fork checks the marker after writing its record: one of the two sees the other)."""
   path = _paths.join(root, str(step))
-  if not keep:
-    _paths.delete_prefix(path, storage_options, first=(_manifest.COMMIT, REFERENCED))
-    return
   kv = _paths.open_kvstore(path, storage_options)
   try:
-    kv.write(REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME,
-                                        "data": sorted(keep)})).result()
+    if keep:
+      _write_referenced(kv, keep)
     kv.delete_range(ts.KvStore.KeyRange(_manifest.COMMIT, _manifest.COMMIT + "\0")).result()
+  except Exception as e:
+    raise _paths.io_error(e, path, "deleting") from e
+  late = {d for s, d in References(root, storage_options).of_forks() if s == step} - keep
+  if late:
+    keep = keep | late
+    try:
+      _write_referenced(kv, keep)
+    except Exception as e:
+      raise _paths.io_error(e, path, "deleting") from e
+  if not keep:
+    _paths.delete_prefix(path, storage_options, first=(REFERENCED,))
+    return
+  try:
     tops = {k.decode("utf-8", "replace").split("/", 1)[0] for k in kv.list().result()}
     for top in sorted(tops - set(keep) - {REFERENCED}):
       kv.delete_range(ts.KvStore.KeyRange(top, top + "\0")).result()
       kv.delete_range(ts.KvStore.KeyRange(top + "/", top + "0")).result()
   except Exception as e:
     raise _paths.io_error(e, path, "deleting") from e
+
+
+def _write_referenced(kv: ts.KvStore, keep: set[str]) -> None:
+  kv.write(REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME,
+                                      "data": sorted(keep)})).result()
 
 
 def collect(root: str, held: list[int], kept: dict[int, set[str]],
@@ -169,7 +186,7 @@ def fork_step(root: str, step: int, directory: str,
   fork record's key."""
   src_path, dst_path = _paths.join(root, str(step)), _paths.join(directory, str(step))
   kv = _paths.open_kvstore(src_path, storage_options)
-  manifest, raw, _ = _commit.read_header(kv, src_path)
+  manifest, raw, commit = _commit.read_header(kv, src_path)
   src_loc = _refs.locate(_paths.kvstore_spec(src_path, storage_options))
   dst_loc = _refs.locate(_paths.kvstore_spec(dst_path, storage_options))
   run_loc = _refs.locate(_paths.kvstore_spec(root, storage_options))
@@ -196,7 +213,8 @@ def fork_step(root: str, step: int, directory: str,
                           "run": _refs.relative(fork_run, run_loc.path), "step": step,
                           "data": data})
   name = secrets.token_hex(16)
-  _paths.open_kvstore(_paths.join(root, FORKS), storage_options).write(name, record).result()
+  forks = _paths.open_kvstore(_paths.join(root, FORKS), storage_options)
+  forks.write(name, record).result()
   _paths.open_kvstore(directory, storage_options).write(LINEAGE, msgpack.packb(
       {"format": _manifest.FORMAT_NAME, **m["fork"]})).result()
   out = _paths.open_kvstore(dst_path, storage_options)
@@ -204,8 +222,22 @@ def fork_step(root: str, step: int, directory: str,
   body = _manifest.encode(m)
   _manifest.decode(body, dst_path)  # what we write must read back
   out.write(_manifest.MANIFEST, body).result()
+  _check_parent_unchanged(kv, src_path, commit, forks, name)
   _commit.write_commit(out, body)
   return name
+
+
+def _check_parent_unchanged(kv: ts.KvStore, src_path: str, commit: bytes, forks: ts.KvStore,
+                            name: str) -> None:
+  """After the fork record is written: the parent step must still be the one forked (a
+  deletion by another job that missed the record would have removed its marker first)."""
+  if _commit.unchanged(kv, commit):
+    return
+  forks.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+  raise CheckpointError(
+      f"Cannot fork {src_path!r}: it was deleted or replaced (by another job) while the fork "
+      "was being written, so the fork is not committed. Fork a step that is kept (see "
+      "manager.all_steps()).")
 
 
 def _rebase(m: dict, manifest: _records.Manifest, src_loc: _refs.Location,
