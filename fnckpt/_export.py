@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -125,6 +126,9 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
   return target, (os.path.basename(target) if single else None)
 
 
+_EXPORT_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
+
+
 def _check_target(target: str, overwrite: bool) -> None:
   parent = os.path.dirname(target)
   try:
@@ -132,6 +136,14 @@ def _check_target(target: str, overwrite: bool) -> None:
   except OSError as e:
     raise CheckpointError(f"Cannot create the directory {parent!r} for the export "
                           f"({type(e).__name__}: {e}).") from None
+  if overwrite and os.path.isdir(target) and not os.path.islink(target):
+    # Replacing a directory removes it whole: only one that holds nothing but an export.
+    others = [n for n in os.listdir(target) if not _EXPORT_NAME.fullmatch(n)]
+    if others:
+      raise CheckpointError(
+          f"{target!r} holds files that are not part of a safetensors export (e.g. "
+          f"{sorted(others)[0]!r}); overwrite=True would delete them. Export into an empty or "
+          "new directory (then move the files), or remove that directory yourself.")
   if os.path.lexists(target) and not overwrite:
     empty_dir = os.path.isdir(target) and not os.listdir(target)
     if not (empty_dir and not target.endswith(".safetensors")):

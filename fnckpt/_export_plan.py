@@ -177,7 +177,7 @@ def _check_cast(dtype: Any) -> str | None:
 def _meta_value(leaf: _records.Leaf) -> str | None:
   """A scalar's text for ``__metadata__`` (None: not a number, bool or string)."""
   if leaf.kind == "bigint":
-    return leaf.value
+    return str(leaf.value)  # values are strings (the safetensors library refuses numbers)
   if leaf.kind == "npscalar":
     dt = _records.np_dtype(leaf.dtype)
     if not (np.issubdtype(dt, np.integer) or _is_float(dt.name) or dt == bool):

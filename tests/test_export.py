@@ -480,3 +480,31 @@ def test_a_failed_write_leaves_nothing(saved, tmp_path, monkeypatch):
                      r"\(OSError: \[Errno 28\] No space left on device\)\. Check the free space"):
     fnckpt.export_safetensors(path, tmp_path / "m.safetensors", budget_bytes=64 << 10)
   assert os.listdir(tmp_path) == [] and len(calls) == 3
+
+
+def test_big_integers_go_into_metadata_as_text(tmp_path):
+  """__metadata__ values are strings; a number there makes the file unreadable."""
+  from safetensors import safe_open
+  fnckpt.save({"w": np.ones((2, 3), np.float32), "big": 2**100}, tmp_path / "c").wait()
+  fnckpt.export_safetensors(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+  with safe_open(str(tmp_path / "m.safetensors"), "np") as f:
+    assert f.metadata()["big"] == str(2**100)
+
+
+def test_overwrite_never_deletes_files_an_export_did_not_write(tmp_path):
+  fnckpt.save({"w": np.ones((2, 3), np.float32)}, tmp_path / "run" / "c").wait()
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  (hf / "config.json").write_text("{}")
+  with pytest.raises(fnckpt.CheckpointError, match=r"holds files that are not part of a "
+                     r"safetensors export \(e.g. 'config.json'\); overwrite=True would delete"):
+    fnckpt.export_safetensors(str(tmp_path / "run" / "c"), str(hf), overwrite=True)
+  with pytest.raises(fnckpt.CheckpointError, match="not part of a safetensors export"):
+    fnckpt.export_safetensors(str(tmp_path / "run" / "c"), str(tmp_path / "run"),
+                              overwrite=True)
+  assert (hf / "config.json").exists() and (tmp_path / "run" / "c" / "COMMIT").exists()
+  out = str(tmp_path / "out")
+  fnckpt.export_safetensors(str(tmp_path / "run" / "c"), out)
+  fnckpt.export_safetensors(str(tmp_path / "run" / "c"), out, overwrite=True)  # its own: fine
+  assert sorted(os.listdir(out)) == ["model-00001-of-00001.safetensors",
+                                     "model.safetensors.index.json"]
