@@ -297,6 +297,7 @@ class LocalTier:
     self._pending: set[int] = set()  # steps whose durable copy is due and not done
     self._lock = threading.Lock()
     self._idle = threading.Condition()
+    self.copying = threading.Lock()  # held by a durable copy (durable retention waits)
 
   @property
   def pending(self) -> set[int]:
@@ -320,7 +321,6 @@ class LocalTier:
     with self._idle:
       self._idle.wait_for(lambda: not self._pending)
     return time.monotonic() - start
-    self.copying = threading.Lock()  # held by a durable copy (durable retention waits)
 
   def copy_to_durable(self, step: int) -> float:
     """Copy the committed local ``step`` to the durable tier; return the seconds it took."""
