@@ -215,7 +215,8 @@ def test_incremental_manager_with_two_tiers_on_two_processes(tmp_path):
   cfg = {"mode": "tiers", "root": root, "local": fast, "barrier_s": BARRIER_S,
          "incremental": True}
   out = results_of(hp.finish(launch({**cfg, "phase": "save"}, 2), timeout=120))
-  assert [r["all_steps"] for r in out] == [[0, 2, 4, 5]] * 2
+  # durable 0, 2, 4 (saved there by both processes); local 3, 5 (the newest 2 local steps)
+  assert [r["all_steps"] for r in out] == [[0, 2, 3, 4, 5]] * 2
   with open(os.path.join(root, "4", "manifest.msgpack"), "rb") as f:
     m = _manifest.decode(f.read(), root)
   assert not m.bases and any(l.hash is not None for l in m.leaves)
