@@ -481,7 +481,7 @@ class _Unit:
 
 
 def _units(src: _restore.Source) -> list[_Unit]:
-  location, manifest = src.location, src.manifest
+  manifest = src.manifest
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
