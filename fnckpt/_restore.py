@@ -625,7 +625,9 @@ class _Stream:
     # donating one restored shard can never change another. Puts go out in batches.
     self.to_put += [(i, d, host, k == 0) for k, d in enumerate(devices)]
     self.put_bytes.append(n)
-    if len(self.to_put) >= 256 or not self.pending:
+    # Place what has landed as soon as the next read is still on its way (or many are
+    # waiting): its bytes then leave the budget and the next reads go out meanwhile.
+    if len(self.to_put) >= 256 or not self.pending or not self.pending[0][1].done():
       self._flush()
 
   def _flush(self) -> None:
