@@ -686,3 +686,67 @@ def test_a_small_budget_does_not_hang_an_incremental_save(tmp_path):
   fnckpt.save(t(2), b, base=a, budget_bytes=8 << 20).wait()
   assert_same(fnckpt.restore(b), t(2))
   assert_same(fnckpt.restore(a), t(1))
+
+
+def test_verify_reports_a_reference_above_the_root_naming_the_leaf(tmp_path, capsys):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  hashed_save({"w": FROZEN}, a).wait()
+  fnckpt.save({"w": FROZEN}, b, base=a).wait()
+  raw = msgpack.unpackb(open(f"{b}/manifest.msgpack", "rb").read(), strict_map_key=False)
+  assert raw["bases"], "the test needs b to refer to a"
+  raw["bases"][0]["dir"] = "../" * 40 + "x"
+  body = _manifest.encode(raw)
+  open(f"{b}/manifest.msgpack", "wb").write(body)
+  open(f"{b}/COMMIT", "wb").write(_manifest.encode_commit(body, 0.0))
+  assert cli_main(["verify", "-q", b]) == 1
+  out = capsys.readouterr()
+  assert "['w']" in out.out + out.err and "leads above the root of its storage" in out.out + out.err
+
+
+def test_a_fork_by_another_job_during_retention_keeps_its_data(tmp_path):
+  """Retention read forks/ before another job forked the doomed step: the deletion reads the
+  fork records again once the step's marker is gone."""
+  run, fk = str(tmp_path / "run"), str(tmp_path / "fork")
+  t = lambda s: {"big": FROZEN + s, "s": s}
+  a = fnckpt.CheckpointManager(run, max_to_keep=2)   # training
+  b = fnckpt.CheckpointManager(run)                  # another job on the same run
+  for s in (1, 2):
+    a.save(s, t(s))
+    a.wait()
+  real = a._index.refs.kept
+
+  def kept(listing, doomed):
+    out = real(listing, doomed)           # forks/ read (none yet) ...
+    if doomed and not getattr(kept, "done", False):
+      kept.done = True
+      b.fork(1, fk)                       # ... the other job forks step 1 now
+    return out
+
+  a._index.refs.kept = kept
+  a.save(3, t(3))
+  a.wait()
+  assert kept.done and a.all_steps() == [2, 3]
+  assert_same(fnckpt.CheckpointManager(fk).restore(1), t(1))
+  a.close()
+  b.close()
+
+
+def test_a_fork_of_a_step_deleted_meanwhile_is_not_committed(tmp_path, monkeypatch):
+  from fnckpt import _fork
+  run, fk = str(tmp_path / "run"), str(tmp_path / "fork")
+  mgr = fnckpt.CheckpointManager(run)
+  mgr.save(1, {"w": FROZEN})
+  mgr.wait()
+  real = _fork._copy_per_process
+
+  def racing(*a):  # another job deletes step 1 after the fork read it
+    os.remove(os.path.join(run, "1", "COMMIT"))
+    return real(*a)
+
+  monkeypatch.setattr(_fork, "_copy_per_process", racing)
+  with pytest.raises(fnckpt.CheckpointError, match="Cannot fork '.*1': it was deleted or "
+                     "replaced \\(by another job\\) while the fork was being written"):
+    mgr.fork(1, fk)
+  assert not os.path.exists(os.path.join(fk, "1", "COMMIT"))
+  assert not os.listdir(os.path.join(run, "forks"))
+  mgr.close()
