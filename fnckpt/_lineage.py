@@ -6,6 +6,7 @@ save (:meth:`Incremental.choose`) and fork this step (:func:`fork`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -40,6 +41,12 @@ class Incremental:
     self.full_every = full_every
     self._since_full: int | None = None   # saves since the last full one (None: none yet)
     self._lock = threading.Lock()
+    self._bases: collections.Counter[int] = collections.Counter()  # (process 0) in flight
+
+  def in_flight_base(self, step: int) -> bool:
+    """(Process 0.) Whether a save in flight refers to ``step``'s data (is based on it)."""
+    with self._lock:
+      return self._bases[step] > 0
 
   def choose(self, index: Any, claims: Any, step: int, timeout_s: float) -> Base | None:
     """The base of a save of ``step`` into the :class:`fnckpt._steps.StepIndex` ``index``
@@ -65,6 +72,8 @@ class Incremental:
         cm.__exit__(None, None, None)  # deleted meanwhile: a full save then
         return None
       claimed.append(cm)
+      with self._lock:
+        self._bases[older[-1]] += 1
       return older[-1]
 
     chosen = _coordination.from_process_0(index.path(step), "base", decide, timeout_s)
@@ -75,6 +84,10 @@ class Incremental:
   def release(self, base: Base | None) -> None:
     if base is not None and base.claim is not None:
       claim, base.claim = base.claim, None
+      with self._lock:
+        self._bases[base.step] -= 1
+        if self._bases[base.step] <= 0:
+          del self._bases[base.step]
       claim.__exit__(None, None, None)
 
 
@@ -92,11 +105,18 @@ def fork(index: Any, step: int, directory: str) -> None:
   _fork.fork_step(index.root, step, directory, index.storage_options)
 
 
-def check_replace(index: Any, claims: Any, step: int) -> None:
+def check_replace(index: Any, claims: Any, step: int,
+                  incremental: Incremental | None = None) -> None:
   """(Process 0.) Refuse to save over ``step`` (``force``, or a deleted step whose data is
-  kept) while other steps or forks refer to its data: replacing it would break them."""
+  kept) while other steps, forks or (``incremental``) saves in flight refer to its data:
+  replacing it would break them."""
   if not index.exists(step):
     return
+  if incremental is not None and incremental.in_flight_base(step):
+    raise CheckpointError(
+        f"Step {step} of {index.display!r} cannot be replaced: an incremental save in flight "
+        "refers to its data (it is that save's base). Wait for it (manager.wait()); then "
+        "delete the steps that refer to it first, or save a new step.")
   listing = index.list(in_flight=claims.saving())
   kept = index.refs.kept(listing, {step}).get(step)
   if kept:

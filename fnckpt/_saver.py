@@ -62,7 +62,8 @@ class Saver:
     def decide() -> dict[str, Any]:
       for index in [self.index] + ([self.local.index] if self.local else []):
         _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
-        _lineage.check_replace(index, self.claims, step)  # (do other steps refer to it?)
+        _lineage.check_replace(index, self.claims, step,  # (do other steps refer to it?)
+                               self.incremental)
       busy = self.local.pending if self._copies() else self.claims.saving()
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 

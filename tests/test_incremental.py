@@ -750,3 +750,41 @@ def test_a_fork_of_a_step_deleted_meanwhile_is_not_committed(tmp_path, monkeypat
   assert not os.path.exists(os.path.join(fk, "1", "COMMIT"))
   assert not os.listdir(os.path.join(run, "forks"))
   mgr.close()
+
+
+def _pause_save_of(monkeypatch, path: str):
+  """Hold the writer of the save to ``path`` at its "written" phase: (paused, gate) events;
+  set ``gate`` to let it go on."""
+  import threading
+  gate, paused = threading.Event(), threading.Event()
+
+  def hook(name):
+    if name == "written" and threading.current_thread().name.endswith(path):
+      paused.set()
+      gate.wait(60)
+
+  monkeypatch.setattr(_save, "_phase", hook)
+  return paused, gate
+
+
+def test_force_save_of_the_base_of_a_save_in_flight_is_refused(tmp_path, monkeypatch):
+  d = str(tmp_path)
+  mgr = fnckpt.CheckpointManager(d, incremental=True)
+  mgr.save(1, lora_tree(1))
+  mgr.wait()
+  paused, gate = _pause_save_of(monkeypatch, f"{d}/2")
+  mgr.save(2, lora_tree(2))   # refers to step 1's data
+  assert paused.wait(60)
+  try:
+    with pytest.raises(fnckpt.CheckpointError, match="Step 1 of .* cannot be replaced: an "
+                       "incremental save in flight refers to its data"):
+      mgr.save(1, lora_tree(11), force=True)
+  finally:
+    gate.set()
+  mgr.wait()
+  assert_same(mgr.restore(1), lora_tree(1))
+  assert_same(mgr.restore(2), lora_tree(2))
+  with pytest.raises(fnckpt.CheckpointError, match=r"Step 1 of .* cannot be replaced: steps "
+                     r"\[2\] refer to its data"):
+    mgr.save(1, lora_tree(11), force=True)   # (step 2 is committed now)
+  mgr.close()
