@@ -427,7 +427,7 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
 def _cleanup(mgr: CheckpointManager) -> list[int]:
   """cleanup(), on process 0: the leftovers, never data that steps or forks refer to."""
   leftovers = mgr.uncommitted_steps()
-  deleted, failed = delete_referenced(mgr._index, mgr._claims, mgr._index.list(),
+  deleted, failed = delete_referenced(mgr._index, mgr._claims,
                                       lambda busy: [s for s in leftovers if s not in busy])
   if failed:
     raise failed[0][1]

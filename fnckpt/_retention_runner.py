@@ -20,7 +20,8 @@ from ._claims import StepClaims
 from ._errors import CheckpointError
 from ._steps import StepIndex
 
-__all__ = ["Background", "RetentionRunner", "RetentionError", "delete_unclaimed"]
+__all__ = ["Background", "RetentionRunner", "RetentionError", "delete_unclaimed",
+           "delete_referenced", "collect_held"]
 
 
 class RetentionError(CheckpointError):
@@ -101,19 +102,37 @@ def delete_unclaimed(index: StepIndex, claims: StepClaims,
   return sorted(deleted), failed
 
 
-def delete_referenced(index: StepIndex, claims: StepClaims, listing: Any,
+def delete_referenced(index: StepIndex, claims: StepClaims,
                       choose: Callable[[set[int]], list[int]]
                       ) -> tuple[list[int], list[tuple[int, BaseException]]]:
   """:func:`delete_unclaimed` keeping the data that the steps left (damaged ones too) or
-  forks refer to (``REFERENCED``, :mod:`fnckpt._fork`); then the deleted steps kept for their
-  data (``listing.held``) lose what nothing refers to any more."""
-  from . import _fork
-  deleted, failed = delete_unclaimed(index, claims, choose,
-                                     lambda doomed: index.refs.kept(listing, doomed))
-  if listing.held:
-    _fork.collect(index.root, [s for s in listing.held if s not in claims.busy()],
-                  index.refs.kept(listing, set(deleted)), index.storage_options)
+  forks refer to (``REFERENCED``, :mod:`fnckpt._fork`), read from a listing taken once the
+  doomed steps are claimed (a step committed after ``choose``'s listing may refer to them);
+  then :func:`collect_held`."""
+  deleted, failed = delete_unclaimed(index, claims, choose, lambda doomed: index.refs.kept(
+      index.list(in_flight=claims.saving()), doomed))
+  collect_held(index, claims)
   return deleted, failed
+
+
+def collect_held(index: StepIndex, claims: StepClaims) -> None:
+  """(Process 0, or each process for its local tier.) Drop the data of held (``REFERENCED``)
+  steps that nothing refers to any more. The held steps are claimed first (a save of that
+  step number waits; claimed ones are left alone), then what is referred to is read from a
+  fresh listing (a step committed meanwhile may refer to them)."""
+  listing = index.list(in_flight=claims.saving())
+  if not listing.held:
+    return
+  from . import _fork
+  held = claims.claim_unprotected(lambda protect: [s for s in listing.held
+                                                   if s not in protect])
+  try:
+    if held:
+      fresh = index.list(in_flight=claims.saving())
+      _fork.collect(index.root, [s for s in held if s in fresh.held],
+                    index.refs.kept(fresh, set()), index.storage_options)
+  finally:
+    claims.release_delete(held)
 
 
 class RetentionRunner:
@@ -133,13 +152,15 @@ class RetentionRunner:
 
   def run(self) -> None:
     """One retention pass (blocking). Raises :class:`RetentionError` naming every step it
-    could not delete; the other doomed steps are deleted regardless."""
+    could not delete; the other doomed steps are deleted regardless. Held steps whose data
+    nothing refers to any more are dropped also when the policy keeps every step."""
     if not self.active:
+      collect_held(self.index, self.claims)
       return
     listing = self.index.list(in_flight=self.claims.saving())
     metrics = (self.index.metric_values(listing, self.best_metric)
                if self.policy.best_n and self.best_metric else {})
-    _, failed = delete_referenced(self.index, self.claims, listing, lambda protect: (
+    _, failed = delete_referenced(self.index, self.claims, lambda protect: (
         _retention.to_delete(listing.steps, self.policy, metrics, protect)))
     if failed:
       raise self._error(failed)

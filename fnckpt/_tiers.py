@@ -338,7 +338,7 @@ class LocalTier:
     with self._lock:
       listing = self.index.list(in_flight=claims.saving())
       steps = sorted(set(listing.steps) | set(listing.uncommitted) | set(listing.damaged))
-      _, failed = delete_referenced(self.index, claims, listing, lambda busy: (
+      _, failed = delete_referenced(self.index, claims, lambda busy: (
           self.policy.local_to_delete(steps, set(busy) | self.pending)))
     if failed:  # a RetentionError: this process's wait() raises it
       step, error = failed[0]

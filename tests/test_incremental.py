@@ -788,3 +788,86 @@ def test_force_save_of_the_base_of_a_save_in_flight_is_refused(tmp_path, monkeyp
                      r"\[2\] refer to its data"):
     mgr.save(1, lora_tree(11), force=True)   # (step 2 is committed now)
   mgr.close()
+
+
+def test_retention_reads_references_after_claiming(tmp_path, monkeypatch):
+  """A save that commits after retention listed the steps may refer to a step it dooms."""
+  import threading
+  d = str(tmp_path)
+  x0, y0 = np.arange(1 << 18, dtype=np.float32), np.arange(1 << 18, dtype=np.float32) * 3
+  mgr = fnckpt.CheckpointManager(d, incremental=True, max_to_keep=1, keep_every=2)
+  mgr.save(1, {"x": x0, "y": y0})
+  mgr.wait()
+  paused, gate = _pause_save_of(monkeypatch, f"{d}/2")
+  h2 = mgr.save(2, {"x": x0 + 1, "y": y0})   # refers to step 1's y; held at "written"
+  assert paused.wait(60)
+  real_list = mgr._index.list
+
+  def listing(*a, **k):
+    out = real_list(*a, **k)
+    if threading.current_thread().name.endswith("/3") and not getattr(listing, "done", 0):
+      listing.done = 1   # (step 3's retention: its policy's listing, without step 2)
+      gate.set()
+      h2.wait()          # step 2 commits (and stops claiming its base) after this listing
+      with mgr._claims._cond:   # step 2's retention has held step 1 (and is done with it)
+        mgr._claims._cond.wait_for(lambda: os.path.exists(os.path.join(d, "1", "REFERENCED"))
+                                   and not mgr._claims._deleting)
+    return out
+
+  monkeypatch.setattr(mgr._index, "list", listing)
+  mgr.save(3, {"x": x0 + 2, "y": y0 + 2})
+  mgr.wait()
+  assert listing.done and mgr.all_steps() == [2, 3]
+  assert_same(mgr.restore(2), {"x": x0 + 1, "y": y0})
+  mgr.close()
+
+
+def test_held_data_is_collected_from_a_listing_taken_after_claiming(tmp_path, monkeypatch):
+  """Step 1 is held (step 2 refers to its y). Step 4's retention lists the steps before step
+  3 (which refers to step 1's y too) commits: dropping held data by that listing would lose
+  what step 3 refers to."""
+  import threading
+  d = str(tmp_path)
+  x0, y0 = np.arange(1 << 18, dtype=np.float32), np.arange(1 << 18, dtype=np.float32) * 3
+  mgr = fnckpt.CheckpointManager(d, incremental=True, max_to_keep=1, keep_every=3)
+  for s in (1, 2):
+    mgr.save(s, {"x": x0 + s, "y": y0})
+    mgr.wait()
+  assert os.path.exists(os.path.join(d, "1", "REFERENCED"))
+  paused, gate = _pause_save_of(monkeypatch, f"{d}/3")
+  h3 = mgr.save(3, {"x": x0 + 3, "y": y0})   # refers to step 1's y; held at "written"
+  assert paused.wait(60)
+  real_list = mgr._index.list
+
+  def listing(*a, **k):
+    out = real_list(*a, **k)
+    if threading.current_thread().name.endswith("/4") and not getattr(listing, "done", 0):
+      listing.done = 1   # (step 4's retention: its policy's listing, without step 3)
+      gate.set()
+      h3.wait()          # step 3 commits; its retention deletes step 2
+      with mgr._claims._cond:
+        mgr._claims._cond.wait_for(lambda: not os.path.exists(os.path.join(d, "2"))
+                                   and not mgr._claims._deleting)
+    return out
+
+  monkeypatch.setattr(mgr._index, "list", listing)
+  mgr.save(4, {"x": x0 + 4, "y": y0 + 4})
+  mgr.wait()
+  assert listing.done and mgr.all_steps() == [3, 4]
+  assert_same(mgr.restore(3), {"x": x0 + 3, "y": y0})
+  mgr.close()
+
+
+def test_held_data_is_collected_when_the_policy_keeps_every_step(tmp_path):
+  mgr = fnckpt.CheckpointManager(str(tmp_path), incremental=True)   # no retention rule
+  for s in (1, 2):
+    mgr.save(s, lora_tree(s))
+    mgr.wait()
+  mgr.delete(1)
+  assert os.path.exists(tmp_path / "1" / "REFERENCED")   # step 2 refers to its data
+  shutil.rmtree(tmp_path / "2")          # another tool removed the step referring to it
+  mgr.save(3, lora_tree(3))
+  mgr.wait()
+  assert not os.path.exists(tmp_path / "1") and mgr.all_steps() == [3]
+  assert_same(mgr.restore(3), lora_tree(3))
+  mgr.close()
