@@ -104,8 +104,14 @@ def relative(target: str, start: str) -> str:
   ('5', '../a/5')
   """
   rel = posixpath.relpath(target, start)
-  _records.check_rel(rel, "a reference")  # (a base inside the new checkpoint is refused)
-  return rel
+  try:
+    return _records.check_rel(rel, "a reference")
+  except Exception as e:  # e.g. '.': the target holds the checkpoint that would refer to it
+    raise CheckpointError(
+        f"Cannot refer to {target!r} from a checkpoint in {start!r}: the reference would be "
+        f"{rel!r} ({e}). A checkpoint can refer only to checkpoints beside it, not to a "
+        "directory that contains it. Choose a base (or fork directory) outside the new "
+        "checkpoint's directory, or save without base=.") from None
 
 
 def resolve(loc: Location, rel: str, where: str) -> str:
@@ -159,14 +165,15 @@ class PackCand:
 
 
 def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
-             k: int | None) -> _records.Base:
+             k: int | None) -> _records.Base | None:
   """The checkpoint holding the bytes of a base's record (``k``: its ``base`` index, None for
-  the base's own data), as a reference from the new checkpoint."""
+  the base's own data), as a reference from the new checkpoint; ``None`` when that is the new
+  checkpoint's own path (its old data is replaced: nothing there may be referred to)."""
   start = posixpath.dirname(new_loc.path)
-  if k is None:
-    return _records.Base(relative(base_loc.path, start), base.data)
-  b = base.bases[k]
-  return _records.Base(relative(resolve(base_loc, b.dir, base_loc.path), start), b.data)
+  target = base_loc.path if k is None else resolve(base_loc, base.bases[k].dir, base_loc.path)
+  if target == new_loc.path:
+    return None  # the new checkpoint's own path (overwrite=True): its old data goes
+  return _records.Base(relative(target, start), base.data if k is None else base.bases[k].data)
 
 
 def candidates(records: Sequence[dict[str, Any]], base: _records.Manifest,
@@ -191,12 +198,15 @@ def candidates(records: Sequence[dict[str, Any]], base: _records.Manifest,
     if s is not None and old.stored is not None and old.chunk_hashes is not None and (
         list(old.stored.chunks), list(old.stored.inner), old.stored.zstd, old.stored.blosc) == (
             list(s["chunks"]), list(s["inner"]), s["zstd"], _blosc_items(s.get("blosc"))):
-      stored[i] = StoredCand(_rebased(base, base_loc, new_loc, old.stored.base),
-                             old.stored.dir, old.chunk_hashes, old.chunk_fps)
+      where = _rebased(base, base_loc, new_loc, old.stored.base)
+      if where is not None:
+        stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes, old.chunk_fps)
     elif s is None and "inline" not in rec and old.packed is not None:
       pack = base.packs[old.packed.pack]
-      packed[i] = PackCand(_rebased(base, base_loc, new_loc, pack.base),
-                           dataclasses.replace(pack, base=None), old.packed.offset, old.hash)
+      where = _rebased(base, base_loc, new_loc, pack.base)
+      if where is not None:
+        packed[i] = PackCand(where, dataclasses.replace(pack, base=None), old.packed.offset,
+                             old.hash)
   return stored, packed
 
 

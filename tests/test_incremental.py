@@ -871,3 +871,24 @@ def test_held_data_is_collected_when_the_policy_keeps_every_step(tmp_path):
   assert not os.path.exists(tmp_path / "1") and mgr.all_steps() == [3]
   assert_same(mgr.restore(3), lora_tree(3))
   mgr.close()
+
+
+def test_overwrite_with_a_base_that_refers_to_the_new_path_reuses_nothing_there(tmp_path):
+  """save(p2, base=p3, overwrite=True) where p3 refers to p2's data: p2's old data goes, so
+  the new p2 must not refer to it (it writes those leaves itself)."""
+  p2, p3 = str(tmp_path / "2"), str(tmp_path / "3")
+  hashed_save(lora_tree(2), p2).wait()
+  fnckpt.save(lora_tree(3), p3, base=p2).wait()
+  assert _records_of(p3).bases, "the test needs p3 to refer to p2"
+  fnckpt.save(lora_tree(22), p2, base=p3, overwrite=True).wait()
+  assert not _records_of(p2).bases
+  assert_same(fnckpt.restore(p2), lora_tree(22))
+
+
+def test_a_base_that_contains_the_new_checkpoint_is_an_error_naming_both(tmp_path):
+  anc = str(tmp_path / "anc")
+  hashed_save({"a": np.ones(5000, np.float32)}, anc).wait()
+  with pytest.raises(fnckpt.CheckpointError, match=r"Cannot refer to '.*anc' from a checkpoint "
+                     r"in '.*anc': the reference would be '\.'.*not to a directory that "
+                     "contains it"):
+    fnckpt.save({"a": np.ones(5000, np.float32)}, f"{anc}/sub", base=anc).wait()
