@@ -109,7 +109,8 @@ def check_replace(index: Any, claims: Any, step: int,
                   incremental: Incremental | None = None) -> None:
   """(Process 0.) Refuse to save over ``step`` (``force``, or a deleted step whose data is
   kept) while other steps, forks or (``incremental``) saves in flight refer to its data:
-  replacing it would break them."""
+  replacing it would break them. A deleted step whose kept data nothing refers to any more
+  is cleared (so that it can be saved)."""
   if not index.exists(step):
     return
   if incremental is not None and incremental.in_flight_base(step):
@@ -126,3 +127,5 @@ def check_replace(index: Any, claims: Any, step: int,
     raise CheckpointError(
         f"Step {step} of {index.display!r} cannot be replaced: {who} refer to its data "
         "(incremental saves or forks). Delete those first, or save a new step.")
+  if step in listing.held:  # deleted, and nothing refers to its kept data any more
+    index.delete(step)

@@ -63,7 +63,8 @@ from ._recovery import Recovery
 from ._saver import Saver
 from ._errors import CheckpointError
 from ._preemption import Preemption
-from ._retention_runner import Background, RetentionRunner, delete_referenced
+from ._retention_runner import (Background, RetentionRunner, collect_held,
+                                delete_referenced)
 
 __all__ = ["CheckpointManager"]
 
@@ -417,7 +418,7 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
   mgr._claims.claim_delete(step)
   try:
     _coordination.from_process_0(mgr._root, "delete", lambda: _remove(
-        indexes, step, mgr.directory), mgr._timeout)
+        indexes, step, mgr.directory, mgr._claims), mgr._timeout)
   finally:
     mgr._claims.release_delete([step])
   for index in indexes:
@@ -434,13 +435,16 @@ def _cleanup(mgr: CheckpointManager) -> list[int]:
   return deleted
 
 
-def _remove(indexes: list[_steps.StepIndex], step: int, directory: str) -> None:
-  """delete(step), on process 0: every tier holding ``step``."""
+def _remove(indexes: list[_steps.StepIndex], step: int, directory: str,
+            claims: StepClaims) -> None:
+  """delete(step), on process 0: every tier holding ``step``; then the data of deleted steps
+  that only ``step`` referred to goes."""
   there = [index for index in indexes if index.exists(step)]
   if not there:
     raise CheckpointError(f"There is no step {step} in {directory!r}.")
   for index in there:
     index.delete_keeping(step)
+    collect_held(index, claims)
 
 
 def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,

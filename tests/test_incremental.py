@@ -892,3 +892,48 @@ def test_a_base_that_contains_the_new_checkpoint_is_an_error_naming_both(tmp_pat
                      r"in '.*anc': the reference would be '\.'.*not to a directory that "
                      "contains it"):
     fnckpt.save({"a": np.ones(5000, np.float32)}, f"{anc}/sub", base=anc).wait()
+
+
+def test_delete_collects_data_nothing_refers_to_any_more(tmp_path):
+  mgr = fnckpt.CheckpointManager(str(tmp_path), incremental=True)   # no retention rule
+  for s in (1, 2, 3):
+    mgr.save(s, lora_tree(s))
+    mgr.wait()
+  mgr.delete(1)
+  assert os.path.exists(tmp_path / "1" / "REFERENCED")   # 2 and 3 refer to its data
+  mgr.delete(2)
+  mgr.delete(3)
+  assert sorted(os.listdir(tmp_path)) == []
+  mgr.save(1, lora_tree(100))   # the step number is free again
+  mgr.wait()
+  assert_same(mgr.restore(1), lora_tree(100))
+  mgr.close()
+
+
+def test_cleanup_collects_data_nothing_refers_to_any_more(tmp_path):
+  mgr = fnckpt.CheckpointManager(str(tmp_path), incremental=True)
+  for s in (1, 2):
+    mgr.save(s, lora_tree(s))
+    mgr.wait()
+  mgr.delete(1)
+  shutil.rmtree(tmp_path / "2")          # another tool removed the step referring to it
+  assert mgr.cleanup() == [] and not os.path.exists(tmp_path / "1")
+  mgr.close()
+
+
+def test_saving_a_held_step_number(tmp_path):
+  """A deleted step whose data is kept: refused while referred to, cleared once not."""
+  mgr = fnckpt.CheckpointManager(str(tmp_path), incremental=True)
+  for s in (1, 2):
+    mgr.save(s, lora_tree(s))
+    mgr.wait()
+  mgr.delete(1)
+  with pytest.raises(fnckpt.CheckpointError, match=r"Step 1 of .* cannot be replaced: steps "
+                     r"\[2\] refer to its data"):
+    mgr.save(1, lora_tree(10), force=True)
+  shutil.rmtree(tmp_path / "2")          # another tool removed the step referring to it
+  mgr.save(1, lora_tree(10), force=True)
+  mgr.wait()
+  assert_same(mgr.restore(1), lora_tree(10))
+  assert not os.path.exists(tmp_path / "1" / "REFERENCED")
+  mgr.close()
