@@ -14,6 +14,7 @@ in one directory), and process 0 writes the ``zarr.json`` of those leaves.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -76,12 +77,15 @@ class Delta:
   """One save's hashing state in the writer thread."""
 
   def __init__(self, kv_spec: dict[str, Any], ctx: ts.Context, data_dir: str, me: int,
-               release: Callable[[int], None], segment_bytes: int, hashing: bool = True):
+               release: Callable[[int], None], segment_bytes: int, hashing: bool = True,
+               budget: _store.ByteBudget | None = None):
     self.hashing = hashing   # record hashes of what is written (a plain save: no; see _save)
     self.report = _refs.Report()
-    self.skipped: list[tuple[int, int]] = []   # (leaf, chunk pos) not written
+    self.skipped: list[tuple[int, int, int]] = []   # (leaf, chunk pos, bytes) not written
     self.skipped_bytes = 0
-    self.copied_bytes = 0
+    self.copied_bytes = 0     # (array bytes, as skipped_bytes: of the chunks copied after all)
+    self.copied_chunks = 0
+    self.budget = budget      # copies of skipped chunks hold it while in flight
     self.written_bytes = 0
     self.reused_pack_bytes = 0
     self.skipped_chunks = 0
@@ -142,7 +146,7 @@ class Delta:
       self.report.chunks.setdefault(leaf, {})[pos] = h + fp
       same = h == expect and h != _refs.NO_HASH
       if same:
-        self.skipped.append((leaf, pos))
+        self.skipped.append((leaf, pos, nbytes))
         self.skipped_bytes += nbytes
         self.skipped_chunks += 1
       else:
@@ -279,27 +283,67 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
   return manifest
 
 
+# Reads of the base's chunks in flight at most while copying them (each also holds its bytes
+# of the save's budget until written).
+COPY_WINDOW = 32
+
+
 def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
                   changed: set[int]) -> list[ts.Future]:
   """The base's chunks this process skipped, of leaves that changed elsewhere: copied as
-  stored (same chunk shape and codecs, so the encoded chunk is the same bytes)."""
-  todo = [(i, pos) for i, pos in delta.skipped if i in changed]
+  stored (same chunk shape and codecs, so the encoded chunk is the same bytes). Reads go
+  out concurrently (at most ``COPY_WINDOW``), each charged to the budget until written."""
+  todo = [(i, pos, n) for i, pos, n in delta.skipped if i in changed]
   if not todo:
     return []
   sources: dict[str, ts.KvStore] = {}
   loc = _refs.locate(plan.kv_spec)
-  out = []
-  for i, pos in todo:
-    cand, rec = plan.stored[i], plan.records[i]
-    root = _refs.resolve(loc, cand.base.dir, "the base")
-    if root not in sources:
-      sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
-    key = _refs.chunk_key(pos, rec["store"]["chunks"], rec["shape"])
-    got = sources[root].read(f"{cand.dir}/{key}").result()
+  pending: collections.deque = collections.deque()
+  out: list[ts.Future] = []
+  try:
+    for i, pos, n in todo:
+      cand, rec = plan.stored[i], plan.records[i]
+      root = _refs.resolve(loc, cand.base.dir, "the base")
+      if root not in sources:
+        sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
+      key = _refs.chunk_key(pos, rec["store"]["chunks"], rec["shape"])
+      if len(pending) >= COPY_WINDOW:
+        out.append(_copy_one(plan, delta, kv, pending.popleft()))
+      if not _fits(delta.budget, n):
+        while pending:  # our own reads first: their writes give budget back
+          out.append(_copy_one(plan, delta, kv, pending.popleft()))
+      if delta.budget is not None:
+        delta.budget.acquire(n)
+      pending.append((i, f"{cand.dir}/{key}", key, n, sources[root].read(f"{cand.dir}/{key}")))
+    while pending:
+      out.append(_copy_one(plan, delta, kv, pending.popleft()))
+  finally:
+    for item in pending:  # (after a failure) reads never written: their budget
+      if delta.budget is not None:
+        delta.budget.release(item[3])
+  return out
+
+
+def _fits(budget: _store.ByteBudget | None, n: int) -> bool:
+  return budget is None or budget.held == 0 or budget.held + n <= budget.limit
+
+
+def _copy_one(plan: Plan, delta: Delta, kv: ts.KvStore, item: tuple) -> ts.Future:
+  """Write one copied chunk once its read is in; its budget goes back when it is written."""
+  i, src_key, key, n, read = item
+  release = (lambda _f=None: delta.budget.release(n)) if delta.budget is not None else (
+      lambda _f=None: None)
+  try:
+    got = read.result()
     if got.state != "value":
       raise CheckpointError(
-          f"The base's chunk {cand.dir}/{key} of leaf {rec['path']} is missing: the base "
+          f"The base's chunk {src_key} of leaf {plan.records[i]['path']} is missing: the base "
           "checkpoint was deleted or damaged during this save. Save again (without base=).")
-    delta.copied_bytes += len(got.value)
-    out.append(kv.write(f"{plan.store_dirs[i]}/{key}", got.value))
-  return out
+    fut = kv.write(f"{plan.store_dirs[i]}/{key}", got.value)
+  except BaseException:
+    release()
+    raise
+  delta.copied_bytes += n
+  delta.copied_chunks += 1
+  fut.add_done_callback(release)
+  return fut

@@ -473,7 +473,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
                     lambda err: _done(handle, writer, err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
-                                hashing=hashes or base is not None)
+                                hashing=hashes or base is not None, budget=budget)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
@@ -544,7 +544,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   d = writer.delta
   handle.stats.bytes_reused = d.skipped_bytes - d.copied_bytes + d.reused_pack_bytes
   handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
-  handle.stats.chunks_written -= d.skipped_chunks
+  handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks
   handle.stats.total_s = time.perf_counter() - t0
   handle._finish(error)
 

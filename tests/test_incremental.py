@@ -937,3 +937,33 @@ def test_saving_a_held_step_number(tmp_path):
   assert_same(mgr.restore(1), lora_tree(10))
   assert not os.path.exists(tmp_path / "1" / "REFERENCED")
   mgr.close()
+
+
+@pytest.mark.parametrize("zstd", [None, 3])
+def test_stats_of_a_leaf_written_whole_and_copies_under_a_small_budget(tmp_path, zstd,
+                                                                         monkeypatch):
+  """One of 8 chunks changed: all 8 are in the new array (7 copied from the base), so the
+  stats say 8 chunks written, nothing reused; the copies hold budget (a tiny one, few reads
+  in flight) and still finish."""
+  from fnckpt import _delta
+  monkeypatch.setattr(_delta, "COPY_WINDOW", 2)
+  held, real_copy = [], _delta._copy_one
+
+  def copy_one(plan, delta, kv, item):   # what the save's budget holds as each copy is written
+    held.append((_save._budget.held, item[3], _save._budget.limit))
+    return real_copy(plan, delta, kv, item)
+
+  monkeypatch.setattr(_delta, "_copy_one", copy_one)
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  w = np.random.default_rng(0).standard_normal((8, 4096)).astype(np.float32)
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  hashed_save({"w": jax.device_put(w, s)}, a, pack_bytes=0, zstd=zstd).wait()
+  w2 = w.copy()
+  w2[3, 7] = -1
+  st = fnckpt.save({"w": jax.device_put(w2, s)}, b, base=a, pack_bytes=0, zstd=zstd,
+                   budget_bytes=4096 * 4 * 2).wait()
+  assert (st.bytes_written, st.bytes_reused, st.chunks_written) == (w.nbytes, 0, 8)
+  assert len(held) == 7 and all(n <= h <= limit for h, n, limit in held)  # charged, bounded
+  assert len(files_under(os.path.join(b, _records_of(b).data))) >= 8  # (all chunks there)
+  assert np.asarray(fnckpt.restore(b)["w"]).tobytes() == w2.tobytes()
+  assert cli_main(["verify", b]) == 0
