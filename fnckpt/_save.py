@@ -359,19 +359,25 @@ def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
   """On accelerators: start every device-to-host copy of this save at once (when they fit in
   the budget), so the caller waits for about the total transfer time, not a sum of serial
   round trips. On CPU nothing is copied (staging takes views)."""
+  shards = [s for s in _to_copy(plan) if next(iter(s.devices())).platform != "cpu"]
+  total = sum(s.nbytes for s in shards)
+  if total and CHUNK_COST * total <= budget.limit:
+    for s in shards:
+      s.copy_to_host_async()
+
+
+def _to_copy(plan: _Plan) -> list[jax.Array]:
+  """The device data this process stages: its shards of stored arrays, its packed leaves and
+  (save(base=)) the packed leaves that may reuse the base's."""
   shards = []
   for a in plan.arrays:
     if isinstance(a.data, jax.Array) and a.units:
       writers = {u.device for u in a.units}
       shards += [s.data for s in a.data.addressable_shards if s.device in writers]
-  for _, data in plan.packed:
+  for _, data in [*plan.packed, *plan.maybe_packed]:
     if isinstance(data, jax.Array):
       shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
-  shards = [s for s in shards if next(iter(s.devices())).platform != "cpu"]
-  total = sum(s.nbytes for s in shards)
-  if total and CHUNK_COST * total <= budget.limit:
-    for s in shards:
-      s.copy_to_host_async()
+  return shards
 
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,

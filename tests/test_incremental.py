@@ -967,3 +967,17 @@ def test_stats_of_a_leaf_written_whole_and_copies_under_a_small_budget(tmp_path,
   assert len(files_under(os.path.join(b, _records_of(b).data))) >= 8  # (all chunks there)
   assert np.asarray(fnckpt.restore(b)["w"]).tobytes() == w2.tobytes()
   assert cli_main(["verify", b]) == 0
+
+
+def test_packed_candidates_are_copied_off_the_devices_up_front(tmp_path, monkeypatch):
+  """save(base=): the packed leaves that may reuse the base's are among the device data whose
+  host copies start at once (on accelerators), like every other leaf."""
+  seen = []
+  real = _save._to_copy
+  monkeypatch.setattr(_save, "_to_copy", lambda plan: seen.append(real(plan)) or seen[-1])
+  t = {f"m{i}": jax.numpy.full((8192,), i, jax.numpy.float32) for i in range(20)}
+  hashed_save(t, str(tmp_path / "1")).wait()
+  fnckpt.save(t, str(tmp_path / "2"), base=str(tmp_path / "1")).wait()
+  assert [len(s) for s in seen] == [20, 20]
+  assert _records_of(str(tmp_path / "2")).bases   # (the packed leaves were candidates)
+  assert_same(fnckpt.restore(str(tmp_path / "2")), t)
