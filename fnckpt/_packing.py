@@ -9,7 +9,7 @@ from the same inputs (no communication), so process 0 can describe every pack in
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 __all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
            "PACK_CHUNK_BYTES"]
@@ -37,13 +37,16 @@ class PackPlan:
   to whole inner chunks), chunk size (a multiple of the inner size) and inner chunk size."""
   where: dict[int, tuple[int, int]]
   sizes: dict[int, tuple[int, int, int]]
+  pieces: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> region start
 
 
 def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_INNER_BYTES,
-           chunk_bytes: int = PACK_CHUNK_BYTES) -> PackPlan:
+           chunk_bytes: int = PACK_CHUNK_BYTES, extra: Mapping[int, int] | None = None
+           ) -> PackPlan:
   """Place each item in a pack: fixed writers first, then replicated items largest first on
-  the process with the fewest bytes so far (ties: the lowest index), so bytes stay balanced.
-  Within a pack, leaves lie in leaf order.
+  the process with the fewest bytes so far (ties: the lowest index; ``extra``, each process's
+  pieces region bytes, counts as load), so bytes stay balanced. Within a pack, leaves lie in
+  leaf order, then the process's pieces region (its start: ``pieces``).
 
   >>> plan = assign([PackItem(0, 100, None), PackItem(1, 50, 0), PackItem(2, 60, None)], 2)
   >>> plan.where
@@ -51,7 +54,8 @@ def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_IN
   >>> plan.sizes
   {0: (110, 110, 110), 1: (100, 100, 100)}
   """
-  load = [0] * processes
+  extra = dict(extra or {})
+  load = [extra.get(p, 0) for p in range(processes)]
   owner: dict[int, int] = {}
   for it in items:
     if it.writer is not None:
@@ -67,10 +71,13 @@ def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_IN
     p = owner[it.leaf]
     where[it.leaf] = (p, used[p])
     used[p] += it.nbytes
-  sizes = {}
+  sizes, pieces = {}, {}
   for p, n in enumerate(used):
+    if extra:
+      pieces[p] = n
+    n += extra.get(p, 0)
     if n:
       inner = min(inner_bytes, n)
       padded = -(-n // inner) * inner
       sizes[p] = (padded, min(padded, max(inner, chunk_bytes // inner * inner)), inner)
-  return PackPlan(where, sizes)
+  return PackPlan(where, sizes, {p: o for p, o in pieces.items() if p in sizes})

@@ -1,0 +1,198 @@
+"""PURE: the layout of *pieces* (format 2): small device shards stored in the packs.
+
+An array with a ``NamedSharding`` whose device shard is small (at most :data:`PIECE_BYTES`)
+is not given a zarr array of its own (one object per shard, down to a few KiB at pod scale):
+each distinct shard (a *chunk*; the chunk grid is the shard grid, chunk ``n`` in C order) is
+written by one device, as its C-order little-endian bytes, into that device's process's pack.
+No offsets are recorded: they follow from the sharding's structure alone, so every process
+(and every reader) computes them alike:
+
+- the writer of chunk ``n`` of leaf ``i`` is the device whose coordinates on the mesh axes
+  splitting the array are the chunk's block, and whose replica number (its coordinates on the
+  other axes, mixed radix in mesh order) is ``(spread(i) + n) % R`` (``_layout.local_writes``'
+  rule for a shard of one cell); its process is ``meshes[m][position]``;
+- process ``p``'s *pieces region* (at offset ``pieces`` of its pack) holds, for each pieced
+  leaf in leaf order, the chunks ``p`` writes in increasing ``n``, back to back.
+
+Work is O(mesh devices) numpy per distinct (mesh, splitting axes, ``spread(i) % R``) -- a
+*group* -- and O(groups) per leaf, so planning stays flat in the number of processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from ._layout import _spread
+
+__all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of",
+           "MAX_PIECE_WORK"]
+
+# Device shards up to this size are stored as pieces. 8 MiB is the smallest object the write
+# plan ever makes of a split replicated shard (``_layout.MIN_SPLIT_CHUNK_BYTES``): larger shards
+# already make objects large enough to keep (one per shard), and a resharded read that needs
+# part of a piece reads at most the piece's rows it needs, never more than 8 MiB per piece.
+PIECE_BYTES = 8 << 20
+# A bound on the numpy work a (possibly hostile) manifest may ask for: total chunks over groups.
+MAX_PIECE_WORK = 1 << 27
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceLeaf:
+  """A pieced leaf: its ``index`` among the manifest's leaves, its mesh (index into the
+  meshes), the mesh ``axis_sizes``, ``dim_axes`` (per array dimension, the mesh axes that
+  split it, major first), ``shift`` (``spread(index) % replicas``) and the ``chunk`` (shard)
+  shape and its byte size."""
+  index: int
+  mesh: int
+  axis_sizes: tuple[int, ...]
+  dim_axes: tuple[tuple[int, ...], ...]
+  shift: int
+  chunk: tuple[int, ...]
+  nbytes: int
+
+  @property
+  def grid(self) -> tuple[int, ...]:
+    """Chunks per dimension."""
+    return tuple(math.prod(self.axis_sizes[a] for a in axes) for axes in self.dim_axes)
+
+  @property
+  def key(self) -> tuple:
+    return (self.mesh, self.axis_sizes, self.dim_axes, self.shift)
+
+
+def shift_of(index: int, axis_sizes: Sequence[int], dim_axes: Sequence[Sequence[int]]) -> int:
+  """``spread(index) % R``: the replica that writes chunk 0 (``R``: replicas of a shard).
+
+  >>> shift_of(0, (2, 4), ((0,),))
+  0
+  """
+  used = {a for axes in dim_axes for a in axes}
+  replicas = math.prod(n for a, n in enumerate(axis_sizes) if a not in used)
+  return _spread(index) % replicas
+
+
+def writers(procs: np.ndarray, axis_sizes: Sequence[int], dim_axes: Sequence[Sequence[int]],
+            shift: int) -> np.ndarray:
+  """The process writing each chunk (C order over the grid), from ``procs``: the process of
+  every mesh position (C order). O(chunks), numpy.
+
+  >>> procs = np.array([0, 0, 1, 1])                  # a (2, 2) mesh, one row per process
+  >>> writers(procs, (2, 2), ((1,),), shift=1).tolist()  # split by axis 1, 2 replicas
+  [1, 0]
+  """
+  grid = [math.prod(axis_sizes[a] for a in axes) for axes in dim_axes]
+  n = np.arange(math.prod(grid), dtype=np.int64)
+  coord: list = [None] * len(axis_sizes)
+  blocks = np.unravel_index(n, grid) if grid else ()
+  for d, axes in enumerate(dim_axes):
+    b = blocks[d]
+    for a in reversed(axes):
+      coord[a], b = b % axis_sizes[a], b // axis_sizes[a]
+  unused = [a for a in range(len(axis_sizes)) if coord[a] is None]
+  r = (shift + n) % max(1, math.prod(axis_sizes[a] for a in unused))
+  for a in reversed(unused):
+    coord[a], r = r % axis_sizes[a], r // axis_sizes[a]
+  if not axis_sizes:
+    return np.broadcast_to(procs[:1], n.shape).copy()
+  return procs[np.ravel_multi_index(tuple(coord), tuple(axis_sizes))]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Group:
+  writers: np.ndarray   # process of each chunk
+  rank: np.ndarray      # each chunk's number among its writer's chunks of the leaf
+  counts: np.ndarray    # chunks per process
+
+
+def _group(procs: np.ndarray, leaf: PieceLeaf, processes: int) -> _Group:
+  w = writers(procs, leaf.axis_sizes, leaf.dim_axes, leaf.shift)
+  counts = np.bincount(w, minlength=processes)
+  order = np.argsort(w, kind="stable")
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  rank = np.empty(len(w), np.int64)
+  rank[order] = np.arange(len(w)) - starts[w[order]]
+  return _Group(w, rank, counts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+  """Where every chunk of every pieced leaf is. ``region[p]``: bytes of process ``p``'s
+  pieces region. Build with :func:`build`."""
+  leaves: tuple[PieceLeaf, ...]
+  processes: int
+  groups: tuple[_Group, ...]
+  group_of: tuple[int, ...]         # per leaf
+  before: np.ndarray                # per leaf and group: bytes per chunk of earlier leaves
+  region: np.ndarray
+  position: dict                    # leaf index -> position in ``leaves``
+
+  def leaf(self, index: int) -> PieceLeaf:
+    return self.leaves[self.position[index]]
+
+  def locate(self, index: int, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(writer process, offset in its pieces region) of chunks ``chunks`` of leaf ``index``.
+
+    >>> lay = build([np.array([0, 1])], [PieceLeaf(3, 0, (2,), ((0,),), 0, (2,), 8)], 2)
+    >>> [x.tolist() for x in lay.locate(3, np.array([0, 1]))]
+    [[0, 1], [0, 0]]
+    """
+    k = self.position[index]
+    leaf, g = self.leaves[k], self.groups[self.group_of[k]]
+    procs = g.writers[chunks]
+    start = sum(self.groups[h].counts[procs] * int(self.before[k, h])
+                for h in range(len(self.groups)) if self.before[k, h])
+    return procs, start + g.rank[chunks] * leaf.nbytes
+
+  def mine(self, index: int, process: int) -> tuple[np.ndarray, int]:
+    """The chunks (increasing) leaf ``index`` has in ``process``'s region and where they
+    start in it (they lie back to back)."""
+    k = self.position[index]
+    g = self.groups[self.group_of[k]]
+    chunks = np.flatnonzero(g.writers == process)
+    start = sum(int(self.groups[h].counts[process]) * int(self.before[k, h])
+                for h in range(len(self.groups)))
+    return chunks, start
+
+
+def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
+          ) -> Layout:
+  """The layout of ``leaves`` (in leaf order) over ``meshes`` (each: the process of every
+  mesh position, C order). Raises ``ValueError`` if a region would exceed 2^62 bytes or the
+  work bound.
+
+  >>> lay = build([np.array([0, 0, 1, 1])],
+  ...             [PieceLeaf(0, 0, (2, 2), ((0,), (1,)), 0, (2, 2), 16)], 2)
+  >>> lay.region.tolist()
+  [32, 32]
+  """
+  keys: dict[tuple, int] = {}
+  groups: list[_Group] = []
+  group_of = []
+  work = 0
+  for leaf in leaves:
+    g = keys.get(leaf.key)
+    if g is None:
+      work += math.prod(leaf.grid)
+      if work > MAX_PIECE_WORK:
+        raise ValueError(f"more than {MAX_PIECE_WORK} distinct pieces to lay out")
+      g = keys[leaf.key] = len(groups)
+      groups.append(_group(meshes[leaf.mesh], leaf, processes))
+    group_of.append(g)
+  before = np.zeros((len(leaves), len(groups)), np.int64)
+  total = [0] * len(groups)
+  for k, leaf in enumerate(leaves):
+    before[k] = total
+    total[group_of[k]] += leaf.nbytes
+  region = np.zeros(processes, np.int64)
+  limit = 1 << 62
+  for g, t in zip(groups, total):
+    if int(g.counts.max(initial=0)) * t > limit or int(region.max(initial=0)) + int(
+        g.counts.max(initial=0)) * t > limit:
+      raise ValueError("a pieces region would exceed 2^62 bytes")
+    region += g.counts * t
+  return Layout(tuple(leaves), processes, tuple(groups), tuple(group_of), before, region,
+                {leaf.index: k for k, leaf in enumerate(leaves)})
