@@ -9,6 +9,7 @@ from the same inputs (no communication), so process 0 can describe every pack in
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Mapping, Sequence
 
 __all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
@@ -61,10 +62,13 @@ def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_IN
     if it.writer is not None:
       owner[it.leaf] = it.writer
       load[it.writer] += it.nbytes
+  heap = [(n, q) for q, n in enumerate(load)]  # the least-loaded process first (ties: lowest)
+  heapq.heapify(heap)
   for it in sorted((i for i in items if i.writer is None), key=lambda i: (-i.nbytes, i.leaf)):
-    p = min(range(processes), key=lambda q: (load[q], q))
+    p = heap[0][1]
     owner[it.leaf] = p
     load[p] += it.nbytes
+    heapq.heapreplace(heap, (load[p], p))
   where: dict[int, tuple[int, int]] = {}
   used = [0] * processes
   for it in sorted(items, key=lambda i: i.leaf):

@@ -21,7 +21,7 @@ __all__ = ["SliceReader", "stats"]
 # Reading a chunk's whole rows may fetch at most this much more than the slice needs; past
 # that, each contiguous run is its own byte range (when there are at most MAX_RUNS of them).
 OVERREAD = 1.1
-MAX_RUNS = 1024
+MAX_RUNS = 1 << 16
 
 
 @dataclasses.dataclass
