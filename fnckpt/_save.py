@@ -407,7 +407,9 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       for the writes to drain (default: a quarter of available memory).
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
     pack_bytes: larger arrays up to this size that this process sees whole share one packed
-      array per process (fewer, larger files); 0 gives each its own zarr array.
+      array per process (fewer, larger files); 0 gives each its own zarr array. Device
+      shards of up to 8 MiB of sharded arrays also go into the packs, as *pieces* (README
+      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses or has a base.
     compression: compress the chunks of arrays stored on their own (not inline or packed):
       ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
       README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
@@ -474,8 +476,8 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
-                 based, pieces=not (hashes or based is not None or codecs.get("zstd")
-                                    or codecs.get("blosc")))
+                 based, pieces=pack_bytes > 0 and not (hashes or based is not None or
+                                                       codecs.get("zstd") or codecs.get("blosc")))
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
