@@ -125,11 +125,12 @@ def plan_save(state, mesh, process: int, per: int, procs: np.ndarray
       plans[-1] = _layout.plan_write(info, shape, itemsize, salt=i)[1]
   layout = _pieces.build([procs], [p for _, _, p in pieced], len(procs) // per)
   regions = {int(p): int(layout.region[p]) for p in np.flatnonzero(layout.region)}
-  packs = _packing.assign(items, len(procs) // per, extra=regions)
+  packs = _packing.assign(items, len(procs) // per, extra=regions,
+                          chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
+                          _packing.PACK_CHUNK_BYTES)
   for info, shape, leaf in pieced:  # what _pieces_save.Planner.parts checks and stages
-    mine = _layout.WriteLayout(shape, leaf.chunk, _layout.local_shards(info, shape))
-    units = _layout.local_writes(mine, salt=leaf.index)
-    assert len(units) == len(layout.mine(leaf.index, process)[0])
+    chunk, units = _layout.plan_write(info, shape, state[leaf.index][2], salt=leaf.index)
+    assert chunk == leaf.chunk and len(units) == len(layout.mine(leaf.index, process)[0])
   return time.perf_counter() - t0, plans, packs.sizes
 
 

@@ -21,6 +21,7 @@ Work is O(mesh devices) numpy per distinct (mesh, splitting axes, ``spread(i) % 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -36,6 +37,11 @@ __all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of",
 # already make objects large enough to keep (one per shard), and a resharded read that needs
 # part of a piece reads at most the piece's rows it needs, never more than 8 MiB per piece.
 PIECE_BYTES = 8 << 20
+# The chunk (one object, one write) of the packs of a save with pieces. Smaller than a plain
+# pack's 64 MiB: pieces make packs large, and a pack chunk is staged and written whole (twice its
+# size from the save's host budget), so a save with a small budget must not hold 128 MiB at
+# once; 16 MiB objects stay large for any store.
+PACK_CHUNK_BYTES = 16 << 20
 # A bound on the numpy work a (possibly hostile) manifest may ask for: total chunks over groups.
 MAX_PIECE_WORK = 1 << 27
 
@@ -54,7 +60,7 @@ class PieceLeaf:
   chunk: tuple[int, ...]
   nbytes: int
 
-  @property
+  @functools.cached_property
   def grid(self) -> tuple[int, ...]:
     """Chunks per dimension."""
     return tuple(math.prod(self.axis_sizes[a] for a in axes) for axes in self.dim_axes)
@@ -126,9 +132,10 @@ class Layout:
   processes: int
   groups: tuple[_Group, ...]
   group_of: tuple[int, ...]         # per leaf
-  before: np.ndarray                # per leaf and group: bytes per chunk of earlier leaves
+  before: tuple                     # per leaf: ((group, bytes per chunk of earlier leaves), ...)
   region: np.ndarray
   position: dict                    # leaf index -> position in ``leaves``
+  _mine: dict = dataclasses.field(default_factory=dict)  # (group, process) -> its chunks
 
   def leaf(self, index: int) -> PieceLeaf:
     return self.leaves[self.position[index]]
@@ -143,19 +150,23 @@ class Layout:
     k = self.position[index]
     leaf, g = self.leaves[k], self.groups[self.group_of[k]]
     procs = g.writers[chunks]
-    start = sum(self.groups[h].counts[procs] * int(self.before[k, h])
-                for h in range(len(self.groups)) if self.before[k, h])
-    return procs, start + g.rank[chunks] * leaf.nbytes
+    start = g.rank[chunks] * leaf.nbytes
+    for h, n in self.before[k]:
+      start += self.groups[h].counts[procs] * n
+    return procs, start
 
   def mine(self, index: int, process: int) -> tuple[np.ndarray, int]:
     """The chunks (increasing) leaf ``index`` has in ``process``'s region and where they
     start in it (they lie back to back)."""
     k = self.position[index]
-    g = self.groups[self.group_of[k]]
-    chunks = np.flatnonzero(g.writers == process)
-    start = sum(int(self.groups[h].counts[process]) * int(self.before[k, h])
-                for h in range(len(self.groups)))
-    return chunks, start
+    key = (self.group_of[k], process)
+    if key not in self._mine:
+      self._mine[key] = np.flatnonzero(self.groups[key[0]].writers == process)
+    start = sum(int(self.groups[h].counts[process]) * n for h, n in self.before[k])
+    return self._mine[key], start
+
+
+_last: list = [None, None]  # the key and layout of the latest build (a training loop's saves)
 
 
 def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
@@ -169,6 +180,14 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
   >>> lay.region.tolist()
   [32, 32]
   """
+  key = (tuple(leaves), tuple(m.tobytes() for m in meshes), processes)
+  if _last[0] != key:
+    _last[:] = [key, _build(meshes, leaves, processes)]
+  return _last[1]
+
+
+def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
+           ) -> Layout:
   keys: dict[tuple, int] = {}
   groups: list[_Group] = []
   group_of = []
@@ -182,10 +201,10 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
       g = keys[leaf.key] = len(groups)
       groups.append(_group(meshes[leaf.mesh], leaf, processes))
     group_of.append(g)
-  before = np.zeros((len(leaves), len(groups)), np.int64)
+  before = []
   total = [0] * len(groups)
   for k, leaf in enumerate(leaves):
-    before[k] = total
+    before.append(tuple((h, n) for h, n in enumerate(total) if n))
     total[group_of[k]] += leaf.nbytes
   region = np.zeros(processes, np.int64)
   limit = 1 << 62
@@ -194,5 +213,5 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
         g.counts.max(initial=0)) * t > limit:
       raise ValueError("a pieces region would exceed 2^62 bytes")
     region += g.counts * t
-  return Layout(tuple(leaves), processes, tuple(groups), tuple(group_of), before, region,
+  return Layout(tuple(leaves), processes, tuple(groups), tuple(group_of), tuple(before), region,
                 {leaf.index: k for k, leaf in enumerate(leaves)})

@@ -62,6 +62,7 @@ class Planner:
     self.meshes: list[list[int]] = []
     self._mesh_arrays: list[np.ndarray] = []
     self._mesh_index: dict[bytes, int] = {}
+    self._mesh_of: dict[Any, int] = {}       # per mesh object (each mapped once)
     self.layout: _pieces.Layout | None = None
 
   def consider(self, i: int, rec: dict[str, Any], data: Any) -> bool:
@@ -93,12 +94,15 @@ class Planner:
     return True
 
   def _mesh(self, mesh: Any) -> int:
+    if mesh in self._mesh_of:
+      return self._mesh_of[mesh]
     procs = mesh_processes(mesh)
     key = procs.tobytes()
     if key not in self._mesh_index:
       self._mesh_index[key] = len(self.meshes)
       self.meshes.append(procs.tolist())
       self._mesh_arrays.append(procs)
+    self._mesh_of[mesh] = self._mesh_index[key]
     return self._mesh_index[key]
 
   def finish(self) -> dict[int, int]:
@@ -132,10 +136,15 @@ class Planner:
 
 
 def _units(leaf: _Leaf) -> list[tuple[int, _layout.WriteUnit]]:
-  """(chunk number, unit) of the chunks this process writes, by ``local_writes``' rule."""
+  """(chunk number, unit) of the chunks this process writes, by ``local_writes``' rule (the
+  write plan, cached per leaf: a shard of at most 8 MiB is never split, so its chunk is the
+  shard)."""
   shape, chunk = tuple(leaf.data.shape), leaf.spec.chunk
-  layout = _layout.WriteLayout(shape, chunk, _layout.local_shards(leaf.info, shape))
-  units = _layout.local_writes(layout, salt=leaf.index)
+  got, units = _layout.plan_write(leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize,
+                                  salt=leaf.index)
+  if tuple(got) != chunk:
+    layout = _layout.WriteLayout(shape, chunk, _layout.local_shards(leaf.info, shape))
+    units = _layout.local_writes(layout, salt=leaf.index)
   return sorted((_layout._cell_number(u.index, chunk, shape), u) for u in units)
 
 

@@ -313,7 +313,9 @@ def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int,
                   regions: dict[int, int]):
   """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
   (record index, data) this process packs. ``regions``: each process's pieces bytes."""
-  plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions)
+  plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions,
+                         chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
+                         _packing.PACK_CHUNK_BYTES)
   packs, index_of = [], {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
     index_of[p] = len(packs)
