@@ -157,6 +157,9 @@ def mode_save(cfg):
   import jax
   import fnckpt
   mesh = make_mesh(*cfg["mesh"])
+  if "piece_bytes" in cfg:  # 0: every sharded array a zarr array of its own (no pieces)
+    from fnckpt import _pieces
+    _pieces.PIECE_BYTES = int(cfg["piece_bytes"])
   if cfg.get("prev"):
     prev = make_state(cfg["leaves"], mesh, seed=1)
     prev["step"] = 6
