@@ -261,8 +261,9 @@ class Manifest:
   packs: tuple[Pack, ...] = ()
   bases: tuple[Base, ...] = ()      # checkpoints whose data this one refers to
   fork: Fork | None = None
-  meshes: tuple[np.ndarray, ...] = ()   # per mesh of pieced leaves: process of each position
-  layout: Any = None                # ``_pieces.Layout`` of the pieced leaves (None: none)
+  # per mesh of pieced leaves: the process of each position; the pieced leaves' layout
+  meshes: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False)
+  layout: Any = dataclasses.field(default=None, compare=False)   # ``_pieces.Layout`` or None
 
   def pack_of(self, process: int) -> int:
     """The index in ``packs`` of ``process``'s own pack (with its pieces region)."""

@@ -40,8 +40,14 @@ def state():
       "mu": put(rng.standard_normal((960, 4000)).astype(jnp.bfloat16), P(None, "x")),  # 4
       "rep": put(rng.standard_normal((1536, 1024), np.float32), P()),    # 8 replicas
       "f8": put(rng.standard_normal((4096, 2048)).astype(jnp.float8_e4m3), P("x", "y")),
+      "i4": put(rng.integers(-8, 8, (2048, 4096)).astype(jnp.int4), P("y", "x")),
       "small": put(np.arange(64, dtype=np.float32), P("x")),              # inline
   }
+
+
+def nb(v):
+  """Host bytes of an array (int4: one byte per element, as stored)."""
+  return _layout.nbytes(v.shape, np.dtype(v.dtype).itemsize)
 
 
 def manifest(path):
@@ -74,7 +80,7 @@ def saved(tmp_path_factory):
 def test_small_shards_are_pieces_in_one_pack(saved):
   path, t = saved
   m = manifest(path)
-  for key in ("fsdp_tp", "tp", "mu", "rep", "f8"):
+  for key in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"):
     r = rec(m, key)
     assert "store" not in r and "pack" not in r, key
     assert r["pieces"] == {"chunks": list(t[key].sharding.shard_shape(t[key].shape))}, key
@@ -82,19 +88,18 @@ def test_small_shards_are_pieces_in_one_pack(saved):
   assert "inline" in rec(m, "small")
   assert m["meshes"] == [[0] * 8]
   assert [(p["process"], p["pieces"]) for p in m["packs"]] == [(0, 0)]
-  region = sum(t[k].nbytes for k in ("fsdp_tp", "tp", "mu", "rep", "f8"))
+  region = sum(nb(t[k]) for k in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"))
   assert m["packs"][0]["nbytes"] >= region
   data = [f for f in files(path) if f.startswith("data-")]
   assert all("/p/0/" in f for f in data), data  # no zarr array of its own for any leaf
-  assert len(data) <= 2 + region // (64 * MiB)
+  assert len(data) <= 2 + region // (_pieces.PACK_CHUNK_BYTES)
 
 
 def test_restore_host_same_mesh_reads_exactly_what_is_needed(saved):
   path, t = saved
   before = _pieces_read.stats.bytes_read
   got = fnckpt.restore(path)
-  assert _pieces_read.stats.bytes_read - before == sum(
-      t[k].nbytes for k in t if k != "small")
+  assert _pieces_read.stats.bytes_read - before == sum(nb(t[k]) for k in t if k != "small")
   for k in t:
     same(got[k], t[k])
   before = _pieces_read.stats.bytes_read
@@ -161,7 +166,7 @@ def test_cli_inspect_and_verify_show_pieces(saved, capsys):
   assert main(["inspect", path]) == 0
   out = capsys.readouterr().out
   assert "pieces (512, 512) in the packs (mesh 0)" in out
-  assert "5 as pieces in the packs" in out
+  assert "6 as pieces in the packs" in out
   assert main(["verify", path]) == 0
   assert "OK" in capsys.readouterr().out
   meta = fnckpt.metadata(path).tree
