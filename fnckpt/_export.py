@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _export_plan, _records, _restore, _slices
+from . import _export_plan, _leaves, _records, _restore, _slices, _store
 from ._errors import CheckpointError
 
 __all__ = ["export_safetensors", "ExportResult"]
@@ -65,7 +65,7 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
     prefix: prepended to every name (``"model"``: ``model.dense.kernel``).
     rename: ``{OLD: NEW}`` key prefixes (whole keys) replaced in the names, before ``prefix``.
     budget_bytes: host memory for reads held at once, each read charged twice its size
-      (default: restore's 128 MiB window).
+      (default: restore's 128 MiB window; at least 64 KiB).
     storage_options: settings for a ``gs://``/``s3://`` checkpoint.
 
   Arrays of a dtype safetensors cannot hold (int4, complex128, ...) and PRNG keys are refused
@@ -86,14 +86,16 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
   """
   started = time.monotonic()
   target, single = _output(out)
+  window = _slices.Window(_store.budget_arg(budget_bytes, "export_safetensors",
+                                            _restore.READ_WINDOW_BYTES, MIN_WINDOW_BYTES))
   src = _restore.open_source(checkpoint, storage_options)
   p = _export_plan.plan(src.manifest.leaves, src.location, single=single, select=select,
                         dtype=dtype, prefix=prefix, rename=rename,
                         max_shard_size=max_shard_size)
   _check_target(target, overwrite)
-  window = _slices.Window(int(budget_bytes or _restore.READ_WINDOW_BYTES))
+  # (the name stays within NAME_MAX whatever the target's length: 1 + 200 + 21 bytes)
   tmp = os.path.join(os.path.dirname(target),
-                     f".{os.path.basename(target)}.tmp-{secrets.token_hex(8)}")
+                     f".{os.path.basename(target)[:200]}.tmp-{secrets.token_hex(8)}")
   try:
     if single:
       _write_file(src, p.files[0], tmp, window, target)
@@ -103,7 +105,7 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
         _write_file(src, f, os.path.join(tmp, f.name), window, target)
       _write_bytes(os.path.join(tmp, _export_plan.INDEX_NAME), p.index, target)
     _publish(tmp, target, overwrite)
-  except BaseException:
+  except BaseException:  # clean up (best effort: never in place of the error being raised)
     shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
     raise
   names = [target] if single else [os.path.join(target, f.name) for f in p.files] + [
@@ -122,9 +124,16 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
   target = os.path.abspath(text)  # "hf/" is the directory "hf"
   if not os.path.basename(target):
     raise CheckpointError(f"out={text!r}: give a file (NAME.safetensors) or a directory name.")
+  name = len(os.fsencode(os.path.basename(target)))
+  if name > 255:
+    raise CheckpointError(f"out=...{text[-40:]!r}: its last name is {name} bytes long; file "
+                          "systems allow at most 255. Choose a shorter name.")
   single = target.endswith(".safetensors") and not text.endswith(os.sep)
   return target, (os.path.basename(target) if single else None)
 
+
+# A smaller read window would read in pieces too small to finish in reasonable time.
+MIN_WINDOW_BYTES = 64 << 10
 
 _EXPORT_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
 
@@ -167,13 +176,14 @@ def _write_file(src: _restore.Source, f: _export_plan.OutFile, path: str,
       fh.write(f.header)
       written = since_trim = 0
       by_leaf = {t.leaf.index: t for t in f.tensors}
-      for piece in _slices.pieces(src, [t.leaf for t in f.tensors], window):
+      for piece in _slices.pieces(src, [t.leaf for t in f.tensors], window, lambda leaf:
+                                  _records.itemsize(by_leaf[leaf.index].dtype)):
         t = by_leaf[piece.leaf.index]
         if written != t.begin + piece.start * _records.itemsize(t.dtype):
           raise AssertionError(f"{t.name}: a piece lands at {written}, not at "
                                f"{t.begin + piece.start * _records.itemsize(t.dtype)}")
-        data = piece.data if piece.data.dtype.name == t.dtype else piece.data.astype(
-            _records.np_dtype(t.dtype))
+        data = piece.data if piece.data.dtype.name == t.dtype else _leaves.cast(
+            piece.data, _records.np_dtype(t.dtype), t.leaf.where)
         written += fh.write(_to_bytes(data))
         since_trim += data.nbytes
         if since_trim >= window.limit:
@@ -277,7 +287,9 @@ def _publish_dir(tmp: str, target: str, overwrite: bool) -> None:
 
 
 def _unlink(path: str) -> None:
+  """Remove a leftover file if it is there; an error doing so (gone, a name too long, no
+  permission) is not the caller's concern: the error that led here is raised instead."""
   try:
     os.unlink(path)
-  except FileNotFoundError:
+  except OSError:
     pass

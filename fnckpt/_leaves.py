@@ -82,7 +82,47 @@ def host_bytes(data: Any) -> bytes:
 def inline_array(leaf: "_records.Leaf") -> np.ndarray:
   """An inline array leaf's value: a writable copy (results must be writable like read ones;
   ``frombuffer`` over bytes is read-only)."""
-  return np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(leaf.shape).copy()
+  return checked_bools(np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(
+      leaf.shape).copy(), leaf)
+
+
+def cast(host: np.ndarray, dtype: Any, where: str) -> np.ndarray:
+  """``host`` as ``dtype``. ml_dtypes has no direct cast between some narrow floats
+  (``float8_e8m0fnu`` and the other fp8/fp4 types): those go through float32, which holds
+  every value of both exactly, so the result is the direct cast's.
+
+  >>> import ml_dtypes, numpy as np
+  >>> cast(np.array([2.0], ml_dtypes.float8_e8m0fnu), ml_dtypes.float8_e4m3fn, "x")
+  array([2], dtype='float8_e4m3fn')
+  """
+  try:
+    return host.astype(dtype)
+  except TypeError:
+    pass
+  try:
+    return host.astype(np.float32).astype(dtype)
+  except TypeError as e:
+    raise CheckpointError(f"{where}: cannot convert {host.dtype} to {np.dtype(dtype)} ({e}). "
+                          "Convert it to a type numpy can cast first.") from None
+
+
+def checked_bools(host: np.ndarray, leaf: "_records.Leaf") -> np.ndarray:
+  """``host`` unchanged, unless it is a bool array viewed from stored bytes holding a byte
+  other than 0 and 1: numpy and JAX would give such a value inconsistent results (it is
+  neither ``True`` nor ``False`` bitwise), so it is damage, named by the leaf's key path.
+  (TensorStore refuses such bytes in stored arrays itself.)
+
+  >>> import numpy as np
+  >>> checked_bools(np.array([0, 1], np.uint8).view(np.bool_), None)
+  array([False,  True])
+  """
+  if host.dtype == np.bool_ and host.size and host.view(np.uint8).max() > 1:
+    where = leaf.where if leaf is not None else "an array"
+    raise CheckpointError(
+        f"{where}: a bool array holds a byte other than 0 and 1, which fnckpt never writes: "
+        "the checkpoint is damaged. Restore another checkpoint (or verify this one with "
+        "`fnckpt verify`).")
+  return host
 
 
 def host_value(x: jax.Array) -> np.ndarray:
@@ -198,7 +238,7 @@ def decode_value(leaf: "_records.Leaf") -> Any:
   if kind in ("scalar", "bigint"):
     return leaf.value
   if kind == "npscalar":
-    return np.frombuffer(leaf.value, dtype=dtype_of(leaf.dtype))[0]
+    return checked_bools(np.frombuffer(leaf.value, dtype=dtype_of(leaf.dtype)), leaf)[0]
   if kind == "npgen":
     state = _unplain(leaf.value)
     try:

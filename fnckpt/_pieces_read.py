@@ -67,7 +67,7 @@ class SliceReader:
       futures.append(_store.read_slice(self.open_pack(p.pack), ((p.lo, p.hi),), batch))
       stats.bytes_read += p.hi - p.lo
       stats.ranges += 1
-    return _Pending(np.empty(shape, self.dtype), parts, futures)
+    return _Pending(np.empty(shape, self.dtype), parts, futures, self.leaf)
 
   def parts(self, index: Index) -> list[_Part]:
     """The byte ranges to read for slice ``index`` and where each lands."""
@@ -126,10 +126,11 @@ class SliceReader:
 
 
 class _Pending:
-  """A slice being read: ``result()`` copies each landed range into it."""
+  """A slice being read: ``result()`` copies each landed range into it (once)."""
 
-  def __init__(self, out: np.ndarray, parts: list[_Part], futures: list[Any]):
-    self.out, self.parts, self.futures = out, parts, futures
+  def __init__(self, out: np.ndarray, parts: list[_Part], futures: list[Any],
+               leaf: _records.Leaf):
+    self.out, self.parts, self.futures, self.leaf = out, parts, futures, leaf
 
   def done(self) -> bool:
     return all(f.done() for f in self.futures)
@@ -139,6 +140,7 @@ class _Pending:
       raw = f.result()
       got = raw.view(self.out.dtype).reshape(p.shape)
       self.out[p.dest] = got[p.take]
-    self.futures = [f for f in ()]
-    self.parts = []
+    if self.parts:  # bool bytes other than 0/1 are damage (checksums cannot tell)
+      _leaves.checked_bools(self.out, self.leaf)
+    self.futures, self.parts = [], []
     return self.out

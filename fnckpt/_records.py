@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ._errors import CheckpointError
-from ._tree import keystr
+from ._tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
            "parse_values", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
@@ -470,21 +470,15 @@ def _path_ok(rec: Any) -> bool:
 
 
 def _path(p: Any) -> tuple[tuple[str, Any], ...]:
-  _list(p, "'path'", 256)
+  _list(p, "'path'", MAX_PATH_DEPTH)
   out = []
   for e in p:
     _req(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[0] in PATH_KINDS,
          lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "
          f"{sorted(PATH_KINDS)}")
     kind, key = e
-    if kind in ("seq", "flat"):
-      _int(key, "a sequence index", 0, 1 << 31)
-    elif kind == "attr":
-      _str(key, "an attribute name", 1024)
-    else:
-      _req((isinstance(key, str) and len(key) <= 4096) or
-           (isinstance(key, int) and not isinstance(key, bool) and -(1 << 63) <= key < 1 << 64),
-           lambda: f"dict key {_short(key)} must be a str or an int")
+    problem = key_problem(kind, key)
+    _req(not problem, lambda: f"key path entry {_short(e)} is {problem}")
     out.append((kind, key))
   return tuple(out)
 

@@ -457,7 +457,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   else:
     wants, treedef = _match(location, records, target, partial, cast)
 
-  budget = budget_bytes or READ_WINDOW_BYTES
+  budget = _store.budget_arg(budget_bytes, "restore", READ_WINDOW_BYTES)
   values = _read_all(src, wants, budget)
   _fill_per_process(src, wants, values, per_process_from)
   if treedef is None:
@@ -522,7 +522,7 @@ def _plain_value(w: _Want) -> Any:
   if not w.from_scalar:
     return value
   host = np.asarray(value)
-  host = host if w.dtype is None else host.astype(w.dtype)
+  host = host if w.dtype is None else _leaves.cast(host, w.dtype, w.rec.where)
   return host if w.host else _place(
       host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
@@ -632,7 +632,7 @@ class _Stream:
     self.put_bytes.append(n)
     # Place what has landed as soon as the next read is still on its way (or many are
     # waiting): its bytes then leave the budget and the next reads go out meanwhile.
-    if len(self.to_put) >= 256 or not self.pending or not self.pending[0][1].done():
+    if len(self.to_put) >= 256 or not self.pending or not _ready(self.pending[0][1]):
       self._flush()
 
   def _flush(self) -> None:
@@ -661,6 +661,12 @@ def pieces_reader(src: Source, rec: _records.Leaf, packs: dict[int, ts.TensorSto
     return packs[k]
 
   return _pieces_read.SliceReader(src.manifest, rec, open_pack)
+
+
+def _ready(fut: Any) -> bool:
+  """Whether a read has landed (foreign readers' reads may not say: taken as landed)."""
+  done = getattr(fut, "done", None)
+  return done() if done is not None else True
 
 
 def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
@@ -700,7 +706,7 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
 
 def _convert(w: _Want, host: np.ndarray) -> np.ndarray:
   if w.dtype is not None and host.dtype != w.dtype:
-    return host.astype(w.dtype)
+    return _leaves.cast(host, w.dtype, w.rec.where)
   return host
 
 
@@ -767,7 +773,8 @@ def _land_packed(src: Source, reads: dict[int, "_Read"],
       raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
     except Exception as e:
       raise _read_error(src, r.want.rec, e) from None
-    r.parts[None] = _convert(r.want, _as_leaf(raw, r.want.rec.dtype, r.shape))
+    r.parts[None] = _convert(r.want, _leaves.checked_bools(
+        _as_leaf(raw, r.want.rec.dtype, r.shape), r.want.rec))
   _place_landed([reads[i] for i, _ in window])
 
 

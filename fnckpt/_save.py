@@ -483,7 +483,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
-    budget = _process_budget(budget_bytes or default_budget_bytes())
+    budget = _process_budget(_store.budget_arg(budget_bytes, "save", default_budget_bytes()))
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, writer, err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,

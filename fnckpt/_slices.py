@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -133,26 +133,31 @@ class _Reader:
     except Exception as e:
       raise _restore._read_error(self.src, leaf, e) from None
     if leaf.packed is not None:
-      return data.view(_leaves.dtype_of(leaf.dtype)).reshape([b - a for a, b in index])
+      return _leaves.checked_bools(
+          data.view(_leaves.dtype_of(leaf.dtype)).reshape([b - a for a, b in index]), leaf)
     return _store.from_storage(data, leaf.dtype)
 
 
-def pieces(src: _restore.Source, leaves: Sequence[_records.Leaf], window: Window
-           ) -> Iterator[Piece]:
+def pieces(src: _restore.Source, leaves: Sequence[_records.Leaf], window: Window,
+           out_itemsize: Callable[[_records.Leaf], int] | None = None) -> Iterator[Piece]:
   """Every array leaf of ``leaves``, in order, as C-order pieces (see the module). Blocks are
   at most an eighth of the window (so about four reads are in flight, each charged twice), or
   one aligned inner chunk row when that fits; a read error is restore's CheckpointError
-  naming the leaf and its storage path."""
+  naming the leaf and its storage path. ``out_itemsize``: the element size the caller casts
+  a leaf's pieces to; a wider one is charged too (blocks shrink to match)."""
   reader = _Reader(src)
   pending: collections.deque = collections.deque()
   held = 0
   for leaf in leaves:
     size = _records.itemsize(leaf.dtype)
+    wider = max(0, (out_itemsize(leaf) if out_itemsize else size) - size)
     align = (leaf.stored.inner if leaf.stored is not None else
              leaf.pieces.chunks if leaf.pieces is not None else None)
     limit = max(window.limit // 8, _aligned_row(leaf, size, window.limit // 2))
+    limit = limit * 2 * size // (2 * size + wider)  # (the cast's bytes fit in the same charge)
     for index in blocks(leaf.shape, size, limit, align):
-      n = math.prod(b - a for a, b in index) * size * (1 if leaf.inline is not None else 2)
+      n = math.prod(b - a for a, b in index) * (size * (1 if leaf.inline is not None else 2)
+                                                + wider)
       while pending and held + n > window.limit:
         held -= yield from _land(reader, pending)
       pending.append((leaf, index, reader.start(leaf, index), n))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorstore as ts
 
+from ._errors import CheckpointError
 from ._layout import Index
 
 __all__ = ["zarr_spec", "pack_spec", "store_record", "open_array", "write_chunk", "read_slice",
@@ -182,6 +183,21 @@ def write_chunk(array: ts.TensorStore, index: Index, data: np.ndarray) -> ts.Fut
 
 def read_slice(array: ts.TensorStore, index: Index, batch: ts.Batch | None = None) -> ts.Future:
   return array[_slices(index)].read(batch=batch)
+
+
+def budget_arg(value: Any, call: str, default: int, minimum: int = 1) -> int:
+  """``budget_bytes=value`` of ``call`` checked: ``None`` is ``default``, else an int of at
+  least ``minimum``.
+
+  >>> budget_arg(None, "restore", 128)
+  128
+  """
+  if value is None:
+    return default
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+    raise CheckpointError(f"{call}(budget_bytes={value!r}): expected an int of at least "
+                          f"{minimum} (bytes), or None for the default ({default}).")
+  return int(value)
 
 
 class ByteBudget:

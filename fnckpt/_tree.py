@@ -15,12 +15,37 @@ import jax
 from ._errors import CheckpointError, TreeMismatchError
 
 __all__ = ["PathEntry", "flatten", "keystr", "match_key", "unflatten_from_paths", "diff",
-           "is_empty_node"]
+           "is_empty_node", "key_problem", "MAX_PATH_DEPTH"]
 
 PathEntry = tuple[str, Any]  # (kind, key)
 Path = tuple[PathEntry, ...]
 
 _KEY_TYPES = (str, int)
+
+# What a key path may hold: readers refuse anything beyond (``_records._path``), so ``save``
+# refuses it up front rather than commit a checkpoint that no reader opens.
+MAX_PATH_DEPTH = 256
+MAX_KEY_CHARS = {"dict": 4096, "attr": 1024}
+INT_KEY_RANGE = {"dict": (-(1 << 63), (1 << 64) - 1), "seq": (0, 1 << 31), "flat": (0, 1 << 31)}
+
+
+def key_problem(kind: str, key: Any) -> str:
+  """Why ``(kind, key)`` cannot be stored in a key path, or ``""``.
+
+  >>> key_problem("dict", "x" * 5000)
+  'a dict key of 5000 characters (at most 4096)'
+  >>> key_problem("seq", 3)
+  ''
+  """
+  if isinstance(key, str):
+    limit = MAX_KEY_CHARS.get(kind)
+    if limit is None:
+      return f"a {kind} key that is a string"
+    return "" if len(key) <= limit else f"a {kind} key of {len(key)} characters (at most {limit})"
+  if isinstance(key, int) and not isinstance(key, bool) and kind in INT_KEY_RANGE:
+    lo, hi = INT_KEY_RANGE[kind]
+    return "" if lo <= key <= hi else f"a {kind} key {key} outside [{lo}, {hi}]"
+  return f"a {kind} key of type {type(key).__name__}"
 
 
 def is_empty_node(x: Any) -> bool:
@@ -91,8 +116,23 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   out = []
   for kp, leaf in pairs:
     where = jax.tree_util.keystr(kp)
-    out.append((tuple(_entry(k, where) for k in kp), leaf))
+    path = tuple(_entry(k, where) for k in kp)
+    _check_path(path, where)
+    out.append((path, leaf))
   return out, treedef
+
+
+def _check_path(path: Path, where: str) -> None:
+  if len(path) > MAX_PATH_DEPTH:
+    raise CheckpointError(
+        f"The leaf at {where[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
+        f"hold at most {MAX_PATH_DEPTH}. Flatten that part of the tree.")
+  for kind, key in path:
+    problem = key_problem(kind, key)
+    if problem:
+      raise CheckpointError(
+          f"Cannot save the leaf at {where[:200]}: its key path holds {problem}, which no "
+          "reader accepts. Rename the key (e.g. a shorter string).")
 
 
 def unflatten_from_paths(paths: Sequence[Sequence[Sequence[Any]]], values: Sequence[Any]) -> Any:

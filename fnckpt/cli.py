@@ -520,7 +520,8 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[
     src = _restore.open_source(path, options)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"]
-  problems = _verify_arrays(src, quiet) + _verify_per_process(src) + _verify_hashes(src)
+  problems = (_verify_arrays(src, quiet) + _verify_bools(src) + _verify_per_process(src)
+              + _verify_hashes(src))
   if problems and not _commit.unchanged(src.kv, src.commit):
     return [f"{src.location}: {_commit.changed_error(src.location)}"]
   return problems
@@ -553,6 +554,20 @@ def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
       problems.append(f"{u.label} ({u.here}): chunk {_region_str(first[0])}: "
                       f"{_cause(first[1])}{more}")
   progress.draw(final=True)
+  return problems
+
+
+def _verify_bools(src: _restore.Source) -> list[str]:
+  """Inline and packed bool arrays hold only bytes 0 and 1 (their checksums, if any, cannot
+  tell; TensorStore checks stored bool arrays itself)."""
+  problems = []
+  for rec in src.manifest.leaves:
+    if rec.is_array and rec.dtype == "bool" and rec.stored is None and rec.kind == "array":
+      try:
+        _leaves.checked_bools(np.ascontiguousarray(
+            _chunks_of_array(src, rec)(tuple((0, n) for n in rec.shape))), rec)
+      except Exception as e:
+        problems.append(str(e) if isinstance(e, CheckpointError) else f"{rec.where}: {_cause(e)}")
   return problems
 
 

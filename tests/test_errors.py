@@ -103,6 +103,41 @@ def test_unsupported_dict_keys(tmp_path):
     fnckpt.save({"a": {1.5: 1}}, tmp_path / "c")
 
 
+def test_keys_no_reader_accepts_are_refused_at_save(tmp_path):
+  """A key longer than readers allow, or a path deeper, fails the save (naming the leaf and
+  the limit) instead of committing a checkpoint that nothing can open."""
+  with pytest.raises(CheckpointError, match=r"4097 characters \(at most 4096\).*Rename"):
+    fnckpt.save({"k" * 4097: 1}, tmp_path / "long").wait()
+  assert not (tmp_path / "long").exists()
+  deep = 1
+  for _ in range(257):
+    deep = [deep]
+  with pytest.raises(CheckpointError, match=r"nested 257 levels deep.*at most 256"):
+    fnckpt.save(deep, tmp_path / "deep").wait()
+  fnckpt.save({"k" * 4096: 1}, tmp_path / "ok").wait()  # the limit itself is fine
+  assert fnckpt.restore(str(tmp_path / "ok")) == {"k" * 4096: 1}
+
+
+@pytest.mark.parametrize("call", ["save", "restore", "export_safetensors"])
+@pytest.mark.parametrize("value", [0, -5, 1.5, "1MB", True])
+def test_budget_bytes_must_be_a_positive_int(ckpt, tmp_path, call, value):
+  path, tree = ckpt
+  run = {"save": lambda: fnckpt.save(tree, tmp_path / "n", budget_bytes=value),
+         "restore": lambda: fnckpt.restore(path, budget_bytes=value),
+         "export_safetensors": lambda: fnckpt.export_safetensors(
+             path, tmp_path / "n.safetensors", select="params", budget_bytes=value)}[call]
+  with pytest.raises(CheckpointError, match=rf"{call}\(budget_bytes={re.escape(repr(value))}\): "
+                     r"expected an int of at least \d+ \(bytes\), or None for the default"):
+    run()
+  assert not os.path.exists(tmp_path / "n") and not os.path.exists(tmp_path / "n.safetensors")
+
+
+def test_export_refuses_a_window_too_small_to_finish(ckpt, tmp_path):
+  with pytest.raises(CheckpointError, match=r"budget_bytes=4096\): expected an int of at least "
+                     r"65536"):
+    fnckpt.export_safetensors(ckpt[0], tmp_path / "n.safetensors", budget_bytes=4096)
+
+
 def test_a_deleted_or_donated_array(tmp_path):
   x = jnp.ones(10000)
   x.delete()

@@ -224,6 +224,13 @@ def test_streaming_stays_within_the_budget(saved, tmp_path):
     got = b"".join(p.data.tobytes() for p in _slices.pieces(src, [leaves[where]], w))
     assert got == want.tobytes()
     assert w.peak <= limit and w.largest <= limit and w.reads > 8
+  # A widening cast (here 4 -> 32 bytes an element) is charged too: blocks shrink to match.
+  for out in (4, 32):
+    w = _slices.Window(64 << 10)
+    kernel = leaves["['params']['dense']['kernel']"]
+    got = b"".join(p.data.tobytes() for p in _slices.pieces(src, [kernel], w, lambda l: out))
+    assert got == host["params"]["dense"]["kernel"].tobytes()
+    assert w.peak <= 64 << 10 and w.largest <= 64 << 10, (out, w)
 
 
 @pytest.mark.slow
@@ -520,3 +527,36 @@ def test_overwrite_never_deletes_files_an_export_did_not_write(tmp_path):
   fnckpt.export_safetensors(str(tmp_path / "run" / "c"), out, overwrite=True)  # its own: fine
   assert sorted(os.listdir(out)) == ["model-00001-of-00001.safetensors",
                                      "model.safetensors.index.json"]
+
+
+def test_long_output_names(saved, tmp_path):
+  """A name near the file system's 255-byte limit exports (the temporary name stays within
+  it); one beyond is refused up front, naming the limit, with nothing left behind."""
+  path, _ = saved
+  ok = tmp_path / ("m" * 238 + ".safetensors")  # 250 bytes
+  fnckpt.export_safetensors(path, ok)
+  assert os.listdir(tmp_path) == [ok.name] and ok.stat().st_size > 0
+  os.unlink(ok)
+  with pytest.raises(fnckpt.CheckpointError, match=r"is 262 bytes long; file systems allow "
+                     r"at most 255\. Choose a shorter name"):
+    fnckpt.export_safetensors(path, tmp_path / ("m" * 250 + ".safetensors"))
+  assert os.listdir(tmp_path) == []
+
+
+def test_casts_between_narrow_floats_numpy_cannot_do_directly(tmp_path):
+  """float8_e8m0fnu <-> other fp8 types have no direct numpy cast: export and restore(cast=True)
+  go through float32 (exact for both) instead of failing midway."""
+  import ml_dtypes
+  path = str(tmp_path / "c")
+  x = np.array([0.25, 1.0, 2.0, 4.0], ml_dtypes.float8_e8m0fnu)
+  fnckpt.save({"scale": x}, path).wait()
+  fnckpt.export_safetensors(path, tmp_path / "m.safetensors", dtype="float8_e4m3fn")
+  from safetensors import safe_open
+  with safe_open(str(tmp_path / "m.safetensors"), "np") as f:
+    assert f.metadata() == {"format": "pt"} and list(f.keys()) == ["scale"]
+  raw = open(tmp_path / "m.safetensors", "rb").read()[-4:]
+  np.testing.assert_array_equal(np.frombuffer(raw, ml_dtypes.float8_e4m3fn),
+                                x.astype(np.float32).astype(ml_dtypes.float8_e4m3fn))
+  got = fnckpt.restore(path, {"scale": np.zeros(4, ml_dtypes.float8_e4m3fn)}, cast=True)
+  assert got["scale"].dtype == ml_dtypes.float8_e4m3fn
+  np.testing.assert_array_equal(got["scale"].astype(np.float32), x.astype(np.float32))

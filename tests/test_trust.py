@@ -280,3 +280,31 @@ def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, 
   with pytest.raises(fnckpt.CheckpointError) as fresh:  # nothing was there: no such words
     fnckpt.save(state, tmp_path / "new", pack_bytes=0).wait()
   assert "Nothing was committed; earlier checkpoints are intact." in str(fresh.value)
+
+
+@pytest.mark.parametrize("where", ["inline", "packed"])
+def test_bool_bytes_other_than_0_and_1_are_damage(tmp_path, capsys, where):
+  """A crafted checkpoint (valid checksums) whose bool array holds the byte 2: restore, export
+  and verify call it damage naming the leaf, never return a bool that is neither value."""
+  from fnckpt.cli import main
+  path = str(tmp_path / "c")
+  n = 4 if where == "inline" else 40_000   # 40 KB: over the inline limit, into the pack
+  fnckpt.save({"mask": np.ones(n, np.bool_), "w": np.arange(3.0)}, path).wait()
+  if where == "inline":
+    _rewrite_manifest(path, lambda m: _leaf(m, "mask").__setitem__("inline", b"\1\2\1\1"))
+  else:
+    with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
+      m = msgpack.unpackb(f.read(), raw=False)
+    pk, at = m["packs"][_leaf(m, "mask")["pack"]["index"]], _leaf(m, "mask")["pack"]["offset"]
+    pack = _store.open_array(_store.pack_spec({"driver": "file", "path": path + "/"}, pk["dir"],
+                                              pk["nbytes"], pk["chunk"], pk["inner"]),
+                             __import__("tensorstore").Context(), mode="write").result()
+    pack[at + 7:at + 8].write(np.array([2], np.uint8)).result()   # checksummed by TensorStore
+  msg = r"\['mask'\]: a bool array holds a byte other than 0 and 1.*damaged"
+  with pytest.raises(fnckpt.CheckpointError, match=msg):
+    fnckpt.restore(path)
+  with pytest.raises(fnckpt.CheckpointError, match=msg):
+    fnckpt.export_safetensors(path, tmp_path / "m.safetensors")
+  assert fnckpt.restore(path, {"w": np.zeros(3)}, partial=True)["w"].sum() == 3.0
+  assert main(["verify", "-q", path]) == 1
+  assert "['mask']: a bool array holds a byte other than 0 and 1" in capsys.readouterr().out
