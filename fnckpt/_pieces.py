@@ -157,7 +157,14 @@ class Layout:
 
   def mine(self, index: int, process: int) -> tuple[np.ndarray, int]:
     """The chunks (increasing) leaf ``index`` has in ``process``'s region and where they
-    start in it (they lie back to back)."""
+    start in it (they lie back to back).
+
+    >>> a = PieceLeaf(0, 0, (2,), ((0,),), 0, (2,), 8)
+    >>> b = PieceLeaf(1, 0, (2,), ((0,),), 0, (2,), 4)
+    >>> lay = build([np.array([0, 1])], [a, b], 2)
+    >>> lay.mine(1, 1)[0].tolist(), lay.mine(1, 1)[1]   # after its 8 bytes of leaf 0
+    ([1], 8)
+    """
     k = self.position[index]
     key = (self.group_of[k], process)
     if key not in self._mine:
