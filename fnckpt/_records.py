@@ -359,22 +359,24 @@ def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...]
   own = {p.process: (k, p) for k, p in enumerate(packs) if p.process is not None}
   for proc in np.flatnonzero(layout.region).tolist():
     size = int(layout.region[proc])
-    first = next(l for l in todo if int(layout.groups[layout.group_of[
-        layout.position[l.index]]].counts[proc]))
-    where = keystr(leaves[first.index].path)
     if proc not in own:
-      raise _error(location, f"the record of {where} is invalid: 'pieces' are written by "
-                   f"process {proc}, which has no pack with 'process': {proc}")
+      raise _pieces_error(location, leaves, layout, proc, "'pieces' are written by process "
+                          f"{proc}, which has no pack with 'process': {proc}")
     k, pack = own[proc]
-    _req_pieces(location, where, pack.pieces is not None and pack.pieces + size <= pack.nbytes,
-                f"process {proc}'s pieces region ({size} bytes from 'packs'[{k}].pieces = "
-                f"{pack.pieces}) lies outside its pack ({pack.nbytes} bytes)")
+    if pack.pieces is None or pack.pieces + size > pack.nbytes:
+      raise _pieces_error(location, leaves, layout, proc, f"process {proc}'s pieces region "
+                          f"({size} bytes from 'packs'[{k}].pieces = {pack.pieces}) lies "
+                          f"outside its pack ({pack.nbytes} bytes)")
   return layout
 
 
-def _req_pieces(location: str, where: str, cond: bool, what: str) -> None:
-  if not cond:
-    raise _error(location, f"the record of {where} is invalid: {what}")
+def _pieces_error(location: str, leaves: Sequence[Leaf], layout: Any, proc: int,
+                  what: str) -> CheckpointError:
+  """The error naming the first pieced leaf that process ``proc`` writes."""
+  first = next(l for l in layout.leaves if int(layout.groups[layout.group_of[
+      layout.position[l.index]]].counts[proc]))
+  return _error(location, f"the record of {keystr(leaves[first.index].path)} is invalid: "
+                f"{what}")
 
 
 def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
