@@ -37,6 +37,7 @@ global map (``addressable_devices_indices_map``): its "before" is the map builds
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -51,7 +52,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-from fnckpt import _layout  # noqa: E402
+from fnckpt import _layout, _packing, _pieces  # noqa: E402
+
+INLINE_BYTES = 16 << 10          # fnckpt._save.INLINE_BYTES (imported there with jax)
 
 # dim_axes of the specs on mesh axes ("data", "model")
 DATA, MODEL, REPLICATED = ((0,), (1,)), ((1,), (0,)), ()
@@ -81,26 +84,87 @@ def info_for(mesh: tuple[int, ...], spec, process: int, per: int) -> _layout.Sha
   return _layout.ShardingInfo(mesh, spec, tuple(ids), coords)
 
 
-def plan_save(state, mesh, process: int, per: int) -> tuple[float, list[list[_layout.WriteUnit]]]:
-  """One process's save plan (``plan_write`` per leaf, salt = leaf index); the time includes
-  building the ShardingInfo records, as the adapter would once per sharding."""
+def classify(state, mesh) -> list[str]:
+  """How save stores each leaf, by its rules: replicated on every device (so every process
+  sees it whole) and small: "inline" or "pack"; a non-empty shard of at most PIECE_BYTES:
+  "pieces"; else "store" (a zarr array, one object per write chunk)."""
+  kinds = []
+  for _, shape, itemsize, spec in state:
+    info = _layout.ShardingInfo(mesh, spec)
+    size = _layout.nbytes(shape, itemsize)
+    whole = info.replicas == math.prod(mesh)
+    shard = _layout.nbytes(_layout.shard_shape_of(info, shape), itemsize)
+    kinds.append("inline" if whole and size <= INLINE_BYTES else
+                 "pack" if whole and size <= _packing.PACK_LEAF_BYTES else
+                 "pieces" if 0 < shard <= _pieces.PIECE_BYTES else "store")
+  return kinds
+
+
+def plan_save(state, mesh, process: int, per: int, procs: np.ndarray
+              ) -> tuple[float, list[list[_layout.WriteUnit]], dict[str, Any]]:
+  """One process's save plan, as ``_save._plan`` makes it: ``plan_write`` per stored leaf
+  (salt = leaf index); the pieces layout of every process (``_pieces.build``, O(devices) per
+  distinct structure) and this process's chunks of each pieced leaf (``local_writes``); every
+  process's pack (``_packing.assign``). The time includes building the ShardingInfo records,
+  as the adapter would once per sharding. Returns (seconds, stored units per leaf, packs)."""
   t0 = time.perf_counter()
   infos: dict[Any, _layout.ShardingInfo] = {}
-  plans = []
-  for i, (_, shape, itemsize, spec) in enumerate(state):
+  plans, pieced, items = [], [], []
+  for i, ((_, shape, itemsize, spec), kind) in enumerate(zip(state, classify(state, mesh))):
     info = infos.get(spec) or infos.setdefault(spec, info_for(mesh, spec, process, per))
-    plans.append(_layout.plan_write(info, shape, itemsize, salt=i)[1])
-  return time.perf_counter() - t0, plans
+    plans.append([])
+    if kind == "pack":
+      items.append(_packing.PackItem(i, _layout.nbytes(shape, itemsize), None))
+    elif kind == "pieces":
+      shard = _layout.shard_shape_of(info, shape)
+      dim_axes = spec + ((),) * (len(shape) - len(spec))
+      pieced.append((info, shape, _pieces.PieceLeaf(
+          i, 0, mesh, dim_axes, _pieces.shift_of(i, mesh, dim_axes), shard,
+          _layout.nbytes(shard, itemsize))))
+    elif kind == "store":
+      plans[-1] = _layout.plan_write(info, shape, itemsize, salt=i)[1]
+  layout = _pieces.build([procs], [p for _, _, p in pieced], len(procs) // per)
+  regions = {int(p): int(layout.region[p]) for p in np.flatnonzero(layout.region)}
+  packs = _packing.assign(items, len(procs) // per, extra=regions,
+                          chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
+                          _packing.PACK_CHUNK_BYTES)
+  for info, shape, leaf in pieced:  # what _pieces_save.Planner.parts checks and stages
+    chunk, units = _layout.plan_write(info, shape, state[leaf.index][2], salt=leaf.index)
+    assert chunk == leaf.chunk and len(units) == len(layout.mine(leaf.index, process)[0])
+  return time.perf_counter() - t0, plans, packs.sizes
 
 
-def plan_restore(state, mesh, process: int, per: int) -> tuple[float, int]:
-  """One process's restore plan (``plan_read`` per leaf)."""
+def plan_restore(state, mesh, process: int, per: int, saved_mesh=None, procs=None
+                 ) -> tuple[float, int]:
+  """One process's restore plan: ``plan_read`` per leaf; with ``saved_mesh``, also what
+  reading pieced leaves adds: the pieces layout a reader builds when it parses the manifest,
+  and, for each slice, the chunks it intersects located in their writers' packs (what
+  ``_pieces_read.SliceReader.parts`` computes before any I/O)."""
   t0 = time.perf_counter()
   infos: dict[Any, _layout.ShardingInfo] = {}
   slices = 0
-  for _, shape, _, spec in state:
+  pieced = {}
+  if saved_mesh is not None:
+    kinds = classify(state, saved_mesh)
+    leaves = []
+    for i, ((_, shape, itemsize, spec), kind) in enumerate(zip(state, kinds)):
+      if kind == "pieces":
+        shard = _layout.shard_shape_of(_layout.ShardingInfo(saved_mesh, spec), shape)
+        dim_axes = spec + ((),) * (len(shape) - len(spec))
+        leaves.append(_pieces.PieceLeaf(i, 0, saved_mesh, dim_axes, _pieces.shift_of(
+            i, saved_mesh, dim_axes), shard, _layout.nbytes(shard, itemsize)))
+    layout = _pieces.build([procs], leaves, len(procs) // per)
+    pieced = {leaf.index: leaf for leaf in leaves}
+  for i, (_, shape, _, spec) in enumerate(state):
     info = infos.get(spec) or infos.setdefault(spec, info_for(mesh, spec, process, per))
-    slices += len(_layout.plan_read(info, shape))
+    plan = _layout.plan_read(info, shape)
+    slices += len(plan)
+    leaf = pieced.get(i)
+    if leaf is not None:
+      for index in plan:
+        blocks = [range(a // c, -(-b // c)) for (a, b), c in zip(index, leaf.chunk)]
+        cells = np.array(list(itertools.product(*blocks))).T
+        layout.locate(i, np.ravel_multi_index(tuple(cells), leaf.grid))
   return time.perf_counter() - t0, slices
 
 
@@ -115,10 +179,15 @@ def _owner(mesh, spec, block: tuple[int, ...], replica: int, per: int) -> int:
   return int(np.ravel_multi_index(coord, mesh)) // per
 
 
-def bytes_per_process(state, mesh, processes: int, per: int) -> np.ndarray:
-  """Bytes each process writes, for all processes, by the planner's assignment rule."""
+def bytes_per_process(state, mesh, processes: int, per: int, packs) -> np.ndarray:
+  """Bytes each process writes, for all processes, by the planner's assignment rule: its
+  pack (``packs``: process -> (nbytes, chunk, inner)) and the chunks of stored leaves."""
   out = np.zeros(processes, np.int64)
-  for salt, (_, shape, itemsize, spec) in enumerate(state):
+  for p, (nbytes, _, _) in packs.items():
+    out[p] += nbytes
+  for salt, ((_, shape, itemsize, spec), kind) in enumerate(zip(state, classify(state, mesh))):
+    if kind != "store":
+      continue
     info = _layout.ShardingInfo(mesh, spec)
     shard = _layout.shard_shape_of(info, shape)
     if info.replicas == 1:
@@ -164,23 +233,26 @@ def sample_processes(processes: int, k: int = 3, seed: int = 0) -> list[int]:
   return sorted({0, processes - 1, *random.Random(seed).sample(rest, min(k, len(rest)))})
 
 
-def measure_process(state, save_mesh, restore_mesh, p: int, per: int, bytes_p: int,
-                    repeats: int = 3) -> dict[str, Any]:
+def measure_process(state, save_mesh, restore_mesh, p: int, per: int, totals: np.ndarray,
+                    procs: np.ndarray, repeats: int = 3) -> dict[str, Any]:
   """Plan a first save, a steady-state save and a restore in process ``p``; each time is the
   best of ``repeats`` (the machine may be shared)."""
   cold, warm, restore_s = [], [], []
   for _ in range(repeats):
     _layout.clear_plan_caches()  # a first save: nothing cached
-    t, plans = plan_save(state, save_mesh, p, per)
+    t, plans, packs = plan_save(state, save_mesh, p, per, procs)
     cold.append(t)
-    warm.append(plan_save(state, save_mesh, p, per)[0])  # the next saves of the loop
+    warm.append(plan_save(state, save_mesh, p, per, procs)[0])  # the next saves of the loop
     _layout.clear_plan_caches()
-    t, slices = plan_restore(state, restore_mesh, p, per)
+    t, slices = plan_restore(state, restore_mesh, p, per, save_mesh, procs)
     restore_s.append(t)
   sizes = [(_layout.nbytes([b - a for a, b in u.index], itemsize),
             _layout.nbytes(shape, itemsize))
            for (_, shape, itemsize, _), units in zip(state, plans) for u in units]
-  assert sum(n for n, _ in sizes) == bytes_p, (p, bytes_p)  # the all-process figure is right
+  if p in packs:  # the pack's chunk files (counted small only if the whole pack is larger)
+    nbytes, chunk, _ = packs[p]
+    sizes += [(min(chunk, nbytes - a), nbytes) for a in range(0, nbytes, chunk)]
+  assert sum(n for n, _ in sizes) == totals[p], (p, totals[p])  # the all-process figure
   return {"save_s": min(cold), "warm_s": min(warm), "restore_s": min(restore_s),
           "slices": slices, "objects": len(sizes), "min_object": min(n for n, _ in sizes),
           "small_objects": sum(1 for n, leaf in sizes if n < MiB <= leaf)}
@@ -193,8 +265,10 @@ def run(processes: int, per: int, tp_only_embeddings: bool = False,
   state = leaves(tp_only_embeddings)
   save_mesh, restore_mesh = (processes * per // 8, 8), (processes * per // 4, 4)
   sample = sample_processes(processes)
-  totals = bytes_per_process(state, save_mesh, processes, per)
-  m = [measure_process(state, save_mesh, restore_mesh, p, per, int(totals[p])) for p in sample]
+  procs = np.arange(processes * per) // per   # the process of each mesh position
+  packs = plan_save(state, save_mesh, 0, per, procs)[2]
+  totals = bytes_per_process(state, save_mesh, processes, per, packs)
+  m = [measure_process(state, save_mesh, restore_mesh, p, per, totals, procs) for p in sample]
   worst = {k: max(r[k] for r in m) for k in m[0]}
   which = [i * len(state) // old_leaves for i in range(old_leaves)]
   build, plan = old_plan_per_leaf(state, save_mesh, per, which)
@@ -204,6 +278,8 @@ def run(processes: int, per: int, tp_only_embeddings: bool = False,
       "smallest_leaf_bytes": min(_layout.nbytes(s, i) for _, s, i, _ in state),
       "state_bytes": sum(_layout.nbytes(s, i) for _, s, i, _ in state),
       "tp_only_embeddings": tp_only_embeddings, "sampled_processes": sample,
+      "storage": {k: classify(state, save_mesh).count(k)
+                  for k in ("inline", "pack", "pieces", "store")},
       "save": {"mesh": list(save_mesh), "plan_s_per_process": worst["save_s"],
                "plan_s_per_process_steady": worst["warm_s"],
                "objects_per_process_max": worst["objects"],

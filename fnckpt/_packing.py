@@ -9,7 +9,8 @@ from the same inputs (no communication), so process 0 can describe every pack in
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import heapq
+from typing import Mapping, Sequence
 
 __all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
            "PACK_CHUNK_BYTES"]
@@ -37,13 +38,16 @@ class PackPlan:
   to whole inner chunks), chunk size (a multiple of the inner size) and inner chunk size."""
   where: dict[int, tuple[int, int]]
   sizes: dict[int, tuple[int, int, int]]
+  pieces: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> region start
 
 
 def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_INNER_BYTES,
-           chunk_bytes: int = PACK_CHUNK_BYTES) -> PackPlan:
+           chunk_bytes: int = PACK_CHUNK_BYTES, extra: Mapping[int, int] | None = None
+           ) -> PackPlan:
   """Place each item in a pack: fixed writers first, then replicated items largest first on
-  the process with the fewest bytes so far (ties: the lowest index), so bytes stay balanced.
-  Within a pack, leaves lie in leaf order.
+  the process with the fewest bytes so far (ties: the lowest index; ``extra``, each process's
+  pieces region bytes, counts as load), so bytes stay balanced. Within a pack, leaves lie in
+  leaf order, then the process's pieces region (its start: ``pieces``).
 
   >>> plan = assign([PackItem(0, 100, None), PackItem(1, 50, 0), PackItem(2, 60, None)], 2)
   >>> plan.where
@@ -51,26 +55,33 @@ def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_IN
   >>> plan.sizes
   {0: (110, 110, 110), 1: (100, 100, 100)}
   """
-  load = [0] * processes
+  extra = dict(extra or {})
+  load = [extra.get(p, 0) for p in range(processes)]
   owner: dict[int, int] = {}
   for it in items:
     if it.writer is not None:
       owner[it.leaf] = it.writer
       load[it.writer] += it.nbytes
+  heap = [(n, q) for q, n in enumerate(load)]  # the least-loaded process first (ties: lowest)
+  heapq.heapify(heap)
   for it in sorted((i for i in items if i.writer is None), key=lambda i: (-i.nbytes, i.leaf)):
-    p = min(range(processes), key=lambda q: (load[q], q))
+    p = heap[0][1]
     owner[it.leaf] = p
     load[p] += it.nbytes
+    heapq.heapreplace(heap, (load[p], p))
   where: dict[int, tuple[int, int]] = {}
   used = [0] * processes
   for it in sorted(items, key=lambda i: i.leaf):
     p = owner[it.leaf]
     where[it.leaf] = (p, used[p])
     used[p] += it.nbytes
-  sizes = {}
+  sizes, pieces = {}, {}
   for p, n in enumerate(used):
+    if extra:
+      pieces[p] = n
+    n += extra.get(p, 0)
     if n:
       inner = min(inner_bytes, n)
       padded = -(-n // inner) * inner
       sizes[p] = (padded, min(padded, max(inner, chunk_bytes // inner * inner)), inner)
-  return PackPlan(where, sizes)
+  return PackPlan(where, sizes, {p: o for p, o in pieces.items() if p in sizes})

@@ -23,7 +23,7 @@ import numpy as np
 from ._errors import CheckpointError
 from ._tree import MAX_PATH_DEPTH, key_problem, keystr
 
-__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Sharding", "Base", "Fork", "parse",
+__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
            "parse_values", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
            "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
 
@@ -161,6 +161,16 @@ class Sharding:
   sizes: tuple[int, ...] = ()
   spec: tuple[Any, ...] = ()       # None, an axis name, or a tuple of axis names per dim
   devices: int = 1
+  mesh: int | None = None          # a pieced leaf's: index in the manifest's ``meshes``
+
+  @property
+  def dim_axes(self) -> tuple[tuple[int, ...], ...]:
+    """Per spec entry, the positions (in ``axes``) of the mesh axes splitting it."""
+    out = []
+    for e in self.spec:
+      names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+      out.append(tuple(self.axes.index(n) for n in names))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +193,16 @@ class Pack:
   chunk: int
   inner: int
   base: int | None = None
+  process: int | None = None       # the process that wrote it (set when the save has pieces)
+  pieces: int | None = None        # where that process's pieces region starts in it
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+  """A leaf stored as pieces (format 2, README "Pieces"): its chunks (device shards) are byte
+  ranges of their writers' packs, placed by ``Manifest.layout``."""
+  chunks: tuple[int, ...]
+  mesh: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +228,7 @@ class Leaf:
   inline: bytes | None = None
   stored: Stored | None = None
   packed: Packed | None = None
+  pieces: Pieces | None = None
   type: str | None = None          # scalar type, or the empty container's type
   name: str | None = None          # an empty container's class
   value: Any = None
@@ -240,11 +261,26 @@ class Manifest:
   packs: tuple[Pack, ...] = ()
   bases: tuple[Base, ...] = ()      # checkpoints whose data this one refers to
   fork: Fork | None = None
+  # per mesh of pieced leaves: the process of each position; the pieced leaves' layout
+  meshes: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False)
+  layout: Any = dataclasses.field(default=None, compare=False)   # ``_pieces.Layout`` or None
+
+  def pack_of(self, process: int) -> int:
+    """The index in ``packs`` of ``process``'s own pack (with its pieces region)."""
+    return self._pack_index[process]
+
+  @property
+  def _pack_index(self) -> dict[int, int]:
+    got = self.__dict__.get("_pack_index_cache")
+    if got is None:
+      got = {p.process: k for k, p in enumerate(self.packs) if p.process is not None}
+      object.__setattr__(self, "_pack_index_cache", got)
+    return got
 
 
 _TOP_V1 = ("format", "version", "created", "process_count", "versions", "metadata", "leaves")
 _TOP_V2 = _TOP_V1 + ("data", "packs")
-_TOP_V2_OPTIONAL = ("bases", "fork")
+_TOP_V2_OPTIONAL = ("bases", "fork", "meshes")
 
 
 def parse(m: Any, location: str, reader_version: int) -> Manifest:
@@ -266,15 +302,18 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     data = check_dir(top["data"], "'data'") if version >= 2 else None
     bases = _bases(top.get("bases", []))
     fork = _fork(top.get("fork"))
-    packs = tuple(_pack(p, i, bases) for i, p in enumerate(_list(top.get("packs", []),
-                                                                  "'packs'")))
+    packs = tuple(_pack(p, i, bases, nproc) for i, p in enumerate(_list(top.get("packs", []),
+                                                                         "'packs'")))
+    _req(len({p.process for p in packs if p.process is not None}) ==
+         sum(p.process is not None for p in packs), "two 'packs' name the same 'process'")
+    meshes = _meshes(top.get("meshes", []), nproc)
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if str(e).startswith("it ") else f"its {e}") from None
   leaves = []
   for i, rec in enumerate(raw):
     try:
-      leaves.append(_leaf(i, rec, version, packs, bases))
+      leaves.append(_leaf(i, rec, version, packs, bases, meshes))
     except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
       raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
           from None
@@ -285,8 +324,59 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     _check_tree([l.path for l in leaves])
   except _Bad as e:
     raise _error(location, str(e)) from None
+  layout = _check_pieces(location, leaves, packs, meshes, nproc)
   return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
-                  tuple(leaves), data, packs, bases, fork)
+                  tuple(leaves), data, packs, bases, fork, meshes, layout)
+
+
+def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
+  out = []
+  for m, entry in enumerate(_list(v, "'meshes'", 1 << 16)):
+    _list(entry, f"'meshes'[{m}]", 1 << 24)
+    _req(all(type(x) is int and 0 <= x < nproc for x in entry),
+         lambda: f"'meshes'[{m}] must list process indices in [0, {nproc})")
+    a = np.array(entry, np.int64)
+    a.flags.writeable = False
+    out.append(a)
+  return tuple(out)
+
+
+def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...],
+                  meshes: tuple[np.ndarray, ...], nproc: int) -> Any:
+  """The layout of the pieced leaves; every writer's region inside its pack."""
+  from . import _pieces
+  todo = [_pieces.PieceLeaf(l.index, l.pieces.mesh, l.sharding.sizes,
+                            l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
+                            _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
+                            l.pieces.chunks, math.prod(l.pieces.chunks) * itemsize(l.dtype))
+          for l in leaves if l.pieces is not None]
+  if not todo:
+    return None
+  try:
+    layout = _pieces.build(meshes, todo, nproc)
+  except ValueError as e:
+    raise _error(location, f"its pieced leaves cannot be laid out: {e}") from None
+  own = {p.process: (k, p) for k, p in enumerate(packs) if p.process is not None}
+  for proc in np.flatnonzero(layout.region).tolist():
+    size = int(layout.region[proc])
+    if proc not in own:
+      raise _pieces_error(location, leaves, layout, proc, "'pieces' are written by process "
+                          f"{proc}, which has no pack with 'process': {proc}")
+    k, pack = own[proc]
+    if pack.pieces is None or pack.pieces + size > pack.nbytes:
+      raise _pieces_error(location, leaves, layout, proc, f"process {proc}'s pieces region "
+                          f"({size} bytes from 'packs'[{k}].pieces = {pack.pieces}) lies "
+                          f"outside its pack ({pack.nbytes} bytes)")
+  return layout
+
+
+def _pieces_error(location: str, leaves: Sequence[Leaf], layout: Any, proc: int,
+                  what: str) -> CheckpointError:
+  """The error naming the first pieced leaf that process ``proc`` writes."""
+  first = next(l for l in layout.leaves if int(layout.groups[layout.group_of[
+      layout.position[l.index]]].counts[proc]))
+  return _error(location, f"the record of {keystr(leaves[first.index].path)} is invalid: "
+                f"{what}")
 
 
 def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
@@ -354,15 +444,23 @@ def _base_of(v: Any, d: str, what: str, bases: tuple[Base, ...]) -> int | None:
   return k
 
 
-def _pack(p: Any, i: int, bases: tuple[Base, ...] = ()) -> Pack:
-  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"), ("base",))
+def _pack(p: Any, i: int, bases: tuple[Base, ...] = (), nproc: int = 1 << 24) -> Pack:
+  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"), ("base", "process", "pieces"))
   nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
   chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, min(nbytes, MAX_PACK_CHUNK))
   inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
   _req(chunk % inner == 0 and nbytes % inner == 0,
        lambda: f"'packs'[{i}].inner must divide its chunk and nbytes")
   d = check_dir(p["dir"], f"'packs'[{i}].dir")
-  return Pack(d, nbytes, chunk, inner, _base_of(p.get("base"), d, f"'packs'[{i}]", bases))
+  _req(("process" in p) == ("pieces" in p), lambda: f"'packs'[{i}] needs both 'process' and "
+       "'pieces' or neither")
+  process = pieces = None
+  if "process" in p:
+    process = _int(p["process"], f"'packs'[{i}].process", 0, nproc - 1)
+    pieces = _int(p["pieces"], f"'packs'[{i}].pieces", 0, nbytes)
+    _req("base" not in p, lambda: f"'packs'[{i}] with pieces cannot be a reference ('base')")
+  return Pack(d, nbytes, chunk, inner, _base_of(p.get("base"), d, f"'packs'[{i}]", bases),
+              process, pieces)
 
 
 def _path_ok(rec: Any) -> bool:
@@ -388,7 +486,7 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
-          bases: tuple[Base, ...] = ()) -> Leaf:
+          bases: tuple[Base, ...] = (), meshes: tuple[np.ndarray, ...] = ()) -> Leaf:
   _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
   _req(isinstance(kind, str) and kind in LEAF_KINDS,
@@ -400,7 +498,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
     _keys(rec, "it", common)
     return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs, bases)
+    return _array(i, path, rec, version, packs, bases, meshes)
   if kind == "empty":
     _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
@@ -452,15 +550,15 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs, bases=()) -> Leaf:
+def _array(i, path, rec, version, packs, bases=(), meshes=()) -> Leaf:
   kind = rec["kind"]
-  storage = ("inline", "store", "pack")
+  storage = ("inline", "store", "pack") + (("pieces",) if version >= 2 else ())
   optional = (("impl",) if kind == "key" else ()) + (
       ("hash", "chunk_hashes", "chunk_fps") if version >= 2 else ())
   _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
         storage + optional)
   where = [k for k in storage if k in rec]
-  _req(len(where) == 1, "exactly one of 'inline', 'store', 'pack' must be present")
+  _req(len(where) == 1, "exactly one of 'inline', 'store', 'pack', 'pieces' must be present")
   dtype, shape = _dtype(rec["dtype"]), _shape(rec["shape"])
   _req(rec["source"] in ("jax", "numpy"), "'source' must be 'jax' or 'numpy'")
   impl = None
@@ -470,9 +568,14 @@ def _array(i, path, rec, version, packs, bases=()) -> Leaf:
          lambda: f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
     _req(dtype == "uint32" and len(shape) >= 1 and shape[-1] == PRNG_IMPLS[impl],
          lambda: f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
-  sharding = _sharding(rec["sharding"], len(shape))
+  sharding = _sharding(rec["sharding"], len(shape), meshes)
+  _req(sharding is None or sharding.mesh is None or "pieces" in rec,
+       "'sharding'.mesh belongs to pieced leaves only")
   nbytes = math.prod(shape) * itemsize(dtype)
   leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl)
+  if "pieces" in rec:
+    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "a pieced array has no 'hash'")
+    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding))
   if "inline" in rec:
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
          lambda: f"'inline' must hold {nbytes} bytes")
@@ -503,6 +606,21 @@ def _array(i, path, rec, version, packs, bases=()) -> Leaf:
        lambda: f"'pack' bytes [{offset}, {offset + nbytes}) lie "
        f"outside pack {k} ({packs[k].nbytes} bytes)")
   return dataclasses.replace(leaf, packed=Packed(k, offset, nbytes))
+
+
+def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None) -> Pieces:
+  _keys(p, "'pieces'", ("chunks",))
+  chunks = tuple(_int(c, "a 'pieces' chunk dimension", 1, MAX_ELEMENTS)
+                 for c in _list(p["chunks"], "'pieces'.chunks", MAX_DIMS))
+  _req(sharding is not None and sharding.mesh is not None,
+       "a pieced array needs a named 'sharding' with 'mesh'")
+  grid = [math.prod(sharding.sizes[a] for a in axes) for axes in sharding.dim_axes]
+  grid += [1] * (len(shape) - len(grid))
+  implied = tuple(n // g for n, g in zip(shape, grid))
+  _req(all(n % g == 0 for n, g in zip(shape, grid)) and chunks == implied and all(implied),
+       lambda: f"'pieces'.chunks must be the shard shape {list(implied)} its sharding implies "
+       f"(non-empty), found {list(chunks)}")
+  return Pieces(chunks, sharding.mesh)
 
 
 def _stored(s: Any, shape, dtype: str, version: int, bases=()) -> Stored:
@@ -543,7 +661,7 @@ def _blosc(b: Any) -> tuple[tuple[str, Any], ...] | None:
   return tuple(sorted(b.items()))
 
 
-def _sharding(s: Any, ndim: int) -> Sharding | None:
+def _sharding(s: Any, ndim: int, meshes: tuple[np.ndarray, ...] = ()) -> Sharding | None:
   if s is None:
     return None
   _req(isinstance(s, dict) and isinstance(s.get("type"), str), "'sharding' must be nil or a map")
@@ -554,7 +672,7 @@ def _sharding(s: Any, ndim: int) -> Sharding | None:
     _keys(s, "'sharding'", ("type", "devices"))
     return Sharding(_str(s["type"], "'sharding'.type", 128),
                     devices=_int(s["devices"], "'sharding'.devices", 1, 1 << 24))
-  _keys(s, "'sharding'", ("type", "axes", "sizes", "spec"))
+  _keys(s, "'sharding'", ("type", "axes", "sizes", "spec"), ("mesh",))
   axes = tuple(_str(a, "a mesh axis name", 128) for a in _list(s["axes"], "axes", MAX_DIMS))
   sizes = tuple(_int(n, "a mesh axis size", 1, 1 << 24) for n in _list(s["sizes"], "sizes", 64))
   _req(len(axes) == len(sizes) and len(set(axes)) == len(axes),
@@ -569,7 +687,14 @@ def _sharding(s: Any, ndim: int) -> Sharding | None:
     spec.append(e if not isinstance(e, list) else tuple(e))
   _req(all(n in axes for n in used) and len(set(used)) == len(used),
        "'sharding'.spec must name each mesh axis at most once")
-  return Sharding("named", axes, sizes, tuple(spec), math.prod(sizes))
+  mesh = None
+  if "mesh" in s:
+    mesh = _int(s["mesh"], "'sharding'.mesh", 0, max(len(meshes) - 1, 0))
+    _req(mesh < len(meshes), "'sharding'.mesh names no entry of 'meshes'")
+    _req(len(meshes[mesh]) == math.prod(sizes), lambda: f"'meshes'[{mesh}] has "
+         f"{len(meshes[mesh])} entries, but the sharding's mesh {list(sizes)} has "
+         f"{math.prod(sizes)} devices")
+  return Sharding("named", axes, sizes, tuple(spec), math.prod(sizes), mesh)
 
 
 def _generator_state(v: Any) -> dict:

@@ -115,6 +115,8 @@ def _storage_of(rec: _records.Leaf) -> str:
     return rec.stored.dir
   if rec.packed is not None:
     return f"pack {rec.packed.pack}"
+  if rec.pieces is not None:
+    return "pieces"
   return "inline"
 
 
@@ -492,7 +494,7 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
     rec = r.want.rec
     if rec.inline is not None:
       r.parts[None] = _convert(r.want, _leaves.inline_array(rec))
-    elif rec.stored is not None:
+    elif rec.stored is not None or rec.pieces is not None:
       stream.read_array(i)
   stream.finish()
   whole = [i for i, r in reads.items() if None in r.parts and r.sharding is not None]
@@ -570,6 +572,7 @@ class _Stream:
     self.batch: ts.Batch | None = None
     self.to_put: list = []
     self.put_bytes: list[int] = []
+    self.packs: dict[int, ts.TensorStore] = {}
 
   def read_array(self, i: int) -> None:
     """Queue every distinct slice this process's devices need of stored leaf ``i``."""
@@ -577,6 +580,8 @@ class _Stream:
     rec = r.want.rec
     if self.src.reader is not None:  # Orbax, safetensors
       read = self.src.reader.slice_reader(rec)
+    elif rec.pieces is not None:
+      read = pieces_reader(self.src, rec, self.packs)
     else:  # (a reused leaf's data is in the checkpoint its ``base`` names)
       kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
                                 self.src.location)
@@ -640,6 +645,22 @@ class _Stream:
     self.held -= sum(self.put_bytes)
     self.to_put.clear()
     self.put_bytes.clear()
+
+
+def pieces_reader(src: Source, rec: _records.Leaf, packs: dict[int, ts.TensorStore]) -> Any:
+  """A :class:`fnckpt._pieces_read.SliceReader` of pieced leaf ``rec``; opened packs are kept
+  in ``packs`` (opening does no I/O: the manifest says everything)."""
+  from . import _pieces_read
+
+  def open_pack(k: int) -> ts.TensorStore:
+    if k not in packs:
+      pack = src.manifest.packs[k]
+      packs[k] = _store.open_array(_store.pack_spec(
+          _refs.base_spec(src.kv_spec, src.manifest, pack.base, src.location), pack.dir,
+          pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read").result()
+    return packs[k]
+
+  return _pieces_read.SliceReader(src.manifest, rec, open_pack)
 
 
 def _ready(fut: Any) -> bool:
@@ -805,6 +826,8 @@ def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointErro
   if rec.packed is not None:
     base = src.manifest.packs[rec.packed.pack].base
     store = f"{location}/{src.manifest.packs[rec.packed.pack].dir}"
+  elif rec.pieces is not None:
+    store = f"{location}/{src.manifest.data}/p (pieces of {rec.where})"
   else:
     base = rec.stored.base if rec.stored is not None else None
     store = f"{location}/{rec.stored.dir}" if rec.stored is not None else location

@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import (_collective, _commit, _delta, _layout, _leaves, _manifest, _packing, _paths,
-               _perprocess, _refs, _store, _tree)
+               _perprocess, _pieces, _pieces_save, _refs, _store, _tree)
 from ._errors import CheckpointError
 from ._writer import Chunk, Commit, Writer
 
@@ -205,6 +205,8 @@ class _Plan:
   stored_c: dict[int, _refs.StoredCand] = dataclasses.field(default_factory=dict)
   packed_c: dict[int, _refs.PackCand] = dataclasses.field(default_factory=dict)
   maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
+  pieces: list[_pieces_save.PackPart] = dataclasses.field(default_factory=list)  # mine
+  meshes: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 def _holders(data: Any) -> str:
@@ -247,11 +249,12 @@ class _Base:
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
-          codecs: dict[str, Any], base: _Base | None = None) -> _Plan:
+          codecs: dict[str, Any], base: _Base | None = None, pieces: bool = False) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
-  queries)."""
+  queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces")."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
   me, nproc = jax.process_index(), jax.process_count()
+  pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if pieces else 0)
   for path, leaf in leaves:
     if isinstance(leaf, _perprocess.PerProcess):
       records.append({"path": [list(e) for e in path], "kind": "perprocess"})
@@ -279,6 +282,9 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     elif size <= pack_bytes and whole:
       candidates.append((len(records) - 1, data, _packing.PackItem(
           len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
+    elif (holders[-1] != "local" or nproc == 1) and pieced.consider(len(records) - 1, rec,
+                                                                    data):
+      continue
     else:
       arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, codecs))
       if holders[-1] == "local" and me != 0:
@@ -295,21 +301,26 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
   maybe = [c for c in candidates if c[0] in packed_c]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
   packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
-                                data_dir, nproc, me)
+                                data_dir, nproc, me, pieced.finish())
   mine = [p for p in packs if p["dir"] == f"{data_dir}/p/{me}"]
+  parts = pieced.parts(mine[0]["pieces"], me) if pieced.leaves and mine else []
   return _Plan(records, arrays, packed, packs, mine[0] if mine else None, data_dir, values,
                holders, stored_c, packed_c,
-               [(i, d) for i, d, _ in maybe if owners[i][0] == me])
+               [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts, pieced.meshes)
 
 
-def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int):
+def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int,
+                  regions: dict[int, int]):
   """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
-  (record index, data) this process packs."""
-  plan = _packing.assign([c[2] for c in candidates], nproc)
+  (record index, data) this process packs. ``regions``: each process's pieces bytes."""
+  plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions,
+                         chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
+                         _packing.PACK_CHUNK_BYTES)
   packs, index_of = [], {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
     index_of[p] = len(packs)
-    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "chunk": chunk, "inner": inner})
+    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "chunk": chunk, "inner": inner,
+                  **({"process": p, "pieces": plan.pieces[p]} if regions else {})})
   packed = []
   for i, data, _ in candidates:
     p, offset = plan.where[i]
@@ -367,8 +378,8 @@ def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
 
 
 def _to_copy(plan: _Plan) -> list[jax.Array]:
-  """The device data this process stages: its shards of stored arrays, its packed leaves and
-  (save(base=)) the packed leaves that may reuse the base's."""
+  """The device data this process stages: its shards of stored arrays, its packed leaves,
+  (save(base=)) the packed leaves that may reuse the base's, and its pieces."""
   shards = []
   for a in plan.arrays:
     if isinstance(a.data, jax.Array) and a.units:
@@ -377,6 +388,7 @@ def _to_copy(plan: _Plan) -> list[jax.Array]:
   for _, data in [*plan.packed, *plan.maybe_packed]:
     if isinstance(data, jax.Array):
       shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
+  shards += [part.shard for part in plan.pieces]
   return shards
 
 
@@ -403,7 +415,9 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       for the writes to drain (default: a quarter of available memory).
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
     pack_bytes: larger arrays up to this size that this process sees whole share one packed
-      array per process (fewer, larger files); 0 gives each its own zarr array.
+      array per process (fewer, larger files); 0 gives each its own zarr array. Device
+      shards of up to 8 MiB of sharded arrays also go into the packs, as *pieces* (README
+      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses or has a base.
     compression: compress the chunks of arrays stored on their own (not inline or packed):
       ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
       README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
@@ -470,7 +484,8 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
-                 based)
+                 based, pieces=pack_bytes > 0 and not (hashes or based is not None or
+                                                       codecs.get("zstd") or codecs.get("blosc")))
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -645,33 +660,39 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
   fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
-  todo = sorted((plan.records[i]["pack"]["offset"], i, data) for i, data in plan.packed)
-  staged: dict[int, _Staged] = {}
+  todo = sorted([_pieces_save.PackPart(plan.records[i]["pack"]["offset"], _nbytes(data), i,
+                                        functools.partial(_Staged.of, data))
+                  for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
+  staged: dict[int, _Staged] = {}  # by position in todo
+  first = 0                        # todo[:first] lie before the current chunk
 
-  def pieces(start: int, end: int) -> list[tuple[int, "_Staged", int, int, int]]:
+  def parts(start: int, end: int) -> list[tuple[int, "_Staged", int, int, int]]:
     out = []
-    for offset, i, data in todo:
-      if offset >= end or offset + _nbytes(data) <= start:
+    for k in range(first, len(todo)):
+      part = todo[k]
+      if part.offset >= end:
+        break
+      if part.offset + part.nbytes <= start:
         continue
       try:
-        leaf = staged[i] if i in staged else staged.setdefault(i, _Staged.of(data))
+        leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
       except BaseException as e:
-        raise _at(e, plan.records[i]["path"])
-      lo, hi = max(offset, start), min(offset + leaf.nbytes, end)
-      out.append((lo - start, leaf, lo - offset, hi - offset, i))
+        raise _at(e, plan.records[part.leaf]["path"])
+      lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
+      out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
     return out
 
   for start in range(0, pack["nbytes"], pack["chunk"]):
     end = min(start + pack["chunk"], pack["nbytes"])
     cost = CHUNK_COST * (end - start)
-    parts = _charge(budget, cost, writer, lambda: pieces(start, end))
-    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, parts, writer.delta.hash_piece),
+    got = _charge(budget, cost, writer, lambda: parts(start, end))
+    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, got, writer.delta.hash_piece),
                      cost))
-    del parts  # (while staging the next chunk) the writer frees them once assembled
+    del got  # (while staging the next chunk) the writer frees them once assembled
     _count(handle, budget, end - start)
-    for offset, i, _ in todo:  # a leaf that ends in this chunk is not needed any more
-      if i in staged and offset + staged[i].nbytes <= end:
-        del staged[i]
+    while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
+      staged.pop(first, None)  # a part that ends in this chunk is not needed any more
+      first += 1
 
 
 def _nbytes(data: Any) -> int:
@@ -822,7 +843,8 @@ def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, An
           "versions": {"fnckpt": __version__, "jax": jax.__version__,
                        "tensorstore": ts_version},
           "metadata": metadata, "data": plan.data_dir, "packs": packs,
-          "leaves": records, **({"bases": bases} if bases else {})}
+          "leaves": records, **({"bases": bases} if bases else {}),
+          **({"meshes": plan.meshes} if plan.meshes else {})}
 
 
 def _is_ours(key: str) -> bool:

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -89,6 +89,7 @@ class _Reader:
 
   def __init__(self, src: _restore.Source):
     self.src, self.packs, self.stored = src, {}, (None, None)
+    self.pieced: tuple[int | None, Any] = (None, None)
 
   def start(self, leaf: _records.Leaf, index: Index) -> ts.Future | np.ndarray:
     if leaf.inline is not None:
@@ -99,6 +100,10 @@ class _Reader:
         first = leaf.packed.offset + _first(index, leaf.shape) * size
         count = math.prod(b - a for a, b in index) * size
         return _store.read_slice(self._pack(leaf.packed.pack), ((first, first + count),))
+      if leaf.pieces is not None:
+        if self.pieced[0] != leaf.index:
+          self.pieced = (leaf.index, _restore.pieces_reader(self.src, leaf, self.packs))
+        return self.pieced[1](index)
       if self.stored[0] != leaf.index:  # (a reused leaf: in the checkpoint its base names)
         self.stored = (leaf.index, _store.open_array(_store.zarr_spec(
             self._spec_of(leaf.stored.base), dataclasses.asdict(leaf.stored), leaf.dtype,
@@ -146,7 +151,8 @@ def pieces(src: _restore.Source, leaves: Sequence[_records.Leaf], window: Window
   for leaf in leaves:
     size = _records.itemsize(leaf.dtype)
     wider = max(0, (out_itemsize(leaf) if out_itemsize else size) - size)
-    align = leaf.stored.inner if leaf.stored is not None else None
+    align = (leaf.stored.inner if leaf.stored is not None else
+             leaf.pieces.chunks if leaf.pieces is not None else None)
     limit = max(window.limit // 8, _aligned_row(leaf, size, window.limit // 2))
     limit = limit * 2 * size // (2 * size + wider)  # (the cast's bytes fit in the same charge)
     for index in blocks(leaf.shape, size, limit, align):

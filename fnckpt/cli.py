@@ -362,6 +362,8 @@ def _value_text(rec: _records.Leaf) -> str:
       return f"inline {_compact(text, -60)}"
     if rec.packed is not None:
       return f"pack {rec.packed.pack} bytes {rec.packed.offset}+{rec.packed.nbytes}"
+    if rec.pieces is not None:
+      return f"pieces {_shape(rec.pieces.chunks)} in the packs (mesh {rec.pieces.mesh})"
     store = rec.stored
     blosc = dict(store.blosc or ())
     return f"{store.dir}/ chunks {_shape(store.chunks)}" + (
@@ -410,8 +412,11 @@ def _inspect(args: argparse.Namespace) -> int:
   arrays = sum(1 for r in manifest.leaves if r.is_array)
   stored = sum(1 for r in manifest.leaves if r.stored is not None)
   packed = sum(1 for r in manifest.leaves if r.packed is not None)
+  pieced = sum(1 for r in manifest.leaves if r.pieces is not None)
   print(f"{len(manifest.leaves)} leaves ({arrays} arrays: {stored} stored in their own "
-        f"arrays, {packed} in {len(manifest.packs)} pack(s)), {_human(total)} of array data")
+        f"arrays, {packed} in {len(manifest.packs)} pack(s)"
+        + (f", {pieced} as pieces in the packs" if pieced else "")
+        + f"), {_human(total)} of array data")
   reused = [r for r in manifest.leaves if _reused(src, r) is not None]
   if reused or manifest.bases:
     print(f"written by this save: {_human(total - sum(map(_nbytes, reused)))} in "
@@ -490,6 +495,9 @@ def _units(src: _restore.Source) -> list[_Unit]:
                          rec.shape, rec.stored.inner, _leaves.dtype_of(rec.dtype).itemsize))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
+    if pack.process is not None and manifest.layout is not None and int(
+        manifest.layout.region[pack.process]):
+      names.append(f"pieces of process {pack.process}")
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
     units.append(_Unit(label, _where(src, pack.base, pack.dir), _spec_or_error(src, k),
                        (pack.nbytes,), (pack.inner,), 1))
@@ -674,8 +682,11 @@ def _desc(rec: _records.Leaf) -> str:
 
 
 def _chunks_of_array(src: _restore.Source, rec: _records.Leaf) -> Any:
-  """A function region -> np.ndarray for an array leaf (inline, packed or stored)."""
+  """A function region -> np.ndarray for an array leaf (inline, packed, pieced or stored)."""
   dtype = _leaves.dtype_of(rec.dtype)
+  if rec.pieces is not None:
+    read = _restore.pieces_reader(src, rec, {})
+    return lambda region: read(region).result()
   if rec.stored is None:
     if rec.inline is not None:
       raw = rec.inline

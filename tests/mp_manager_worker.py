@@ -212,7 +212,10 @@ def mode_damage(cfg):
   step_dir = os.path.join(cfg["root"], "2")
   if me == cfg["damager"]:
     if cfg["how"] == "chunk":  # w is (8, 16) over x = processes: rows 4-7 are process 1's
-      chunks = sorted(glob.glob(os.path.join(step_dir, "data-*", "a", "*", "c", str(me), "*")))
+      # (its shards are pieces: in process 1's pack, which holds nothing else; with pieces off,
+      # the chunks of w's zarr array)
+      chunks = sorted(glob.glob(os.path.join(step_dir, "data-*", "a", "*", "c", str(me), "*"))
+                      + glob.glob(os.path.join(step_dir, "data-*", "p", str(me), "c", "*")))
       assert chunks, os.listdir(step_dir)
       for path in chunks:
         with open(path, "r+b") as f:

@@ -79,6 +79,9 @@ def setup(cfg: dict[str, Any]) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
   jax.config.update("jax_num_cpu_devices", int(cfg.get("devices", 1)))
+  if "piece_bytes" in cfg:  # 0: every sharded array a zarr array of its own (no pieces)
+    from fnckpt import _pieces
+    _pieces.PIECE_BYTES = int(cfg["piece_bytes"])
   n = int(cfg.get("num_processes", 1))
   if n > 1:
     # gloo is jax 0.10's default CPU collectives implementation; set it explicitly so the job

@@ -297,7 +297,8 @@ def test_commit_marker_is_written_last_and_nothing_else(backend, phase):
     at_marker.set()
     assert release.wait(60)
   phase(url, "committing", hold)
-  # Both storage forms: params/w (128 KiB) in its own zarr array, params/emb and opt/mu packed.
+  # Both pack forms: params/w (128 KiB in shards of 16 KiB) as pieces, params/emb and opt/mu
+  # packed whole.
   handle = backend.save(train_state(7), url, pack_bytes=64 << 10)
   try:
     assert at_marker.wait(60)
@@ -320,9 +321,10 @@ def test_commit_marker_is_written_last_and_nothing_else(backend, phase):
   packs = {p.dir for p in manifest.packs}
   assert arrays == {f"{manifest.data}/a/{r.index}" for r in manifest.leaves
                     if r.stored is not None}
-  assert len(arrays) == 1 and packs == {f"{manifest.data}/p/0"}  # params/w; process 0's pack
+  assert not arrays and packs == {f"{manifest.data}/p/0"}  # process 0's pack only
   assert {r.where for r in manifest.leaves if r.packed is not None} == {
       "['opt']['mu']", "['params']['emb']"}
+  assert {r.where for r in manifest.leaves if r.pieces is not None} == {"['params']['w']"}
   dirs = arrays | packs
   for key in keys:
     if key in ("COMMIT", "manifest.msgpack"):

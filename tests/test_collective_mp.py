@@ -31,14 +31,14 @@ NOTHING_COMMITTED = "Nothing was committed; earlier checkpoints are intact."
 GROUP_KILL_S = 400  # a hang shows as BarrierTimeoutError at 120 s first
 
 
-def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2):
+def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2, **more):
   """Run ``attempts`` on 2 processes of 2 devices (or 4 of 1: the same 2x2 mesh); per
-  process, its list of outcomes."""
+  process, its list of outcomes. ``more``: more worker settings (``piece_bytes``)."""
   for a in attempts:
     a["path"] = str(tmp_path / a["path"])
   results = hp.run_group({"mode": "attempts", "devices": 4 // processes, "mesh": MESH,
-                          "leaves": leaves, "attempts": attempts, "barrier_s": barrier_s},
-                         processes, timeout=GROUP_KILL_S)
+                          "leaves": leaves, "attempts": attempts, "barrier_s": barrier_s,
+                          **more}, processes, timeout=GROUP_KILL_S)
   for r in results:
     assert r.returncode == 0 and not r.timed_out and r.result, r.describe()
   return [r.result["outcomes"] for r in results]
@@ -222,7 +222,7 @@ def test_replicated_medium_arrays_are_packed_once_balanced_and_restore(tmp_path)
   processes (other shardings) and on 1, bitwise."""
   p0, p1 = run(tmp_path, [{"path": "ckpt", "restore": True, "target": {
       "r0": ["x"], "r2": [None, ["x", "y"]], "r6": ["y", "x"], "big": ["x"], "sh": [None, "y"]}}],
-      leaves=PACK_LEAVES)
+      leaves=PACK_LEAVES, piece_bytes=0)  # (big and sh in arrays of their own, not pieces)
   assert "ok" in p0[0] and "ok" in p1[0], (p0, p1)
   path = str(tmp_path / "ckpt")
   m = manifest(path)

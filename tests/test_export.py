@@ -70,9 +70,10 @@ def saved(tmp_path_factory):
   host = host_state()
   path = str(tmp_path_factory.mktemp("export") / "ckpt")
   fnckpt.save(device_state(host), path).wait()
-  kinds = {r.where: ("stored" if r.stored else "packed" if r.packed else "inline")
+  kinds = {r.where: ("stored" if r.stored else "packed" if r.packed else
+                     "pieces" if r.pieces else "inline")
            for r in fnckpt.metadata(path).leaves if r.is_array}
-  assert kinds["['params']['dense']['kernel']"] == "stored"
+  assert kinds["['params']['dense']['kernel']"] == "pieces"  # (its 8 shards in the pack)
   assert kinds["['params']['emb']"] == "packed"
   assert kinds["['params']['dense']['bias']"] == "inline"
   return path, host
@@ -349,14 +350,25 @@ def test_output_is_atomic_and_overwrite_is_explicit(saved, tmp_path):
     fnckpt.export_safetensors(path, "s3://bucket/x.safetensors")
 
 
+def _records_of(path):
+  from fnckpt import _restore
+  return _restore.open_source(path).manifest
+
+
 def test_damaged_checkpoint_leaves_no_output(saved, tmp_path):
   import shutil
   path, _ = saved
   copy = tmp_path / "ckpt"
   shutil.copytree(path, copy)
-  chunk = sorted(p for p in copy.glob("data-*/a/*/c/*/*") if p.is_file())[3]
+  # the kernel is pieces: flip a byte of its first piece (its writer's pack's pieces region,
+  # inner chunks in order in the pack's chunk file, each followed by its crc32c)
+  m = _records_of(str(copy))
+  pack = next(p for p in m.packs if p.process == 0)
+  at = pack.pieces + 5
+  chunk = copy / m.data / "p" / "0" / "c" / str(at // pack.chunk)
   data = bytearray(chunk.read_bytes())
-  data[5] ^= 1
+  q = at % pack.chunk
+  data[q // pack.inner * (pack.inner + 4) + q % pack.inner] ^= 1
   chunk.write_bytes(bytes(data))
   out = tmp_path / "out"
   with pytest.raises(fnckpt.CheckpointError,

@@ -27,7 +27,8 @@ LEAVES = {
     "s": {"shape": [4], "spec": "replicated"},                       # inline in the manifest
 }
 # What the save writes (README "Format (version 2)"): "a" is over pack_bytes (4 MiB), so it
-# is a zarr array in chunks of its shard shape: 8 on the 2x4 mesh. "b" and "n" are over
+# is a zarr array in chunks of its shard shape: 8 on the 2x4 mesh (its 1 MiB shards would be
+# pieces; these saves turn pieces off, "piece_bytes": 0, so that kills land between chunks). "b" and "n" are over
 # inline_bytes, at most pack_bytes and seen whole, so they share this process's pack; it is
 # smaller than one inner chunk (1 MiB), so its inner chunk and its chunk are the pack: 1.
 LAYOUT = {"a": "stored", "b": "packed", "n": "packed", "s": "inline"}
@@ -91,7 +92,7 @@ def save_config(tmp_path, phase, action="kill", overwrite=False, same_path=False
   prev, new = str(tmp_path / "1"), str(tmp_path / "2")  # steps 1 and 2 for the manager
   return prev, (prev if same_path else new), {
       "mode": "save", "devices": 8, "mesh": MESH, "leaves": LEAVES, "prev": prev,
-      "path": prev if same_path else new, "overwrite": overwrite,
+      "path": prev if same_path else new, "overwrite": overwrite, "piece_bytes": 0,
       "fault": {"phase": phase, "action": action}}
 
 

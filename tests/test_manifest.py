@@ -363,7 +363,7 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
      r"the record of \['a'\] is invalid: dtype 'object' is not one fnckpt stores"),
     (_packed(_manifest_dict([_array("a", inline=b"\0" * 16, pack={"index": 0, "offset": 0})],
                             _ONE_PACK)),
-     r"the record of \['a'\] is invalid: exactly one of 'inline', 'store', 'pack' must be "
+     r"the record of \['a'\] is invalid: exactly one of 'inline', 'store', 'pack', 'pieces' must be "
      r"present"),
     (_packed(_manifest_dict([_array("a", pack={"index": 0, "offset": 17})], _ONE_PACK)),
      r"the record of \['a'\] is invalid: 'pack' bytes \[17, 33\) lie outside pack 0 \(32 "

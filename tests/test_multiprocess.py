@@ -42,12 +42,13 @@ def nbytes(leaf):
 
 
 CHUNKED_BYTES = sum(nbytes(l) for k, l in LEAVES.items() if k != "d")
-# Format 2, 2 processes x 4 devices. Zarr arrays: a: 8 shards; b: 4 shards (each held by 2
-# devices, 1 writer); c: 16 MiB replicated (>= 16 MiB) split into pieces of at least 8 MiB: 2;
-# f: 2 shards (each held by 4 devices). Packs: e (numpy, 39 KiB, > 16 KiB and <= 4 MiB) goes
-# into process 0's pack, one chunk; b and f are neither replicated, fully addressable nor numpy
-# (so not packed); d is inline.
-N_CHUNKS = 8 + 4 + 2 + 2 + 1
+# Format 2, 2 processes x 4 devices. Pieces (README "Pieces"; shards of at most 8 MiB of
+# sharded arrays): a: 8 shards; b: 4 shards (each held by 2 devices, 1 writer); f: 2 shards
+# (each held by 4 devices): each process puts the ones it writes into its pack. Zarr arrays:
+# c: 16 MiB replicated (its shard is over 8 MiB) split into 2 pieces of 8 MiB. Packs: e (numpy,
+# 39 KiB, > 16 KiB and <= 4 MiB) goes into process 0's pack; each pack is one chunk. d is
+# inline.
+N_CHUNKS = 2 + 2
 
 
 def chunk_files(path):
@@ -144,6 +145,7 @@ def _kill_config(tmp_path, victim, phase, barrier_s, heartbeat_s):
           "leaves": {"a": LEAVES["a"], "c": LEAVES["c"], "e": LEAVES["e"]},
           "prev": str(tmp_path / "prev"), "path": str(tmp_path / "new"),
           "barrier_s": barrier_s, "heartbeat_s": heartbeat_s, "shutdown_timeout_s": 3,
+          "piece_bytes": 0,  # a's shards in zarr chunks: the kill lands between chunk writes
           "fault": {"process": victim, "phase": phase, "action": "kill"}}
 
 
@@ -191,3 +193,28 @@ def test_coordinator_killed_before_commit_survivor_fails_fast(tmp_path):
     assert "JAX distributed service" in r1.stderr or "coordination service" in r1.stderr, \
         r1.describe()
   _check_prev_intact_and_new_not_committed(tmp_path)
+
+
+def test_2_processes_save_pieces_then_2_restore_onto_another_mesh(tmp_path):
+  """Pieces across processes: a, b and f are pieces; each process writes the chunks the
+  layout gives it into its own pack (b's replicas spread over both). Restores onto a (4, 2)
+  mesh with other PartitionSpecs on 2 processes, then on 1 (this process) and verify."""
+  path = str(tmp_path / "ckpt")
+  ok(hp.run_group({"mode": "save", "devices": 4, "mesh": [[2, 4], ["x", "y"]],
+                   "leaves": LEAVES, "path": path}, 2, timeout=180))
+  m = fnckpt.metadata(path)
+  pieced = {r.where for r in m.leaves if r.pieces is not None}
+  assert pieced == {"['a']", "['b']", "['f']"}
+  from fnckpt import _restore
+  manifest = _restore.open_source(path).manifest
+  assert sorted(p.process for p in manifest.packs) == [0, 1]
+  assert manifest.layout.region.tolist()[0] > 0 and manifest.layout.region.tolist()[1] > 0
+  assert [len(x) for x in manifest.meshes] == [8]
+  restored = ok(hp.run_group({
+      "mode": "restore", "devices": 4, "mesh": [[4, 2], ["x", "y"]], "leaves": LEAVES,
+      "path": path, "target": {"a": ["y", "x"], "b": ["x"], "f": [["x", "y"]]}}, 2,
+      timeout=180))
+  assert [r["checked_shards"] for r in restored] == [4 * 5 + 1] * 2
+  check_in_parent(path)
+  from fnckpt.cli import main
+  assert main(["verify", "-q", path]) == 0

@@ -96,7 +96,12 @@ def _leaf(m, key):
 @pytest.mark.parametrize("change, message", [
     (lambda m: _leaf(m, "a")["shape"].__setitem__(0, 2 ** 45),
      r"record of \['a'\] is invalid: a chunk is larger|record of \['a'\] is invalid"),
-    (lambda m: _leaf(m, "a")["store"].__setitem__("dir", "../other/d/0"),
+    (lambda m: _leaf(m, "a").__setitem__("store", {"dir": "../other/d/0", "chunks": [512, 512],
+                                                   "inner": [512, 512], "zstd": None}),
+     r"record of \['a'\] is invalid: exactly one of 'inline', 'store', 'pack', 'pieces'"),
+    (lambda m: [_leaf(m, "a").pop("pieces"), _leaf(m, "a")["sharding"].pop("mesh"),
+                _leaf(m, "a").__setitem__("store", {"dir": "../other/d/0", "chunks": [512, 512],
+                                                    "inner": [512, 512], "zstd": None})],
      r"record of \['a'\] is invalid: 'store'.dir must be a relative path of plain names"),
     (lambda m: _leaf(m, "g")["value"].__setitem__("bit_generator", "seed"),
      r"record of \['g'\] is invalid: a Generator state needs 'bit_generator' in"),

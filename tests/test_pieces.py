@@ -1,0 +1,336 @@
+"""Pieces (README "Pieces"): small device shards of sharded arrays stored as byte ranges of
+the per-process packs, placed by a pure function of the sharding (no offsets recorded).
+
+On 8 virtual devices: several shardings (fully sharded, replicated over some axes, replicated
+over all), bf16 and a dtype stored as bits; restores onto the same mesh (exactly the bytes
+needed are read), another mesh (at most 1.1x), host targets, partial targets and a budget
+smaller than a chunk; a flipped byte is caught by the pack's crc32c; hostile manifests are
+refused naming the field; the layout agrees with the write plan's rule for every process of
+simulated meshes.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fnckpt
+from fnckpt import _layout, _manifest, _pieces, _pieces_read
+from fnckpt._errors import DamagedError
+
+MiB = 1 << 20
+
+
+def _mesh(shape=(2, 4), axes=("x", "y")):
+  return jax.make_mesh(shape, axes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pieces_up_to_8_mib():
+  """These tests use shards of up to 6 MiB as pieces (the default is 1 MiB: see
+  test_default_threshold_is_a_pack_inner_chunk), so that they stay small and fast."""
+  saved, _pieces.PIECE_BYTES = _pieces.PIECE_BYTES, 8 << 20
+  yield
+  _pieces.PIECE_BYTES = saved
+
+
+def test_default_threshold_is_a_pack_inner_chunk(tmp_path, monkeypatch):
+  """By default a device shard of at most 1 MiB is a piece, a larger one its own zarr array
+  (whose inner chunks serve resharded reads)."""
+  from fnckpt import _packing
+  monkeypatch.setattr(_pieces, "PIECE_BYTES", 1 << 20)
+  assert _pieces.PIECE_BYTES == _packing.PACK_INNER_BYTES
+  mesh = _mesh()
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  t = {"one": put(np.ones((2048, 1024), np.float32), P("x", "y")),      # 1 MiB shards
+       "more": put(np.ones((2048, 1056), np.float32), P("x", "y"))}  # 1.03 MiB shards
+  fnckpt.save(t, tmp_path / "c").wait()
+  m = manifest(str(tmp_path / "c"))
+  assert "pieces" in rec(m, "one") and "store" in rec(m, "more")
+  got = fnckpt.restore(str(tmp_path / "c"))
+  assert all(np.array_equal(got[k], np.asarray(t[k])) for k in t)
+
+
+def state():
+  """Arrays larger than a pack leaf (4 MiB) whose device shards are small."""
+  mesh = _mesh()
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  rng = np.random.default_rng(0)
+  return {
+      "fsdp_tp": put(rng.standard_normal((1024, 2048), np.float32), P("x", "y")),
+      "tp": put(rng.integers(-9, 9, (2048, 1024), np.int32), P("y")),      # 2 replicas
+      "mu": put(rng.standard_normal((960, 4000)).astype(jnp.bfloat16), P(None, "x")),  # 4
+      "rep": put(rng.standard_normal((1536, 1024), np.float32), P()),    # 8 replicas
+      "f8": put(rng.standard_normal((4096, 2048)).astype(jnp.float8_e4m3), P("x", "y")),
+      "i4": put(rng.integers(-8, 8, (2048, 4096)).astype(jnp.int4), P("y", "x")),
+      "small": put(np.arange(64, dtype=np.float32), P("x")),              # inline
+  }
+
+
+def nb(v):
+  """Host bytes of an array (int4: one byte per element, as stored)."""
+  return _layout.nbytes(v.shape, np.dtype(v.dtype).itemsize)
+
+
+def manifest(path):
+  with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
+    return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+
+
+def rec(m, key):
+  return next(r for r in m["leaves"] if r["path"][-1][1] == key)
+
+
+def files(path):
+  return sorted(os.path.relpath(os.path.join(root, f), path)
+                for root, _, fs in os.walk(path) for f in fs)
+
+
+def same(got, want):
+  assert np.asarray(got).dtype == np.asarray(want).dtype
+  assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("pieces") / "c")
+  t = state()
+  fnckpt.save(t, path).wait()
+  return path, t
+
+
+def test_small_shards_are_pieces_in_one_pack(saved):
+  path, t = saved
+  m = manifest(path)
+  for key in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"):
+    r = rec(m, key)
+    assert "store" not in r and "pack" not in r, key
+    assert r["pieces"] == {"chunks": list(t[key].sharding.shard_shape(t[key].shape))}, key
+    assert r["sharding"]["mesh"] == 0
+  assert "inline" in rec(m, "small")
+  assert m["meshes"] == [[0] * 8]
+  assert [(p["process"], p["pieces"]) for p in m["packs"]] == [(0, 0)]
+  region = sum(nb(t[k]) for k in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"))
+  assert m["packs"][0]["nbytes"] >= region
+  data = [f for f in files(path) if f.startswith("data-")]
+  assert all("/p/0/" in f for f in data), data  # no zarr array of its own for any leaf
+  assert len(data) <= 2 + region // (_pieces.PACK_CHUNK_BYTES)
+
+
+def test_restore_host_same_mesh_reads_exactly_what_is_needed(saved):
+  path, t = saved
+  before = _pieces_read.stats.bytes_read
+  got = fnckpt.restore(path)
+  assert _pieces_read.stats.bytes_read - before == sum(nb(t[k]) for k in t if k != "small")
+  for k in t:
+    same(got[k], t[k])
+  before = _pieces_read.stats.bytes_read
+  got = fnckpt.restore(path, {k: v.sharding for k, v in t.items()})
+  needed = sum(_needed(v.sharding, v.shape, v.dtype.itemsize) for k, v in t.items()
+               if k != "small")
+  assert _pieces_read.stats.bytes_read - before == needed
+  for k in t:
+    assert got[k].sharding == t[k].sharding
+    same(got[k], t[k])
+
+
+def _needed(sharding, shape, itemsize):
+  return sum(_layout.nbytes([b - a for a, b in index], itemsize)
+             for index in _layout.plan_read(sharding, shape))
+
+
+def _row_spans(sharding, shape, itemsize, chunk):
+  """Bytes of the chunk rows each distinct slice intersects (the most a reader may ask)."""
+  total = 0
+  row = int(np.prod(chunk[1:])) * itemsize
+  for index in _layout.plan_read(sharding, shape):
+    counts = [len(range(a // c, -(-b // c))) for (a, b), c in zip(index[1:], chunk[1:])]
+    total += (index[0][1] - index[0][0]) * row * int(np.prod(counts))
+  return total
+
+
+@pytest.mark.parametrize("spec, rows_only", [(P("q", "p"), False), (P("p"), True),
+                                             (P(None, "q"), False), (P(("p", "q")), True)])
+def test_restore_onto_another_mesh_reads_only_the_rows_it_needs(saved, spec, rows_only):
+  """A cut along the first dimension reads exactly the bytes needed; a cut along a later one
+  at most the chunk rows it intersects (a pack is read in whole 1 MiB inner chunks anyway)."""
+  path, t = saved
+  mesh = _mesh((4, 2), ("p", "q"))
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, spec))
+            for k, v in t.items() if k != "small"}
+  before = _pieces_read.stats.bytes_read
+  got = fnckpt.restore(path, target, partial=True)
+  needed = sum(_needed(v.sharding, v.shape, v.dtype.itemsize) for v in target.values())
+  read = _pieces_read.stats.bytes_read - before
+  if rows_only:
+    assert read == needed
+  else:
+    spans = sum(_row_spans(v.sharding, v.shape, v.dtype.itemsize,
+                           t[k].sharding.shard_shape(v.shape)) for k, v in target.items())
+    assert needed < read <= spans, (read, needed, spans)
+  for k in target:
+    assert got[k].sharding == target[k].sharding
+    same(got[k], t[k])
+
+
+def test_large_runs_are_read_alone(tmp_path):
+  """A column cut of chunks whose rows are 4 MiB: each needed run (2 MiB, over a pack's
+  inner chunk) is its own byte range, so exactly the bytes needed are read."""
+  v = jax.device_put(np.arange(8 * 2 ** 20, dtype=np.float32).reshape(8, 2 ** 20),
+                     NamedSharding(_mesh((8,), ("z",)), P("z")))   # 8 chunks of one row
+  path = str(tmp_path / "c")
+  fnckpt.save({"v": v}, path).wait()
+  sharding = NamedSharding(_mesh((4, 2), ("p", "q")), P(None, "q"))
+  target = {"v": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)}
+  before = _pieces_read.stats.bytes_read
+  got = fnckpt.restore(path, target)
+  assert _pieces_read.stats.bytes_read - before == _needed(sharding, v.shape, 4)
+  same(got["v"], v)
+
+
+def test_partial_restore_and_a_budget_smaller_than_a_chunk(saved):
+  path, t = saved
+  got = fnckpt.restore(path, {"mu": np.zeros((960, 4000), jnp.bfloat16)}, partial=True)
+  same(got["mu"], t["mu"])
+  sharding = NamedSharding(_mesh((8,), ("z",)), P(None, "z"))
+  got = fnckpt.restore(path, {"fsdp_tp": sharding, "f8": sharding}, partial=True,
+                       budget_bytes=4096)
+  same(got["fsdp_tp"], t["fsdp_tp"])
+  same(got["f8"], t["f8"])
+
+
+def test_a_flipped_byte_in_a_piece_is_caught(tmp_path):
+  path = str(tmp_path / "c")
+  t = state()
+  fnckpt.save({"fsdp_tp": t["fsdp_tp"]}, path).wait()
+  [chunk] = [os.path.join(path, f) for f in files(path) if "/p/0/c/" in f]
+  with open(chunk, "r+b") as f:
+    f.seek(3 * MiB + 12345)
+    b = f.read(1)
+    f.seek(3 * MiB + 12345)
+    f.write(bytes([b[0] ^ 0x40]))
+  with pytest.raises(DamagedError, match=r"crc32c|corrupt"):
+    fnckpt.restore(path)
+  from fnckpt.cli import main
+  assert main(["verify", "-q", path]) == 1
+
+
+def test_cli_inspect_and_verify_show_pieces(saved, capsys):
+  from fnckpt.cli import main
+  path, _ = saved
+  assert main(["inspect", path]) == 0
+  out = capsys.readouterr().out
+  assert "pieces (512, 512) in the packs (mesh 0)" in out
+  assert "6 as pieces in the packs" in out
+  assert main(["verify", path]) == 0
+  assert "OK" in capsys.readouterr().out
+  meta = fnckpt.metadata(path).tree
+  assert meta["tp"].stored == "pieces" and meta["tp"].shape == (2048, 1024)
+
+
+def test_no_pieces_with_compression_or_hashes_and_a_pieced_base_works(tmp_path):
+  t = {k: v for k, v in state().items() if k in ("fsdp_tp", "tp")}
+  fnckpt.save(t, str(tmp_path / "z"), compression="blosc").wait()
+  assert all("store" in r for r in manifest(str(tmp_path / "z"))["leaves"])
+  fnckpt.save(t, str(tmp_path / "a")).wait()
+  assert all("pieces" in r for r in manifest(str(tmp_path / "a"))["leaves"])
+  t2 = {**t, "tp": t["tp"] + 1}
+  fnckpt.save(t2, str(tmp_path / "b"), base=str(tmp_path / "a")).wait()
+  m = manifest(str(tmp_path / "b"))
+  assert all("store" in r and "hash" in r for r in m["leaves"]) and "meshes" not in m
+  got = fnckpt.restore(str(tmp_path / "b"))
+  same(got["fsdp_tp"], t["fsdp_tp"])
+  same(got["tp"], t2["tp"])
+
+
+def test_diff_and_export_read_pieces(saved, tmp_path):
+  from fnckpt.cli import main
+  path, t = saved
+  assert main(["diff", "--values", path, path]) == 0
+  other = str(tmp_path / "o")
+  fnckpt.save({**t, "tp": t["tp"] * 2}, other).wait()
+  assert main(["diff", "--values", path, other]) == 1
+
+
+@pytest.mark.parametrize("mesh, procs, spec", [
+    ((8, 4), 4, ((0,), (1,))),
+    ((8, 4), 4, ((1,),)),
+    ((8, 4), 8, ((), (0,))),
+    ((2, 4, 4), 4, ((2, 0),)),
+    ((4, 4), 2, ()),
+])
+def test_layout_agrees_with_the_write_rule_on_every_process(mesh, procs, spec):
+  shape = (64, 32)
+  per = int(np.prod(mesh)) // procs
+  proc_map = np.arange(np.prod(mesh)) // per
+  dim_axes = tuple(spec) + ((),) * (2 - len(spec))
+  info = _layout.ShardingInfo(mesh, dim_axes)
+  shard = _layout.shard_shape_of(info, shape)
+  leaves = [_pieces.PieceLeaf(i, 0, mesh, dim_axes, _pieces.shift_of(i, mesh, dim_axes),
+                              shard, int(np.prod(shard)) * 4) for i in (0, 5, 17)]
+  lay = _pieces.build([proc_map], leaves, procs)
+  for p in range(procs):
+    ids = range(p * per, (p + 1) * per)
+    coords = tuple(zip(*(c.tolist() for c in np.unravel_index(list(ids), mesh))))
+    local = _layout.ShardingInfo(mesh, dim_axes, tuple(ids), coords)
+    layout = _layout.WriteLayout(shape, shard, _layout.local_shards(local, shape))
+    for leaf in leaves:
+      units = _layout.local_writes(layout, salt=leaf.index)
+      numbers = sorted(_layout._cell_number(u.index, shard, shape) for u in units)
+      assert numbers == lay.mine(leaf.index, p)[0].tolist()
+  total = sum(int(np.prod(shape)) * 4 for _ in leaves)
+  assert int(lay.region.sum()) == total
+
+
+def _rewrite(path, change):
+  m = manifest(path)
+  change(m)
+  data = _manifest.encode(m)
+  with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
+    f.write(data)
+  with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
+    f.write(_manifest.encode_commit(data, 0.0))
+
+
+def _set(getter, key, value):
+  return lambda m: getter(m).__setitem__(key, value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m["meshes"][0].__setitem__(3, 1),
+     r"'meshes'\[0\] must list process indices in \[0, 1\)"),
+    (lambda m: m["meshes"].__setitem__(0, [0] * 4),
+     r"record of \['fsdp_tp'\] is invalid: 'meshes'\[0\] has 4 entries, but the sharding's mesh "
+     r"\[2, 4\] has 8"),
+    (_set(lambda m: rec(m, "tp")["sharding"], "mesh", 1),
+     r"record of \['tp'\] is invalid: 'sharding'.mesh must be an integer in \[0, 0\], "
+     r"found 1"),
+    (_set(lambda m: rec(m, "tp")["pieces"], "chunks", [1024, 1024]),
+     r"record of \['tp'\] is invalid: 'pieces'.chunks must be the shard shape \[512, 1024\]"),
+    (_set(lambda m: rec(m, "tp")["pieces"], "offsets", [0]),
+     r"record of \['tp'\] is invalid: 'pieces' has an unknown field 'offsets'"),
+    (lambda m: rec(m, "tp")["sharding"].pop("mesh"),
+     r"record of \['tp'\] is invalid: a pieced array needs a named 'sharding' with 'mesh'"),
+    (lambda m: [m["packs"][0].pop(k) for k in ("process", "pieces")],
+     r"record of \['fsdp_tp'\] is invalid: 'pieces' are written by process 0, which has no "
+     r"pack with 'process': 0"),
+    (_set(lambda m: m["packs"][0], "pieces", 4096),
+     r"record of \['fsdp_tp'\] is invalid: process 0's pieces region \(\d+ bytes from "
+     r"'packs'\[0\].pieces = 4096\) lies outside its pack"),
+    (_set(lambda m: m["packs"][0], "process", 3),
+     r"'packs'\[0\].process must be an integer in \[0, 0\]"),
+    (lambda m: m["packs"][0].pop("pieces"),
+     r"'packs'\[0\] needs both 'process' and 'pieces' or neither"),
+])
+def test_hostile_pieces_manifests_are_refused_naming_the_field(tmp_path, change, message):
+  path = str(tmp_path / "c")
+  t = state()
+  fnckpt.save({k: t[k] for k in ("fsdp_tp", "tp")}, path).wait()
+  _rewrite(path, change)
+  for call in (fnckpt.metadata, fnckpt.restore):
+    with pytest.raises(fnckpt.CheckpointError, match=message):
+      call(path)
