@@ -175,7 +175,7 @@ class Layout:
     return self._mine[key], start
 
 
-_last: list = [None, None]  # the key and layout of the latest build (a training loop's saves)
+_last: list = [None]  # (key, layout) of the latest build (a training loop's saves)
 
 
 def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
@@ -190,9 +190,12 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
   [32, 32]
   """
   key = (tuple(leaves), tuple(m.tobytes() for m in meshes), processes)
-  if _last[0] != key:
-    _last[:] = [key, _build(meshes, leaves, processes)]
-  return _last[1]
+  last = _last[0]  # one tuple, read and replaced whole: concurrent saves and restores on other
+  if last is not None and last[0] == key:  # threads never see another key's layout
+    return last[1]
+  layout = _build(meshes, leaves, processes)
+  _last[0] = (key, layout)
+  return layout
 
 
 def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int

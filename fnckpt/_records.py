@@ -458,7 +458,6 @@ def _pack(p: Any, i: int, bases: tuple[Base, ...] = (), nproc: int = 1 << 24) ->
   if "process" in p:
     process = _int(p["process"], f"'packs'[{i}].process", 0, nproc - 1)
     pieces = _int(p["pieces"], f"'packs'[{i}].pieces", 0, nbytes)
-    _req("base" not in p, lambda: f"'packs'[{i}] with pieces cannot be a reference ('base')")
   return Pack(d, nbytes, chunk, inner, _base_of(p.get("base"), d, f"'packs'[{i}]", bases),
               process, pieces)
 

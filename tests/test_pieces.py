@@ -334,3 +334,24 @@ def test_hostile_pieces_manifests_are_refused_naming_the_field(tmp_path, change,
   for call in (fnckpt.metadata, fnckpt.restore):
     with pytest.raises(fnckpt.CheckpointError, match=message):
       call(path)
+
+
+def test_a_fork_of_a_pieced_step_restores_and_outlives_its_parent(tmp_path):
+  """A fork refers to the parent's packs (their records gain 'base'), pieces regions
+  included: it restores onto another mesh, and still after the parent step is deleted."""
+  mesh = _mesh()
+  x = jax.device_put(np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024),
+                     NamedSharding(mesh, P("x", "y")))
+  run = fnckpt.CheckpointManager(str(tmp_path / "run"))
+  run.save(1, {"w": x})
+  run.wait()
+  assert "pieces" in rec(manifest(str(tmp_path / "run" / "1")), "w")
+  fork = run.fork(1, str(tmp_path / "fork"))
+  assert all("base" in p for p in manifest(str(tmp_path / "fork" / "1"))["packs"])
+  other = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("y", "x")))}
+  same(fork.restore(1, other)["w"], x)
+  fork.save(2, {"w": x + 1})
+  fork.wait()
+  run.delete(1)
+  same(fork.restore(1)["w"], x)
+  same(fork.restore(2)["w"], x + 1)
