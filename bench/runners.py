@@ -322,7 +322,9 @@ def op_restore(a: dict) -> dict:
       f.write(prof.output_text(unicode=True, color=False, show_all=False))
   # On CPU "devices" live in host RAM: the restored arrays (replicas included) are part of the
   # peak; rss_extra_bytes is what the restore needed beyond its result.
-  result_bytes = sum(s.data.nbytes for x in jax.tree.leaves(restored) for s in x.addressable_shards)
+  # (distinct buffers: on CPU, replicas restored by fnckpt share one)
+  result_bytes = sum({s.data.unsafe_buffer_pointer(): s.data.nbytes for x in jax.tree.leaves(
+      restored) for s in x.addressable_shards}.values())
   out: dict[str, Any] = {"restore_s": dt, "cpu_s": cpu, "read_bytes": _ts_bytes_read() - read0,
                          "rss_peak_bytes": mem.peak_over_base,
                          "rss_base_bytes": mem.base_bytes, "result_device_bytes": result_bytes,

@@ -71,7 +71,7 @@ class SliceReader:
       futures.append(_store.read_slice(self.open_pack(p.pack), ((p.lo, p.hi),), batch))
       stats.bytes_read += p.hi - p.lo
       stats.ranges += 1
-    return _Pending(np.empty(shape, self.dtype), parts, futures, self.leaf)
+    return _Pending(_store.aligned_empty(shape, self.dtype), parts, futures, self.leaf)
 
   def parts(self, index: Index) -> list[_Part]:
     """The byte ranges to read for slice ``index`` and where each lands."""

@@ -535,7 +535,7 @@ def _place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
   out: list[Any] = [None] * len(hosts)
   if local:
     for k, arr in zip(local, jax.device_put([hosts[k] for k in local],
-                                            [shardings[k] for k in local])):
+                                            [shardings[k] for k in local], may_alias=True)):
       out[k] = arr
   for k, s in enumerate(shardings):
     if out[k] is None:
@@ -582,12 +582,8 @@ class _Stream:
       read = self.src.reader.slice_reader(rec)
     elif rec.pieces is not None:
       read = pieces_reader(self.src, rec, self.packs)
-    else:  # (a reused leaf's data is in the checkpoint its ``base`` names)
-      kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
-                                self.src.location)
-      read = functools.partial(_store.read_slice, _store.open_array(  # no I/O: the manifest
-          _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype,
-                           rec.shape), self.src.ctx, mode="read").result())
+    else:
+      read = self._stored_reader(rec)
     itemsize = _leaves.dtype_of(rec.dtype).itemsize
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
@@ -606,6 +602,24 @@ class _Stream:
         self.batch = ts.Batch()
       self.pending.append((i, read(index, self.batch), devices, n))
       self.held += n
+
+  def _stored_reader(self, rec: _records.Leaf) -> Any:
+    """``read(index, batch)`` of a stored leaf (its data may be in the checkpoint its ``base``
+    names): a slice on the inner-chunk grid straight into an aligned array of ours, any
+    other through the batch (which fetches an inner chunk two slices share once)."""
+    kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
+                              self.src.location)
+    array = _store.open_array(  # no I/O: the manifest says everything
+        _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape),
+        self.src.ctx, mode="read").result()
+    inner = rec.stored.inner
+
+    def read(index: _layout.Index, batch: ts.Batch) -> Any:
+      if _store.on_grid(index, inner, rec.shape):
+        return _store.read_into(array, index)
+      return _store.read_slice(array, index, batch)
+
+    return read
 
   def finish(self) -> None:
     while self.pending:
@@ -626,9 +640,10 @@ class _Stream:
       r.parts[None] = host
       self.held -= n
       return
-    # ``host`` is ours: one device may alias it (zero-copy on CPU); the others get copies, so
-    # donating one restored shard can never change another. Puts go out in batches.
-    self.to_put += [(i, d, host, k == 0) for k, d in enumerate(devices)]
+    # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
+    # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
+    # such an array makes XLA copy, never write into it). Puts go out in batches.
+    self.to_put += [(i, d, host) for d in devices]
     self.put_bytes.append(n)
     # Place what has landed as soon as the next read is still on its way (or many are
     # waiting): its bytes then leave the budget and the next reads go out meanwhile.
@@ -638,9 +653,9 @@ class _Stream:
   def _flush(self) -> None:
     if not self.to_put:
       return
-    puts = jax.device_put([h for _, _, h, _ in self.to_put], [d for _, d, _, _ in self.to_put],
-                          may_alias=[alias for *_, alias in self.to_put])
-    for (i, d, _, _), arr in zip(self.to_put, puts):
+    puts = jax.device_put([h for _, _, h in self.to_put], [d for _, d, _ in self.to_put],
+                          may_alias=True)
+    for (i, d, _), arr in zip(self.to_put, puts):
       self.reads[i].parts[d] = arr
     self.held -= sum(self.put_bytes)
     self.to_put.clear()
@@ -773,9 +788,22 @@ def _land_packed(src: Source, reads: dict[int, "_Read"],
       raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
     except Exception as e:
       raise _read_error(src, r.want.rec, e) from None
-    r.parts[None] = _convert(r.want, _leaves.checked_bools(
+    host = _convert(r.want, _leaves.checked_bools(
         _as_leaf(raw, r.want.rec.dtype, r.shape), r.want.rec))
+    r.parts[None] = _shareable(host, r.sharding)
   _place_landed([reads[i] for i, _ in window])
+
+
+def _shareable(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> np.ndarray:
+  """``host`` (ours), aligned when several CPU devices take it whole: they then share one
+  buffer instead of a copy each (:data:`_store.ALIGN`)."""
+  if (sharding is None or host.ctypes.data % _store.ALIGN == 0 or len(sharding.device_set) < 2
+      or not sharding.is_fully_replicated
+      or next(iter(sharding.device_set)).platform != "cpu"):
+    return host
+  out = _store.aligned_empty(host.shape, host.dtype)
+  np.copyto(out, host)
+  return out
 
 
 def _place_landed(rs: list["_Read"]) -> None:

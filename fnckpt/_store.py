@@ -185,6 +185,59 @@ def read_slice(array: ts.TensorStore, index: Index, batch: ts.Batch | None = Non
   return array[_slices(index)].read(batch=batch)
 
 
+# Bytes. XLA's CPU client adopts a host buffer aligned to this instead of copying it
+# (jax.device_put onto a CPU device then aliases the numpy array).
+ALIGN = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+  """A new C-order array whose data starts on an :data:`ALIGN`-byte boundary.
+
+  >>> a = aligned_empty((3, 5), np.float32)
+  >>> a.shape, a.ctypes.data % ALIGN
+  ((3, 5), 0)
+  """
+  dtype = np.dtype(dtype)
+  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(n + ALIGN, np.uint8)
+  start = -raw.ctypes.data % ALIGN
+  return raw[start:start + n].view(dtype).reshape(shape)
+
+
+class Landing:
+  """A slice being read into an array of ours (:func:`read_into`): ``done()``, ``result()``."""
+
+  def __init__(self, copy: Any, out: np.ndarray):
+    self._copy, self._out = copy, out
+
+  def done(self) -> bool:
+    return self._copy.done()
+
+  def result(self) -> np.ndarray:
+    self._copy.result()
+    return self._out
+
+
+def read_into(array: ts.TensorStore, index: Index) -> Landing:
+  """Read slice ``index`` of ``array`` into a new :func:`aligned_empty` array: on CPU
+  devices JAX then places it without a copy, once for all the devices that share it.
+  TensorStore copies the decoded chunks straight into it (no batch: use it for slices that
+  share no stored inner chunk with another slice, else :func:`read_slice` with a batch)."""
+  out = aligned_empty([b - a for a, b in index], array.dtype.numpy_dtype)
+  return Landing(ts.array(out, write=True).write(array[_slices(index)]).commit, out)
+
+
+def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:
+  """Whether every bound of ``index`` lies on the ``grid`` of inner chunks (or at the end):
+  such a slice reads whole inner chunks that no other such slice needs.
+
+  >>> on_grid(((0, 4), (2, 6)), (2, 2), (4, 6)), on_grid(((0, 3),), (2,), (4,))
+  (True, False)
+  """
+  return all(a % g == 0 and (b % g == 0 or b == n)
+             for (a, b), g, n in zip(index, grid, shape))
+
+
 def budget_arg(value: Any, call: str, default: int, minimum: int = 1) -> int:
   """``budget_bytes=value`` of ``call`` checked: ``None`` is ``default``, else an int of at
   least ``minimum``.

@@ -268,3 +268,42 @@ def test_a_small_read_budget_gives_the_same_result(tmp_path, budget):
                         "y": np.zeros((8, 96), np.float32)}, budget_bytes=budget)
   assert_placed(got["x"], sharding, x, "x")
   np.testing.assert_array_equal(got["y"], x[:8])
+
+
+def _buffers(arr) -> dict:
+  """Shard index -> the distinct device buffers holding it."""
+  out: dict = {}
+  for s in arr.addressable_shards:
+    out.setdefault(str(s.index), set()).add(s.data.unsafe_buffer_pointer())
+  return out
+
+
+@pytest.mark.parametrize("how", ["stored", "pieces", "packed"])
+def test_replicas_restored_on_cpu_share_one_buffer_and_donation_is_safe(tmp_path, how):
+  """On CPU devices, the replicas of a restored slice are one host buffer (JAX adopts an
+  aligned buffer instead of copying it): a replicated state takes its size in memory once,
+  not once per device. Donating such an array in a jitted step must still compute right on
+  every device."""
+  x = source("float32", (64, 96))
+  saving = {"stored": dict(inline_bytes=0, pack_bytes=0),
+            "pieces": dict(inline_bytes=0, pack_bytes=4096),
+            "packed": dict(inline_bytes=0, pack_bytes=1 << 20)}[how]
+  fnckpt.save({"x": jax.device_put(x, SHARDINGS["2x4:xy"]())}, tmp_path / "c", **saving).wait()
+  stored = fnckpt.metadata(tmp_path / "c").tree["x"].stored
+  assert {"stored": stored.startswith("d"), "pieces": stored == "pieces",
+          "packed": stored.startswith("pack")}[how], stored
+  got = {}
+  for key, name in (("a", "2x4:replicated"), ("b", "2x4:-y")):
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SHARDINGS[name]())}
+    got[key] = fnckpt.restore(tmp_path / "c", target)["x"]
+    assert_placed(got[key], SHARDINGS[name](), x, key)
+    if how != "packed" or name.endswith("replicated"):  # (a packed leaf: when replicated)
+      shared = {k: len(v) for k, v in _buffers(got[key]).items()}
+      assert set(shared.values()) == {1}, f"{key} ({how}): buffers per distinct slice {shared}"
+  step = jax.jit(lambda v: v * 2 + 1, donate_argnums=0)
+  a, b = got["a"], got["b"]
+  for _ in range(3):  # each device's result must be its own, though the input was shared
+    a, b = step(a), step(b)
+  want = ((x * 2 + 1) * 2 + 1) * 2 + 1
+  assert_placed(a, SHARDINGS["2x4:replicated"](), want, "a stepped")
+  assert_placed(b, SHARDINGS["2x4:-y"](), want, "b stepped")
