@@ -643,6 +643,7 @@ class _Stream:
     # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
     # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
     # such an array makes XLA copy, never write into it). Puts go out in batches.
+    host = _shared_on_cpu(host, devices)
     self.to_put += [(i, d, host) for d in devices]
     self.put_bytes.append(n)
     # Place what has landed as soon as the next read is still on its way (or many are
@@ -790,16 +791,16 @@ def _land_packed(src: Source, reads: dict[int, "_Read"],
       raise _read_error(src, r.want.rec, e) from None
     host = _convert(r.want, _leaves.checked_bools(
         _as_leaf(raw, r.want.rec.dtype, r.shape), r.want.rec))
-    r.parts[None] = _shareable(host, r.sharding)
+    whole = r.sharding is not None and r.sharding.is_fully_replicated
+    r.parts[None] = _shared_on_cpu(host, r.sharding.device_set if whole else ())
   _place_landed([reads[i] for i, _ in window])
 
 
-def _shareable(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> np.ndarray:
-  """``host`` (ours), aligned when several CPU devices take it whole: they then share one
-  buffer instead of a copy each (:data:`_store.ALIGN`)."""
-  if (sharding is None or host.ctypes.data % _store.ALIGN == 0 or len(sharding.device_set) < 2
-      or not sharding.is_fully_replicated
-      or next(iter(sharding.device_set)).platform != "cpu"):
+def _shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
+  """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
+  when two or more of them take it whole: one copy here instead of one per device."""
+  if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
+      or next(iter(devices)).platform != "cpu"):
     return host
   out = _store.aligned_empty(host.shape, host.dtype)
   np.copyto(out, host)

@@ -293,10 +293,14 @@ def test_replicas_restored_on_cpu_share_one_buffer_and_donation_is_safe(tmp_path
   assert {"stored": stored.startswith("d"), "pieces": stored == "pieces",
           "packed": stored.startswith("pack")}[how], stored
   got = {}
-  for key, name in (("a", "2x4:replicated"), ("b", "2x4:-y")):
-    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SHARDINGS[name]())}
+  # (2x3:-y: 2 replicas of column slices of 32 that cut the saved 24-column chunks: read
+  # through the batch, then shared)
+  shardings = dict(SHARDINGS, **{"2x3:-y": lambda: NamedSharding(
+      mesh((2, 3), ("x", "y")), P(None, "y"))})
+  for key, name in (("a", "2x4:replicated"), ("b", "2x4:-y"), ("c", "2x3:-y")):
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[name]())}
     got[key] = fnckpt.restore(tmp_path / "c", target)["x"]
-    assert_placed(got[key], SHARDINGS[name](), x, key)
+    assert_placed(got[key], shardings[name](), x, key)
     if how != "packed" or name.endswith("replicated"):  # (a packed leaf: when replicated)
       shared = {k: len(v) for k, v in _buffers(got[key]).items()}
       assert set(shared.values()) == {1}, f"{key} ({how}): buffers per distinct slice {shared}"
