@@ -605,17 +605,18 @@ class _Stream:
 
   def _stored_reader(self, rec: _records.Leaf) -> Any:
     """``read(index, batch)`` of a stored leaf (its data may be in the checkpoint its ``base``
-    names): a slice on the inner-chunk grid straight into an aligned array of ours, any
-    other through the batch (which fetches an inner chunk two slices share once)."""
+    names): a slice of whole stored chunks (no other slice reads their files) straight into an
+    aligned array of ours, any other through the batch (which reads a chunk file's index and
+    an inner chunk that several slices need once, in one request per file)."""
     kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
                               self.src.location)
     array = _store.open_array(  # no I/O: the manifest says everything
         _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape),
         self.src.ctx, mode="read").result()
-    inner = rec.stored.inner
+    chunks = rec.stored.chunks
 
     def read(index: _layout.Index, batch: ts.Batch) -> Any:
-      if _store.on_grid(index, inner, rec.shape):
+      if _store.on_grid(index, chunks, rec.shape):
         return _store.read_into(array, index)
       return _store.read_slice(array, index, batch)
 

@@ -191,7 +191,8 @@ ALIGN = 64
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-  """A new C-order array whose data starts on an :data:`ALIGN`-byte boundary.
+  """A new C-order array whose data starts on an :data:`ALIGN`-byte boundary (an empty
+  array has no bytes to align: its pointer may be anything).
 
   >>> a = aligned_empty((3, 5), np.float32)
   >>> a.shape, a.ctypes.data % ALIGN
@@ -221,15 +222,16 @@ class Landing:
 def read_into(array: ts.TensorStore, index: Index) -> Landing:
   """Read slice ``index`` of ``array`` into a new :func:`aligned_empty` array: on CPU
   devices JAX then places it without a copy, once for all the devices that share it.
-  TensorStore copies the decoded chunks straight into it (no batch: use it for slices that
-  share no stored inner chunk with another slice, else :func:`read_slice` with a batch)."""
+  TensorStore copies the decoded chunks straight into it. No batch: use it for a slice of
+  whole chunks, which no other slice reads (else :func:`read_slice` with a batch, which reads
+  a chunk file's index and an inner chunk several slices share once, in one request)."""
   out = aligned_empty([b - a for a, b in index], array.dtype.numpy_dtype)
   return Landing(ts.array(out, write=True).write(array[_slices(index)]).commit, out)
 
 
 def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:
-  """Whether every bound of ``index`` lies on the ``grid`` of inner chunks (or at the end):
-  such a slice reads whole inner chunks that no other such slice needs.
+  """Whether every bound of ``index`` lies on ``grid`` (or at the array's end): with the
+  stored chunk shape, whether the slice is made of whole chunks.
 
   >>> on_grid(((0, 4), (2, 6)), (2, 2), (4, 6)), on_grid(((0, 3),), (2,), (4,))
   (True, False)

@@ -207,6 +207,24 @@ def test_each_stored_byte_is_read_once(tmp_path, src, dst):
   assert io["bytes_read"] == stored
 
 
+@pytest.mark.parametrize("dst", ["2x4:x", "2x4:(xy)", "8:-x"])
+def test_slices_sharing_a_chunk_file_read_it_in_one_request(tmp_path, dst):
+  """A chunk file that several slices need (saved on one device, restored on 8) is read as
+  one request, like a restore that reads it whole: not its index once per slice and each
+  inner chunk alone (on an object store, each request is a GET)."""
+  x = source("float32", (1024, 512))  # 2 MiB: one chunk of two 1 MiB inner chunks
+  fnckpt.save({"x": jax.device_put(x, SHARDINGS["single-device"]())}, tmp_path / "c",
+              inline_bytes=0, pack_bytes=0).wait()
+  requests = {}
+  for name in ("single-device", dst):
+    with CountIO() as io:
+      got = fnckpt.restore(tmp_path / "c", {"x": jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=SHARDINGS[name]())})
+    assert_placed(got["x"], SHARDINGS[name](), x, name)
+    requests[name] = io["read"]
+  assert requests[dst] == requests["single-device"], requests
+
+
 def test_identical_slices_are_read_once_even_one_read_at_a_time(tmp_path):
   x = source("float32", (64, 96))
   fnckpt.save({"x": jax.device_put(x, SHARDINGS["2x4:xy"]())}, tmp_path / "c",
