@@ -181,8 +181,11 @@ def read_failure(e: BaseException) -> str:
   """
   text = error_text(e)
   code = text.partition(":")[0] if isinstance(e, ValueError) else ""
-  if "digest mismatch" in _QUOTED.sub('""', text).lower():  # the crc32c codec's check
+  words = _QUOTED.sub('""', text).lower()
+  if "digest mismatch" in words:  # the crc32c codec's check
     return "checksum"
+  if "invalid bool value" in words:  # a bool byte other than 0/1 (checksums cannot tell)
+    return "corrupt"
   return {"NOT_FOUND": "missing", "DATA_LOSS": "corrupt",
           "FAILED_PRECONDITION": "metadata"}.get(code, "")
 

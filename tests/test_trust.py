@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt import _manifest, _save, _store
+from fnckpt._errors import DamagedError
 
 
 def tree(v):
@@ -285,6 +286,29 @@ def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, 
   with pytest.raises(fnckpt.CheckpointError) as fresh:  # nothing was there: no such words
     fnckpt.save(state, tmp_path / "new", pack_bytes=0).wait()
   assert "Nothing was committed; earlier checkpoints are intact." in str(fresh.value)
+
+
+@pytest.mark.parametrize("target", ["host", "whole", "rows", "columns"])
+def test_a_stored_bool_array_with_a_byte_other_than_0_and_1_is_corrupt(tmp_path, target):
+  """An array of its own (TensorStore decodes bool itself and refuses the byte 2): damage
+  naming the leaf and saying its data is corrupt, not that its zarr.json differs."""
+  from jax.sharding import Mesh, SingleDeviceSharding
+  path, shape = str(tmp_path / "c"), (64, 96)
+  fnckpt.save({"mask": np.ones(shape, np.bool_)}, path, inline_bytes=0, pack_bytes=0).wait()
+  leaf = fnckpt.metadata(path).tree["mask"]
+  spec = _store.zarr_spec({"driver": "file", "path": path + "/"}, {
+      "dir": leaf.stored, "chunks": list(shape), "inner": list(shape), "zstd": None},
+      "uint8", shape)
+  arr = _store.open_array(spec, __import__("tensorstore").Context(), mode="write").result()
+  arr[3:4, 7:8].write(np.array([[2]], np.uint8)).result()   # checksummed by TensorStore
+  devices = np.asarray(jax.devices()[:6], dtype=object)
+  sharding = {"host": None, "whole": SingleDeviceSharding(jax.devices()[0]),
+              "rows": NamedSharding(Mesh(devices[:2], ("x",)), P("x")),
+              "columns": NamedSharding(Mesh(devices[:3], ("x",)), P(None, "x"))}[target]
+  want = None if sharding is None else {
+      "mask": jax.ShapeDtypeStruct(shape, np.bool_, sharding=sharding)}
+  with pytest.raises(DamagedError, match=r"\['mask'\].*its data is corrupt or truncated"):
+    fnckpt.restore(path, want)
 
 
 @pytest.mark.parametrize("where", ["inline", "packed"])
