@@ -200,22 +200,14 @@ def op_device_limits(a: dict) -> dict:
 
 
 def op_ts_limits(a: dict) -> dict:
-  jax = setup_jax()
+  setup_jax()
   import shutil
-  import numpy as np
-  from jax.sharding import NamedSharding
   from bench import limits, states
   leaves = states.leaves_for(a["state"], a["mode"])
   mesh = states.make_mesh("a")
   tree = states.build(leaves, mesh)
-  arrays = []
-  for leaf in leaves:
-    node = tree
-    for k in leaf.path:
-      node = node[k]
-    chunk = NamedSharding(mesh, leaf.spec_a).shard_shape(leaf.shape)
-    arrays.append((".".join(leaf.path), np.asarray(jax.device_get(node)), tuple(chunk)))
-  del tree, node
+  arrays = states.raw_arrays(leaves, tree, mesh)
+  del tree
   gc.collect()
   root = a["root"]
   try:

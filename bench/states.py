@@ -190,6 +190,20 @@ def target(leaves: list[Leaf], mesh: Mesh, which: str) -> dict:
       mesh, l.spec_a if which == "a" else l.spec_b))) for l in leaves])
 
 
+def at(tree: dict, leaf: Leaf) -> Any:
+  """The value at ``leaf``'s key path in a tree built by :func:`build` (or :func:`target`)."""
+  for k in leaf.path:
+    tree = tree[k]
+  return tree
+
+
+def raw_arrays(leaves: list[Leaf], tree: dict, mesh: Mesh) -> list:
+  """``[(name, host numpy array, chunk = its shard on the saved mesh)]``: the state as raw
+  TensorStore writes it (``limits.tensorstore_rw``)."""
+  return [(".".join(l.path), np.asarray(jax.device_get(at(tree, l))),
+           tuple(NamedSharding(mesh, l.spec_a).shard_shape(l.shape))) for l in leaves]
+
+
 _PRIMES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
 
 

@@ -43,28 +43,9 @@ jax = runners.setup_jax()
 
 import numpy as np  # noqa: E402
 import tensorstore as ts  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 
 import fnckpt  # noqa: E402
 from bench import limits, states  # noqa: E402
-
-
-def _raw_arrays(leaves, tree, mesh) -> list:
-  out = []
-  for leaf, x in zip(leaves, _leaves_in_order(leaves, tree)):
-    chunk = NamedSharding(mesh, leaf.spec_a).shard_shape(leaf.shape)
-    out.append((".".join(leaf.path), np.asarray(jax.device_get(x)), tuple(max(1, c) for c in chunk)))
-  return out
-
-
-def _leaves_in_order(leaves, tree) -> list:
-  got = []
-  for leaf in leaves:
-    node = tree
-    for k in leaf.path:
-      node = node[k]
-    got.append(node)
-  return got
 
 
 def raw_write_per_chunk(root: str, arrays: list) -> None:
@@ -98,9 +79,9 @@ def run(state: str, rounds: int, root: str) -> dict[str, list[float]]:
   mesh = states.make_mesh("a")
   tree = states.build(leaves, mesh)
   jax.block_until_ready(tree)
-  arrays = _raw_arrays(leaves, tree, mesh)
+  arrays = states.raw_arrays(leaves, tree, mesh)
   target = states.target(leaves, mesh, "a")
-  shardings = [t.sharding for t in _leaves_in_order(leaves, target)]
+  shardings = [states.at(target, leaf).sharding for leaf in leaves]
   shutil.rmtree(root, ignore_errors=True)
   os.makedirs(root)
   fnckpt.save(tree, os.path.join(root, "warmup")).wait()   # first-call costs out of the way
