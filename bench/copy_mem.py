@@ -32,7 +32,7 @@ def child(mode: str, directory: str, mib: int, budget_mib: int) -> None:
   import psutil
   from jax.sharding import NamedSharding, PartitionSpec as P
   import fnckpt
-  from fnckpt import _save
+  from fnckpt._save import save as _save
 
   sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
 

@@ -15,8 +15,8 @@ Three measurements, each a median over ``--runs`` (8 virtual CPU devices, a (2, 
   against one full state plus the deltas.
 - ``dense``: the same matrices, all changed before every save, saved by a plain
   ``fnckpt.save`` (no base: nothing hashed), as a full save that records hashes (an
-  incremental manager's full save: ``fnckpt._save.start(hashes=True)``) and as an incremental
-  save on the previous state (fingerprints show every chunk changed): time to committed, time
+  incremental manager's full save: ``fnckpt._save.save.start(hashes=True)``) and as an
+  incremental save on the previous state (fingerprints show every chunk changed): time to committed, time
   the caller is blocked, CPU seconds; runs rotated.
 - ``fork``: ``CheckpointManager.fork`` of the LoRA run's newest step: wall time and bytes the
   fork wrote.
@@ -46,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fnckpt  # noqa: E402
-from fnckpt import _save  # noqa: E402
+from fnckpt._save import save as _save  # noqa: E402
 
 MiB = 1 << 20
 

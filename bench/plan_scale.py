@@ -52,9 +52,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-from fnckpt import _layout, _packing, _pieces  # noqa: E402
+from fnckpt._layout import chunks as _layout, packing as _packing, pieces as _pieces  # noqa: E402
 
-INLINE_BYTES = 16 << 10          # fnckpt._save.INLINE_BYTES (imported there with jax)
+INLINE_BYTES = 16 << 10          # fnckpt._save.save.INLINE_BYTES (imported there with jax)
 
 # dim_axes of the specs on mesh axes ("data", "model")
 DATA, MODEL, REPLICATED = ((0,), (1,)), ((1,), (0,)), ()

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
   import fnckpt
   import servers
   from bench import limits, states
-  from fnckpt import _paths
+  from fnckpt._io import paths as _paths
 
   leaves = states.leaves_for("transformer", a.mode)
   nbytes = states.state_bytes(leaves)

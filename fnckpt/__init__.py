@@ -5,26 +5,25 @@ background; ``restore(path, target)`` reads onto any mesh; ``metadata(path)`` de
 checkpoint without reading its arrays. See README.md for the format and the guarantees.
 """
 
-__version__ = "0.2.0"
-
+from ._version import __version__ as __version__
 from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
-from ._export import export_safetensors as export_safetensors
-from ._interval import optimal_interval_s as optimal_interval_s
-from ._manager import CheckpointManager as CheckpointManager
-from ._perprocess import PerProcess as PerProcess
-from ._restore import ArrayMetadata as ArrayMetadata
-from ._restore import CheckpointMetadata as CheckpointMetadata
-from ._restore import SavedSharding as SavedSharding
-from ._restore import metadata as metadata
-from ._restore import restore as restore
-from ._save import SaveHandle as SaveHandle
-from ._save import SaveStats as SaveStats
-from ._save import save as save
-from ._save import wait as wait
-from ._target import target_from_metadata as target_from_metadata
+from ._export.export import export_safetensors as export_safetensors
+from ._manager.interval import optimal_interval_s as optimal_interval_s
+from ._manager.manager import CheckpointManager as CheckpointManager
+from ._format.perprocess import PerProcess as PerProcess
+from ._restore.restore import ArrayMetadata as ArrayMetadata
+from ._restore.restore import CheckpointMetadata as CheckpointMetadata
+from ._restore.restore import SavedSharding as SavedSharding
+from ._restore.restore import metadata as metadata
+from ._restore.restore import restore as restore
+from ._save.save import SaveHandle as SaveHandle
+from ._save.save import SaveStats as SaveStats
+from ._save.save import save as save
+from ._save.save import wait as wait
+from ._restore.target import target_from_metadata as target_from_metadata
 
 __all__ = [
     "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",

@@ -113,7 +113,7 @@ def make_undeletable(path: str) -> str:
                                                capture_output=True).returncode == 0:
     return "chattr"
   # No way to make the file system refuse: fail the delete in fnckpt's own call instead.
-  import fnckpt._steps as steps_mod
+  from fnckpt._manager import steps as steps_mod
   real = steps_mod._paths.delete_prefix
 
   def refuse(where, *args, **kwargs):
@@ -131,7 +131,7 @@ def undo_undeletable(path: str, how: str) -> None:
   elif how == "chattr":
     subprocess.run(["chattr", "-i", path], check=True)
   else:
-    import fnckpt._steps as steps_mod
+    from fnckpt._manager import steps as steps_mod
     steps_mod._paths.delete_prefix = steps_mod._real_delete_prefix
 
 
@@ -201,7 +201,7 @@ def mode_damage(cfg):
   import glob
   import jax
   import fnckpt
-  from fnckpt import _commit
+  from fnckpt._io import commit as _commit
   mesh, target = mesh_and_target()
   me = jax.process_index()
   opts = {"barrier_timeout_s": cfg["barrier_s"]}
@@ -263,7 +263,7 @@ def mode_tiers(cfg):
     state, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
     out["restored"], out["checked"] = step, check_state(state, step)
   out["all_steps"] = mgr.all_steps()
-  from fnckpt import _paths
+  from fnckpt._io import paths as _paths
   out["local_dirs"] = sorted({int(k.split("/")[0]) for k in _paths.list_keys(local)
                               if k.split("/")[0].isdigit()})  # this process's own local tier
   mgr.close()

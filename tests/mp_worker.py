@@ -80,7 +80,7 @@ def setup(cfg: dict[str, Any]) -> None:
   import jax
   jax.config.update("jax_num_cpu_devices", int(cfg.get("devices", 1)))
   if "piece_bytes" in cfg:  # 0: every sharded array a zarr array of its own (no pieces)
-    from fnckpt import _pieces
+    from fnckpt._layout import pieces as _pieces
     _pieces.PIECE_BYTES = int(cfg["piece_bytes"])
   n = int(cfg.get("num_processes", 1))
   if n > 1:
@@ -114,8 +114,8 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
   the save by one second there). ``phase="midwrite"``: SIGKILL while staging chunk number
   ``after_chunks + 1``, once the earlier chunks are durable on storage."""
   import signal
-  import fnckpt._save as save_mod
-  import fnckpt._store as store_mod
+  from fnckpt._save import save as save_mod
+  from fnckpt._io import arrays as store_mod
 
   def act(name: str) -> None:
     say(f"PHASE {name}")
@@ -258,7 +258,7 @@ def mode_memory_budget(cfg):
   import threading
   import jax
   import fnckpt
-  import fnckpt._save as save_mod
+  from fnckpt._save import save as save_mod
   mesh = make_mesh([cfg["devices"]], ["a"])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
   shape = tuple(cfg["shape"])
@@ -321,7 +321,7 @@ def mode_memory_growth(cfg):
   state["step"] = 1
   root = cfg["path"]
   if cfg.get("inject") == "cache":  # (to check the test) a process-wide context with a cache
-    import fnckpt._paths as paths_mod
+    from fnckpt._io import paths as paths_mod
     import tensorstore as ts
     shared = ts.Context({"cache_pool": {"total_bytes_limit": 1 << 30}})
     paths_mod.context = lambda *a, **k: shared
@@ -350,7 +350,7 @@ def mode_memory_growth(cfg):
       samples.append(sample())
   handles.pop(0).wait()
   gc.collect()
-  import fnckpt._save as save_mod
+  from fnckpt._save import save as save_mod
   result({"blocks": [s[0] for s in samples], "rss": [s[1] for s in samples],
           "handles_alive": sum(r() is not None for r in refs), "pending": len(save_mod._pending),
           "left": sorted(os.listdir(root))})
@@ -466,7 +466,7 @@ def mode_attempts(cfg):
   for waited attempts ``left``: the directory's entries right after the attempt."""
   import jax
   import fnckpt
-  import fnckpt._save as save_mod
+  from fnckpt._save import save as save_mod
   mesh = make_mesh(*cfg["mesh"])
   outcomes: list[Any] = []
   pending: list[tuple[int, Any]] = []

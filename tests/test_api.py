@@ -4,6 +4,7 @@ documented; every module's docstring examples run; importing fnckpt has no side 
 import doctest
 import importlib
 import inspect
+import os
 import pkgutil
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 
 import fnckpt
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(fnckpt.__path__)
-                 if m.name != "__main__")  # __main__ runs the CLI when imported
+# every module and subpackage, by its name under fnckpt (e.g. "_save.save", "cli")
+MODULES = sorted(m.name[len("fnckpt."):] for m in pkgutil.walk_packages(fnckpt.__path__, "fnckpt.")
+                 if m.name != "fnckpt.__main__")  # __main__ runs the CLI when imported
 
 
 @pytest.mark.parametrize("name", ["fnckpt", *(f"fnckpt.{m}" for m in MODULES)])
@@ -28,7 +30,8 @@ def test_doctests(name, tmp_path, monkeypatch):
 
 
 def test_the_core_modules_have_examples():
-  for name in ("_tree", "_manifest", "_layout", "_leaves", "_paths", "_save", "_restore"):
+  for name in ("_format.tree", "_format.manifest", "_layout.chunks", "_format.leaves",
+               "_io.paths", "_save.save", "_restore.restore"):
     module = importlib.import_module(f"fnckpt.{name}")
     examples = sum(len(t.examples) for t in doctest.DocTestFinder().find(module))
     assert examples > 0, name
@@ -79,25 +82,29 @@ def test_import_has_no_side_effects():
       "import threading, sys\n"
       "before = threading.active_count()\n"
       "import fnckpt\n"
-      "from fnckpt import _paths, _save\n"
+      "from fnckpt._io import paths as _paths\n"
+      "from fnckpt._save import save as _save\n"
       "assert threading.active_count() == before, 'threads started at import'\n"
       "assert _paths._root_context is None, 'a TensorStore context was created at import'\n"
       "assert _save._budget is None and not _save._pending\n"
       "print('ok')\n")
+  here = os.path.dirname(os.path.dirname(fnckpt.__file__))  # the fnckpt under test
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": here},
+                       timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_no_pickle_and_no_private_jax_imports_in_the_package():
   import pathlib
   root = pathlib.Path(fnckpt.__file__).parent
-  for path in root.glob("*.py"):
+  for path in root.rglob("*.py"):
     text = path.read_text()
-    assert "import pickle" not in text and "cloudpickle" not in text, path.name
+    name = path.relative_to(root).as_posix()
+    assert "import pickle" not in text and "cloudpickle" not in text, name
     if "jax._src" in text:
       # the one allowed: the coordination client has no public accessor
-      assert path.name == "_commit.py", f"{path.name} imports jax._src"
+      assert name == "_io/commit.py", f"{name} imports jax._src"
 
 
 def test_fnckpt_checkpoints_named_like_foreign_files_still_open(tmp_path):

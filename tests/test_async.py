@@ -3,9 +3,10 @@ donate, delete or mutate right away), writing and commit go on in the background
 reports errors, pending saves survive interpreter exit, host memory stays under the budget,
 and nothing grows across saves.
 
-Deterministic gates (a replaced ``fnckpt._save._phase`` hook, ``fnckpt._store.write_chunk`` or
-the writer's pack assembly) hold the background writer at a chosen point, so each test knows
-which side of the race it is on; no test depends on timing thresholds.
+Deterministic gates (a replaced ``fnckpt._save.save._phase`` hook,
+``fnckpt._io.arrays.write_chunk`` or the writer's pack assembly) hold the background writer at a
+chosen point, so each test knows which side of the race it is on; no test depends on timing
+thresholds.
 """
 
 import os
@@ -19,7 +20,9 @@ import pytest
 import tensorstore as ts
 
 import fnckpt
-from fnckpt import _packing, _save, _store
+from fnckpt._layout import packing as _packing
+from fnckpt._io import arrays as _store
+from fnckpt._save import save as _save
 import helpers_proc as hp
 import mp_worker
 

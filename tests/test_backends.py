@@ -11,8 +11,8 @@ credentials, an unreachable endpoint) are parametrised over the backends where t
 with the local-files analogue beside them.
 
 Nothing is mocked: the servers are real processes (tests/servers.py); the only patched names are
-fnckpt's own test hook ``fnckpt._save._phase`` and, to hold a restore open mid-read, a wrapper
-around ``fnckpt._restore._read_all`` that waits before calling the real one.
+fnckpt's own test hook ``fnckpt._save.save._phase`` and, to hold a restore open mid-read, a wrapper
+around ``fnckpt._restore.restore._read_all`` that waits before calling the real one.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _commit, _paths, _records, _restore, _save
+from fnckpt._format import records as _records
+from fnckpt._io import commit as _commit, paths as _paths
+from fnckpt._restore import restore as _restore
+from fnckpt._save import save as _save
 
 import servers
 from tree_utils import assert_placed, assert_trees_all_equal

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _save
+from fnckpt._save import save as _save
 
 ENV = {**os.environ, "JAX_PLATFORMS": "no_such_platform"}
 
@@ -217,7 +217,7 @@ def test_verify_a_manifest_that_disagrees_with_zarr_json(tmp_path, capsys):
   that still matches its commit marker): one clear problem, counted without enumerating the
   8 Mi inner chunks the manifest claims (the fuzz harness saw that as a hang)."""
   import msgpack
-  from fnckpt import _manifest
+  from fnckpt._format import manifest as _manifest
   from fnckpt.cli import main
   ckpt = tmp_path / "c"
   fnckpt.save({"a": np.zeros((64, 40), np.float32)}, str(ckpt), inline_bytes=0,
@@ -364,7 +364,8 @@ def test_storage_option_errors_are_one_line(run):
 def test_storage_options_are_parsed_and_passed(run, monkeypatch, capsys):
   """VALUEs are JSON when they parse, else strings; options given before and after the command
   are all passed, as one storage_options dict, to every storage access."""
-  from fnckpt import _paths, cli as fcli
+  from fnckpt import cli as fcli
+  from fnckpt._io import paths as _paths
   assert fcli._storage_options(["max_retries=2", "endpoint=http://127.0.0.1:8333",
                                 "requester_pays=true", "initial_delay=10ms",
                                 'credentials={"type": "anonymous"}', "region=1e"]) == {
@@ -389,7 +390,8 @@ def test_verify_says_when_the_checkpoint_changed_while_being_read(tmp_path, monk
                                                                   capsys):
   """A checkpoint overwritten between verify's header read and its chunk reads: the failed
   reads are reported as the change (as restore reports it), not as damage."""
-  from fnckpt import _restore, cli as fcli
+  from fnckpt import cli as fcli
+  from fnckpt._restore import restore as _restore
   ckpt = str(tmp_path / "c")
   fnckpt.save({"w": np.arange(40000, dtype=np.float32)}, ckpt, pack_bytes=0).wait()
   real_open = _restore.open_source

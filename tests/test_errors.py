@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt import CheckpointError, NotCommittedError, TreeMismatchError
-from fnckpt import _manifest
+from fnckpt._format import manifest as _manifest
 
 from tree_utils import assert_trees_all_equal
 

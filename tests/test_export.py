@@ -21,7 +21,9 @@ from safetensors import TensorSpec, deserialize, safe_open, serialize
 from safetensors.numpy import load_file
 
 import fnckpt
-from fnckpt import _export_plan, _records, _slices
+from fnckpt._format import records as _records
+from fnckpt._sources import slices as _slices
+from fnckpt._export import plan as _export_plan
 from test_cli import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,7 +217,7 @@ def test_streaming_stays_within_the_budget(saved, tmp_path):
   assert_same(read_back(out), arrays(host, ["params", "dense"]))
   # Windows smaller than one row of inner chunks, or than a packed leaf: pieces cut inside
   # rows, still bounded.
-  src = fnckpt._restore.open_source(path)
+  src = fnckpt._restore.restore.open_source(path)
   leaves = {l.where: l for l in src.manifest.leaves}
   for where, limit, want in [("['params']['dense']['kernel']", 64 << 10,
                               host["params"]["dense"]["kernel"]),
@@ -351,7 +353,7 @@ def test_output_is_atomic_and_overwrite_is_explicit(saved, tmp_path):
 
 
 def _records_of(path):
-  from fnckpt import _restore
+  from fnckpt._restore import restore as _restore
   return _restore.open_source(path).manifest
 
 
@@ -485,7 +487,7 @@ def test_planned_headers_are_valid_safetensors(specs, max_size, single):
 def test_a_failed_write_leaves_nothing(saved, tmp_path, monkeypatch):
   """A write that fails midway (a full disk, injected on the third piece): the export raises
   naming the file and the cause, and neither the file nor a temporary one is left."""
-  from fnckpt import _export
+  from fnckpt._export import export as _export
   path, _ = saved
   real, calls = _export._to_bytes, []
 

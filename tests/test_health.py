@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import fnckpt
-from fnckpt import _health, _paths, _save, _starts
+from fnckpt._io import paths as _paths
+from fnckpt._save import save as _save
+from fnckpt._manager import health as _health, starts as _starts
 
 
 def state_of(step, n=5000):

@@ -25,7 +25,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _manifest, _paths, _records, _save
+from fnckpt._format import manifest as _manifest, records as _records
+from fnckpt._io import paths as _paths
+from fnckpt._save import save as _save
 from fnckpt.cli import main as cli_main
 
 import helpers_proc as hp
@@ -266,7 +268,7 @@ def test_manager_incremental_keeps_referenced_data_and_full_every(tmp_path):
     assert_same(mgr.restore(s), lora_tree(s))
   # saves 0, 3, 6 are full; 6 refers to nothing, 5 to 3 (held: its COMMIT is gone)
   assert "bases" not in msgpack.unpackb(open(f"{root}/6/manifest.msgpack", "rb").read())
-  listing = fnckpt._steps.StepIndex(root).list()
+  listing = fnckpt._manager.steps.StepIndex(root).list()
   assert listing.held == [3] and listing.uncommitted == []
   assert not os.path.exists(f"{root}/3/COMMIT") and not os.path.exists(f"{root}/0")
   mgr.save(7, lora_tree(7))
@@ -351,17 +353,17 @@ def test_incremental_manager_with_a_fast_tier_restores_from_the_durable_tier_alo
   mgr.close()
   m4 = _records_of(f"{durable}/4")
   assert sorted(b.dir for b in m4.bases) == ["0", "1"]   # the frozen base; the moments
-  listing = fnckpt._steps.StepIndex(durable).list()
+  listing = fnckpt._manager.steps.StepIndex(durable).list()
   assert listing.steps == [2, 4] and listing.held == [0, 1]
   assert not os.path.exists(f"{durable}/1/COMMIT") and os.path.exists(f"{durable}/1/REFERENCED")
-  assert fnckpt._steps.StepIndex(fast).list().held == [0, 1]
+  assert fnckpt._manager.steps.StepIndex(fast).list().held == [0, 1]
   assert cli_main(["ls", durable, "--local", fast]) == 0
   rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()]
   for tier in ("durable", "local"):
     assert [tier, "0", "referenced"] in rows and [tier, "1", "referenced"] in rows
   assert ["durable", "4", "committed"] in rows and ["local", "5", "committed"] in rows
   # a copy interrupted midway is completed by the next one (missing objects copied again)
-  from fnckpt import _tiers
+  from fnckpt._manager import tiers as _tiers
   held = sorted(k for k in files_under(f"{durable}/1") if k.startswith("data-"))
   os.remove(f"{durable}/1/{held[0]}")
   with open(f"{fast}/5/manifest.msgpack", "rb") as f:
@@ -395,7 +397,7 @@ def test_a_missing_reference_is_damage_self_healing_falls_back(tmp_path):
                    r"at '.*/2', which is missing", texts[0]), texts[0]
   assert re.search(r"Step 2 of .* is damaged: .*a chunk of its data is missing", texts[1])
   assert_same(state, lora_tree(1))
-  listing = fnckpt._steps.StepIndex(root).list()
+  listing = fnckpt._manager.steps.StepIndex(root).list()
   assert sorted(listing.damaged) == [2, 3] and mgr.all_steps() == [0, 1]
   with pytest.raises(fnckpt.CheckpointError, match="Step 3 of .* is marked damaged"):
     mgr.restore(3)
@@ -405,7 +407,7 @@ def test_a_missing_reference_is_damage_self_healing_falls_back(tmp_path):
 def test_a_damaged_step_whose_data_others_refer_to(tmp_path, capsys):
   """A step marked damaged is never deleted by retention, and the data it refers to stays;
   deleting it keeps the data that other steps refer to (its REFERENCED rest)."""
-  from fnckpt import _health
+  from fnckpt._manager import health as _health
   root = str(tmp_path / "run")
   mgr = fnckpt.CheckpointManager(root, max_to_keep=2, incremental=True)
   for v in range(3):
@@ -415,11 +417,11 @@ def test_a_damaged_step_whose_data_others_refer_to(tmp_path, capsys):
   for v in range(3, 6):
     mgr.save(v, tiered_tree(v))
     mgr.wait()
-  listing = fnckpt._steps.StepIndex(root).list()
+  listing = fnckpt._manager.steps.StepIndex(root).list()
   assert listing.steps == [4, 5] and list(listing.damaged) == [1] and listing.held == [0]
   assert 1 in listing.referrers and os.path.exists(f"{root}/1/COMMIT")
   mgr.delete(1)   # steps 4 and 5 refer to its moments: that data stays
-  assert fnckpt._steps.StepIndex(root).list().held == [0, 1]
+  assert fnckpt._manager.steps.StepIndex(root).list().held == [0, 1]
   for s in (4, 5):
     assert_same(mgr.restore(s), tiered_tree(s))
   assert cli_main(["ls", root]) == 0
@@ -453,7 +455,8 @@ def test_contract_on_memory_and_object_stores(kind, request):
   assert child.all_steps() == [3]  # its retention dropped the forked step 2
   assert_same(child.restore(3), lora_tree(33))
   assert_same(mgr.restore(3), lora_tree(3))
-  assert fnckpt._steps.StepIndex(f"{root}/run", options).list().held == [0, 2]  # 2: the fork
+  held = fnckpt._manager.steps.StepIndex(f"{root}/run", options).list().held
+  assert held == [0, 2]  # 2: the fork
   mgr.close()
   child.close()
 
@@ -501,7 +504,7 @@ def test_two_processes_incremental_manager_and_fork(tmp_path):
     out = r.result
     assert out["parent"] == [4, 6] and out["fork"] == [4, 5]  # (max_to_keep=2 too)
     assert out["checked"] and all(n > 0 for n in out["checked"].values())
-  assert fnckpt._steps.StepIndex(str(tmp_path / "run")).list().held  # data kept for others
+  assert fnckpt._manager.steps.StepIndex(str(tmp_path / "run")).list().held  # data kept for others
 
 
 # --- the state machine --------------------------------------------------------------------------
@@ -732,7 +735,7 @@ def test_a_fork_by_another_job_during_retention_keeps_its_data(tmp_path):
 
 
 def test_a_fork_of_a_step_deleted_meanwhile_is_not_committed(tmp_path, monkeypatch):
-  from fnckpt import _fork
+  from fnckpt._manager import fork as _fork
   run, fk = str(tmp_path / "run"), str(tmp_path / "fork")
   mgr = fnckpt.CheckpointManager(run)
   mgr.save(1, {"w": FROZEN})
@@ -945,7 +948,7 @@ def test_stats_of_a_leaf_written_whole_and_copies_under_a_small_budget(tmp_path,
   """One of 8 chunks changed: all 8 are in the new array (7 copied from the base), so the
   stats say 8 chunks written, nothing reused; the copies hold budget (a tiny one, few reads
   in flight) and still finish."""
-  from fnckpt import _delta
+  from fnckpt._save import delta as _delta
   monkeypatch.setattr(_delta, "COPY_WINDOW", 2)
   held, real_copy = [], _delta._copy_one
 

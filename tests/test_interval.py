@@ -6,7 +6,7 @@ import math
 import pytest
 
 import fnckpt
-from fnckpt import _interval
+from fnckpt._manager import interval as _interval
 
 
 @pytest.mark.parametrize("mtbf_s, cost_s, minutes", [
@@ -87,7 +87,7 @@ def test_auto_needs_an_mtbf():
 
 
 def test_untrusted_starts_are_filtered_and_copy_waits_are_counted():
-  from fnckpt import _starts
+  from fnckpt._manager import starts as _starts
   now = 1.8e9
   assert _starts.plausible([float("nan"), float("inf"), 0.0, -1e300, now + 7200, now - 50,
                             "x", True, now - 100], now) == [now - 100, now - 50]

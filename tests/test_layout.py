@@ -1,5 +1,5 @@
-"""fnckpt._layout (pure: chunk shapes, write plan, read plan) and the layout it gives on disk
-(format 2): zarr3 + sharding_indexed + crc32c under data-<hex>/, one writer per chunk, no
+"""fnckpt._layout.chunks (pure: chunk shapes, write plan, read plan) and the layout it gives on
+disk (format 2): zarr3 + sharding_indexed + crc32c under data-<hex>/, one writer per chunk, no
 reads while saving, small leaves inline in a versioned msgpack manifest, medium arrays in a
 pack; and the storage locations (local, file://, memory://).
 """
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _layout, _manifest, _records
+from fnckpt._layout import chunks as _layout
+from fnckpt._format import manifest as _manifest, records as _records
 
 from tree_utils import CountIO, assert_trees_all_equal
 

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._target import target_from_metadata  # exported as fnckpt.target_from_metadata
+from fnckpt._restore.target import target_from_metadata  # exported as fnckpt.target_from_metadata
 from tree_utils import assert_trees_all_equal
 
 LM = Path(__file__).resolve().parent.parent / "examples" / "lm.py"

@@ -18,7 +18,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _paths, _save
+from fnckpt._io import paths as _paths
+from fnckpt._save import save as _save
 
 
 def state_of(step, n=5000):
@@ -150,7 +151,7 @@ def test_deletes_only_after_the_triggering_save_committed(root, phase_hook):
 
 
 def test_retention_spares_a_step_being_restored(root, monkeypatch):
-  from fnckpt import _restore
+  from fnckpt._restore import restore as _restore
   reading, release = threading.Event(), threading.Event()
   real = _restore._read_all
 
@@ -442,7 +443,7 @@ class CountingKv:
 
 
 def test_listing_skips_the_data_of_known_steps_and_finds_every_change():
-  from fnckpt import _steps
+  from fnckpt._manager import steps as _steps
   root = f"memory://test_manager/{uuid.uuid4().hex}"
   big = {"w": np.zeros((64, 64), np.float32)}
   for step in (1, 2, 10):  # many chunk files per step: the data that must not be listed
@@ -469,7 +470,7 @@ def test_listing_skips_the_data_of_known_steps_and_finds_every_change():
 
 
 def test_local_listing_reads_step_names_and_markers_only(tmp_path):
-  from fnckpt import _steps
+  from fnckpt._manager import steps as _steps
   root = tmp_path / "run"
   fnckpt.save({"w": np.zeros(5000)}, str(root / "3")).wait()
   (root / "4").mkdir()                       # an empty directory is no step
@@ -484,7 +485,8 @@ def test_local_listing_reads_step_names_and_markers_only(tmp_path):
 
 def test_marker_is_what_the_core_commits(root):
   """The index reads <step>/MARKER without parsing it; it must be the core's marker."""
-  from fnckpt import _commit, _steps
+  from fnckpt._io import commit as _commit
+  from fnckpt._manager import steps as _steps
   path = _paths.join(root, "1")
   fnckpt.save({"x": np.zeros(2)}, path).wait()
   assert f"1/{_steps.MARKER}" in _paths.list_keys(root)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import fnckpt
-from fnckpt import _manifest
+from fnckpt._format import manifest as _manifest
 import helpers_proc as hp
 
 pytestmark = pytest.mark.slow

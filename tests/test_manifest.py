@@ -1,6 +1,6 @@
-"""fnckpt._manifest and fnckpt._records: manifest and commit marker <-> msgpack bytes,
-versioning, validation into frozen records. No files: leaf records come from
-fnckpt._leaves.encode_leaf, manifests are built here as a writer would (README "Format")."""
+"""fnckpt._format.manifest and fnckpt._format.records: manifest and commit marker <-> msgpack
+bytes, versioning, validation into frozen records. No files: leaf records come from
+fnckpt._format.leaves.encode_leaf, manifests are built here as a writer would (README "Format")."""
 
 import collections
 import hashlib
@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fnckpt import CheckpointError
-from fnckpt import _leaves, _manifest, _records, _tree
+from fnckpt._format import (leaves as _leaves, manifest as _manifest, records as _records,
+                            tree as _tree)
 
 LOC = "/ckpt/7"
 DATA = "data-" + "0123456789abcdef" * 2

@@ -13,7 +13,7 @@ import time
 import pytest
 import tensorstore as ts
 
-from fnckpt import _object_stores, _paths
+from fnckpt._io import object_stores as _object_stores, paths as _paths
 from fnckpt._errors import CheckpointError
 
 import servers
@@ -307,7 +307,7 @@ def test_subprocess_with_server_env(request, kind):
   server = request.getfixturevalue(kind)  # env NOT applied in this process
   url = server.unique_url()
   code = textwrap.dedent(f"""
-      from fnckpt import _paths
+      from fnckpt._io import paths as _paths
       kv = _paths.open_kvstore({url!r})
       kv.write("from-child", b"hello").result()
       print(sorted(kv.list().result()))

@@ -348,7 +348,7 @@ def test_each_process_reads_only_its_rows(tmp_path):
 
 def upload(local_dir, url, options):
   """Every file under ``local_dir`` to the directory ``url`` (through TensorStore's kvstore)."""
-  from fnckpt import _paths
+  from fnckpt._io import paths as _paths
   kv = _paths.open_kvstore(url, options)
   for root, _, files in os.walk(local_dir):
     for f in files:
@@ -399,7 +399,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.sampled
        use_ocdbt=st.sampled_from([True, False, 1, None]))
 def test_any_metadata_json_is_an_error_or_valid_entries(tree, use_ocdbt):
   """_METADATA is untrusted JSON: parsing gives well-formed entries or a CheckpointError."""
-  from fnckpt import _orbax_in
+  from fnckpt._sources import orbax as _orbax_in
   try:
     entries, options = _orbax_in.parse_metadata(
         {"tree_metadata": tree, "use_ocdbt": use_ocdbt}, "loc")
@@ -455,7 +455,7 @@ def test_a_chunk_or_scalar_larger_than_its_array_is_refused_before_reading(saved
 def test_the_read_budget_charges_whole_chunks(tmp_path):
   """Orbax saved from one device writes the array as one chunk; TensorStore decodes the whole
   chunk for any slice of it: restore charges each slice the chunk-aligned box it overlaps."""
-  from fnckpt import _restore
+  from fnckpt._restore import restore as _restore
   value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   path = str(tmp_path / "one")
   c = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
@@ -474,7 +474,7 @@ def test_the_read_budget_charges_whole_chunks(tmp_path):
 
 
 def test_sequence_indices_are_plain_decimals():
-  from fnckpt import _orbax_in
+  from fnckpt._sources import orbax as _orbax_in
   def meta(key):
     return {"tree_metadata": {"x": {"key_metadata": [{"key": key, "key_type": 1}],
                                     "value_metadata": {"value_type": "scalar"}}}}
@@ -486,7 +486,7 @@ def test_sequence_indices_are_plain_decimals():
 
 def test_metadata_json_limits(tmp_path):
   """_METADATA over 64 MiB, with too many maps, or with a key path of over 64 keys."""
-  from fnckpt import _orbax_in
+  from fnckpt._sources import orbax as _orbax_in
   assert _orbax_in.MAX_JSON_BYTES == 64 << 20
   with pytest.raises(fnckpt.CheckpointError, match=r"_METADATA holds more than 1048576 JSON "
                      r"maps"):

@@ -178,7 +178,7 @@ def test_arrays_on_one_process_save_process_0s_value(tmp_path):
 
 
 def _valid_values_file():
-  from fnckpt import _perprocess
+  from fnckpt._format import perprocess as _perprocess
   return _perprocess.encode([((("dict", "loader"),), fnckpt.PerProcess(
       {"epoch": 3, "pos": np.arange(4), "rng": np.random.default_rng(1), "name": "a",
        "big": 2 ** 70, "key": None, "items": [1.5, (2, "x")]}))])
@@ -197,7 +197,7 @@ def test_any_per_process_file_decodes_or_is_a_checkpoint_error(data):
   """Untrusted input: random bytes, and valid files with one field of one record replaced
   (their digest recomputed, so validation itself is exercised): records or CheckpointError,
   never another exception."""
-  from fnckpt import _perprocess
+  from fnckpt._format import perprocess as _perprocess
   if data.draw(st.booleans()):
     raw = data.draw(st.binary(max_size=64))
   else:

@@ -19,7 +19,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _layout, _manifest, _pieces, _pieces_read
+from fnckpt._layout import chunks as _layout, pieces as _pieces
+from fnckpt._format import manifest as _manifest
+from fnckpt._sources import pieces as _pieces_read
 from fnckpt._errors import DamagedError
 
 MiB = 1 << 20
@@ -41,7 +43,7 @@ def _pieces_up_to_8_mib():
 def test_default_threshold_is_a_pack_inner_chunk(tmp_path, monkeypatch):
   """By default a device shard of at most 1 MiB is a piece, a larger one its own zarr array
   (whose inner chunks serve resharded reads)."""
-  from fnckpt import _packing
+  from fnckpt._layout import packing as _packing
   monkeypatch.setattr(_pieces, "PIECE_BYTES", 1 << 20)
   assert _pieces.PIECE_BYTES == _packing.PACK_INNER_BYTES
   mesh = _mesh()

@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from fnckpt._retention import Policy, keep, to_delete
+from fnckpt._manager.retention import Policy, keep, to_delete
 
 CASES = [
     # (steps, policy, metrics, protect, kept)

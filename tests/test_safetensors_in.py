@@ -166,7 +166,7 @@ def test_a_sharded_restore_reads_each_row_once(tmp_path):
   assert same(got["big"], big)
   # the 8-byte length, the header, the 1-byte end check, then big's bytes once
   assert big.nbytes <= used <= big.nbytes + header + 8 + 1, (used, big.nbytes, header)
-  from fnckpt import _foreign
+  from fnckpt._sources import detect as _foreign
   opened = _foreign.open_foreign(path, None)
   rec = next(r for r in opened.manifest.leaves if r.path == (("dict", "big"),))
   before = bytes_read()
@@ -323,7 +323,7 @@ def test_same_tensor_in_two_files_and_nothing_there(tmp_path):
 
 def test_memory_location(one_file):
   """Through TensorStore's kvstore, so other backends work the same (memory:// here)."""
-  from fnckpt import _paths
+  from fnckpt._io import paths as _paths
   kv = _paths.open_kvstore("memory://st")  # fnckpt's process-wide memory:// store
   kv.write("model.safetensors", open(one_file, "rb").read()).result()
   assert_tree_equal(fnckpt.restore("memory://st/model.safetensors"), nested(TENSORS))
@@ -337,7 +337,7 @@ def test_memory_location(one_file):
 def test_a_file_changed_after_its_header_was_read(tmp_path):
   """A file truncated between opening and reading: an error naming the tensor, never
   garbage."""
-  from fnckpt import _foreign
+  from fnckpt._sources import detect as _foreign
   path = str(tmp_path / "m.safetensors")
   save_file({"w": np.arange(1000, dtype=np.float32)}, path)
   opened = _foreign.open_foreign(path, None)
@@ -382,7 +382,7 @@ def test_any_header_damage_is_an_error_or_a_valid_header(data):
   """Flipped, replaced, inserted or removed header bytes, and any cut of the file: parsing
   (and checking the file's length against the header) raises CheckpointError or gives tensors
   that tile the file's data exactly; never another exception."""
-  from fnckpt import _safetensors_in as sti
+  from fnckpt._sources import safetensors as sti
   raw = bytearray(_small_file())
   n = struct.unpack("<Q", raw[:8])[0]
   edit = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "cut"]))
@@ -491,7 +491,7 @@ def test_a_column_sharded_tensor_is_read_once_in_bounded_blocks(tmp_path):
   bytes, so whole rows are read, in blocks of 1 MiB, each block once for all 8 slices (the
   old reader read the whole tensor per slice: 8x). Each slice is charged its own bytes and
   two blocks; a budget smaller than one slice still restores it exactly."""
-  from fnckpt import _foreign, _safetensors_in
+  from fnckpt._sources import detect as _foreign, safetensors as _safetensors_in
   x = np.random.default_rng(0).standard_normal((8192, 256)).astype(np.float32)   # 8 MiB
   path = str(tmp_path / "c.safetensors")
   save_file({"x": x}, path)
@@ -523,7 +523,7 @@ def test_a_column_sharded_tensor_is_read_once_in_bounded_blocks(tmp_path):
 def test_header_and_index_limits(tmp_path):
   """Too many tensors (counted before parsing), names of over 64 parts, dims whose bytes
   overflow even when another dim is 0."""
-  from fnckpt import _safetensors_in
+  from fnckpt._sources import safetensors as _safetensors_in
   many = b"{" + b",".join(b'"t%d":{}' % i for i in range(_safetensors_in.MAX_TENSORS + 2)) + b"}"
   with pytest.raises(fnckpt.CheckpointError, match=r"its header holds more than 262144 "
                      r"tensors"):
@@ -570,7 +570,8 @@ def test_random_slices_through_the_reader_equal_numpy(monkeypatch):
   """Random tensors (0-4 dims, some empty), random groups of slices queued together, small
   blocks (BLOCK_BYTES patched down so a group reads many): every slice equals numpy's."""
   import random
-  from fnckpt import _records, _safetensors_in as S
+  from fnckpt._format import records as _records
+  from fnckpt._sources import safetensors as S
   rng = random.Random(0)
   kv = ts.KvStore.open("memory://").result()
   for trial in range(400):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import fnckpt
-from fnckpt import _paths, _tiers
-from fnckpt import _pieces
+from fnckpt._io import paths as _paths
+from fnckpt._manager import tiers as _tiers
+from fnckpt._layout import pieces as _pieces
 from fnckpt._errors import DamagedError
 
 from test_health import flip_bytes, state_of, truncate_manifest

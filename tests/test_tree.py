@@ -1,4 +1,4 @@
-"""fnckpt._tree: pytrees <-> key paths, rebuilding from key paths, structure diffs. Pure: no
+"""fnckpt._format.tree: pytrees <-> key paths, rebuilding from key paths, structure diffs. Pure: no
 files, no devices."""
 
 import collections
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnckpt import CheckpointError, TreeMismatchError
-from fnckpt import _tree
+from fnckpt._format import tree as _tree
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 

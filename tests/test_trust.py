@@ -15,7 +15,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt import _manifest, _save, _store
+from fnckpt._format import manifest as _manifest
+from fnckpt._io import arrays as _store, paths as _paths
+from fnckpt._save import save as _save
 from fnckpt._errors import DamagedError
 
 
@@ -69,7 +71,7 @@ def test_restore_overlapping_an_overwrite_is_old_or_an_error(tmp_path, monkeypat
     action = lambda: fnckpt.save(tree(2.0), path, overwrite=True).wait()  # noqa: E731
   else:
     action = lambda: fnckpt.CheckpointManager(str(tmp_path)).delete(0) if False else \
-        __import__("fnckpt._paths", fromlist=["x"]).delete_prefix(path, first=("COMMIT",))  # noqa
+        _paths.delete_prefix(path, first=("COMMIT",))
   _patch_first_read(monkeypatch, action)
   try:
     got = fnckpt.restore(path)
@@ -176,7 +178,7 @@ def test_a_failure_after_the_marker_says_the_checkpoint_is_committed(tmp_path, m
 def test_unreported_failure_makes_the_exit_status_nonzero(tmp_path):
   code = (
       "import numpy as np, fnckpt\n"
-      "from fnckpt import _save\n"
+      "from fnckpt._save import save as _save\n"
       "def hook(p):\n"
       "  if p == 'written': raise OSError('injected')\n"
       "_save._phase = hook\n"
@@ -248,7 +250,7 @@ def test_a_packed_leaf_larger_than_memory_is_refused_not_allocated(tmp_path):
 def test_a_committed_barrier_timeout_says_the_checkpoint_is_committed():
   """A failure after the marker was written (here: the last barrier's deadline, as a
   CheckpointError) keeps its type and says the checkpoint is committed."""
-  from fnckpt import _writer
+  from fnckpt._save import writer as _writer
   err = _writer._with_commit_state(fnckpt.BarrierTimeoutError(
       "Barrier 'committed' of the save to 'x' failed. Nothing was committed; earlier "
       "checkpoints are intact."), True)

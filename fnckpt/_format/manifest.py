@@ -1,0 +1,118 @@
+"""PURE: the manifest and commit marker <-> msgpack bytes; versioning; validation.
+
+The manifest is one msgpack map (schema in README "Format"). The commit marker holds the
+manifest's SHA-256, so a reader trusts a manifest only if the marker names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgpack
+
+from . import records as _records
+from .._errors import CheckpointError, DamagedError
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
+           "encode_commit", "decode_commit", "digest", "check_msgpackable"]
+
+FORMAT_NAME = "fnckpt"
+FORMAT_VERSION = 2
+MANIFEST = "manifest.msgpack"
+COMMIT = "COMMIT"
+DATA_DIR = "d"              # format 1: arrays at d/<n>/
+DATA_PREFIX = "data-"       # format 2: a save's data under data-<32 hex digits>/
+
+
+def _pack(obj: Any) -> bytes:
+  return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+
+
+def unpack(data: bytes) -> Any:
+  """msgpack bytes -> Python data (maps with int keys kept, lists for arrays)."""
+  return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
+def digest(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def check_msgpackable(value: Any, where: str) -> None:
+  """Raise a clear error unless ``value`` is plain msgpack data (None, bool, int, float, str,
+  bytes, lists/tuples and dicts with str/int keys of these)."""
+  if value is None or isinstance(value, (bool, float, str, bytes)):
+    return
+  if isinstance(value, int):
+    if not -(1 << 63) <= value < (1 << 64):
+      raise CheckpointError(f"{where}: integer {value} does not fit in 64 bits; store it as a str.")
+    return
+  if isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      check_msgpackable(v, f"{where}[{i}]")
+    return
+  if isinstance(value, dict):
+    for k, v in value.items():
+      if not isinstance(k, (str, int)):
+        raise CheckpointError(f"{where}: key {k!r} must be str or int.")
+      check_msgpackable(v, f"{where}[{k!r}]")
+    return
+  raise CheckpointError(
+      f"{where}: value of type {type(value).__name__} cannot be stored as metadata; use "
+      "None, bool, int, float, str, bytes, lists and dicts of these.")
+
+
+def encode(manifest: dict[str, Any]) -> bytes:
+  """Manifest dict -> bytes.
+
+  >>> m = {"format": "fnckpt", "version": 2, "created": 0.0, "process_count": 1,
+  ...      "versions": {}, "metadata": None, "data": "data-0", "packs": [], "leaves": []}
+  >>> decode(encode(m), "x").version
+  2
+  """
+  return _pack(manifest)
+
+
+def decode(data: bytes, location: str) -> _records.Manifest:
+  """Bytes -> validated :class:`_records.Manifest`: a clear error for corrupt bytes, a foreign
+  file, a checkpoint from a newer format version, or any invalid field."""
+  try:
+    manifest = unpack(data)
+  except Exception as e:  # msgpack raises several unrelated types
+    raise DamagedError(
+        f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
+        "cannot be read; restore an earlier one.") from None
+  _check_header(manifest, location, "manifest")
+  return _records.parse(manifest, location, FORMAT_VERSION)
+
+
+def _check_header(obj: Any, location: str, what: str) -> None:
+  if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+    raise DamagedError(
+        f"The {what} of {location!r} is corrupt or not an fnckpt {what} (no "
+        f"'format': '{FORMAT_NAME}' header).")
+  version = obj.get("version")
+  if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    raise DamagedError(f"The {what} of {location!r} is corrupt: no format version.")
+  if version > FORMAT_VERSION:
+    raise CheckpointError(
+        f"{location!r} was written in fnckpt format version {version}, newer than this fnckpt "
+        f"reads (up to {FORMAT_VERSION}). Upgrade fnckpt: pip install -U fnckpt.")
+
+
+def encode_commit(manifest_bytes: bytes, committed_at: float) -> bytes:
+  """The commit marker: names the manifest it commits by hash."""
+  return _pack({"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                "manifest_sha256": digest(manifest_bytes), "committed": committed_at})
+
+
+def decode_commit(data: bytes, location: str) -> dict[str, Any]:
+  try:
+    commit = unpack(data)
+  except Exception as e:
+    raise DamagedError(f"The commit marker of {location!r} is corrupt ({e}).") from None
+  _check_header(commit, location, "commit marker")
+  if not isinstance(commit.get("manifest_sha256"), str) or not isinstance(
+      commit.get("committed", 0.0), (int, float)):
+    raise DamagedError(f"The commit marker of {location!r} is corrupt: no manifest hash.")
+  return commit

@@ -1,0 +1,111 @@
+"""Which step a manager restores, from which tier, and what to do when a copy is damaged.
+
+:class:`Recovery` answers the manager's reading questions over one or two tiers
+(:mod:`fnckpt._manager.tiers`): the steps there are, the newest step every process can restore
+(collective: the processes exchange their local steps, process 0 decides with the pure
+:func:`fnckpt._manager.tiers.choose`), and restoring a step: from this process's local copy when
+it has one, else the durable one; a damaged local copy is marked and the durable copy of the
+same step read instead. A step damaged in every copy it has goes to
+:mod:`fnckpt._manager.health`'s fallback (warn, mark, try the next older step on every process).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .._io import coordination as _coordination
+from . import health as _health, tiers as _tiers
+from .claims import StepClaims
+from .._errors import DamagedError
+from .steps import StepIndex
+
+__all__ = ["Recovery"]
+
+
+class Recovery:
+  """The reading side of a manager: ``index`` (durable), ``local`` (a
+  :class:`fnckpt._manager.tiers.LocalTier` or ``None``), ``claims`` (steps being saved or read),
+  the manager's barrier deadline."""
+
+  def __init__(self, index: StepIndex, local: _tiers.LocalTier | None, claims: StepClaims,
+               timeout_s: float):
+    self.index, self.local, self.claims, self.timeout_s = index, local, claims, timeout_s
+
+  def steps(self) -> list[int]:
+    """The committed steps of both tiers (this process's local view), oldest first."""
+    saving = self.claims.saving()
+    durable = set(self.index.list(in_flight=saving).steps)
+    local = set(self.local.index.list(in_flight=saving).steps) if self.local else set()
+    return sorted(durable | local)
+
+  def index_of(self, step: int) -> StepIndex:
+    """The tier that holds ``step`` on this process: local if it has it, else durable."""
+    if self.local is not None and step in self.local.index.list().steps:
+      return self.local.index
+    return self.index
+
+  def _local_steps(self) -> list[list[int]]:
+    """Every process's local steps (collective), or ``[]`` with no local tier."""
+    if self.local is None:
+      return []
+    mine = self.local.index.list(in_flight=self.claims.saving()).steps
+    return _coordination.all_gather(self.index.root, "local-steps", mine, self.timeout_s)
+
+  def _newest(self, local_steps: list[list[int]], skipped: set[int]) -> int | None:
+    self.claims.wait_saved()
+    durable = self.index.list(in_flight=self.claims.saving()).steps
+    return _tiers.choose(local_steps, durable, skipped)
+
+  def agreed_latest(self) -> int | None:
+    """The newest step every process can restore (collective; process 0 decides)."""
+    local_steps = self._local_steps()
+    return _coordination.from_process_0(self.index.root, "latest",
+                                        lambda: self._newest(local_steps, set()), self.timeout_s)
+
+  def restore_latest(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
+    """``(value, step)`` of the newest step no process finds damaged (collective)."""
+    local_steps = self._local_steps()
+    return _health.restore_newest_valid(
+        self.index.root, lambda skipped: self._newest(local_steps, skipped),
+        lambda step: self.restore(step, target, kwargs), self._mark, self.timeout_s)
+
+  def _mark(self, step: int, damage: str) -> None:
+    for index in (self.index, self.local.index if self.local else None):
+      if index is not None:
+        _health.mark_step(index.root, step, damage, index.storage_options)
+        index.forget(step)
+
+  def restore(self, step: int, target: Any, kwargs: dict[str, Any],
+              explicit: bool = False) -> Any:
+    """Restore ``step`` on this process: the local copy if it has one (unmarked), else the
+    durable one; a damaged local copy is marked, with a warning, and the durable one read."""
+    self.claims.wait_saved(step)
+    with self.claims.reading(step):  # retention and delete() leave it alone meanwhile
+      if self.local is not None and step in self.local.index.list().steps:
+        try:
+          return _restore_at(self.local.index, step, target, kwargs)
+        except DamagedError as e:
+          if step not in self.index.list().steps:
+            raise
+          self._local_damaged(step, e)
+      if explicit:
+        _health.refuse_marked(self.index, step)
+      return _restore_at(self.index, step, target, kwargs)
+
+  def _local_damaged(self, step: int, error: DamagedError) -> None:
+    root = self.local.index.root
+    try:
+      _health.mark_step(root, step, str(error), self.local.index.storage_options)
+      self.local.index.forget(step)
+    except Exception:  # only a memo: the durable copy is read regardless
+      pass
+    warnings.warn(f"The local copy of step {step} in {self.local.index.display!r} is damaged: "
+                  f"{error} Reading the durable copy in {self.index.display!r} instead; the "
+                  f"local copy is marked damaged.", RuntimeWarning, stacklevel=5)
+
+
+def _restore_at(index: StepIndex, step: int, target: Any, kwargs: dict[str, Any]) -> Any:
+  import fnckpt  # the public restore; imported late (fnckpt imports this module)
+  return fnckpt.restore(index.path(step), target, storage_options=index.storage_options,
+                        **kwargs)

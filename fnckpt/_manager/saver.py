@@ -1,0 +1,205 @@
+"""The manager's save pipeline: whether a step is saved and to which tiers, the collective
+save, and the background work after its commit (the durable copy, retention).
+
+One save of step ``s``: due on the durable interval (:class:`fnckpt._manager.interval.Cadence`, or
+``force``, or the preemption step) and/or the local one (:class:`fnckpt._manager.tiers.TierPolicy`);
+process 0 checks that it may be saved in both tiers (not older than the newest, not in
+flight, not committed unless ``force``; a damaged step is replaced like a leftover) and, with
+``"auto"``, whether the previous durable save is still writing (then this one is skipped),
+and publishes that for every process (keyed on the durable step). Then :func:`fnckpt.save`
+goes to the local tier if there is one, except a durable step with several processes, which
+goes to the durable one (as without a local tier). After the commit, in a background thread:
+with one process a durable step saved locally is copied to the durable tier
+(:meth:`fnckpt._manager.tiers.LocalTier.copy_to_durable`; a later durable save waits for it), the
+save's cost is measured, process 0 runs the durable tier's retention and every process its
+own local tier's. No cross-process wait covers a copy (copies happen with one process only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Mapping
+
+import jax
+
+from .._io import commit as _commit, coordination as _coordination, paths as _paths
+from . import interval as _interval, lineage as _lineage, steps as _steps, tiers as _tiers
+from .claims import StepClaims
+from .._errors import CheckpointError, DamagedError
+from .preemption import Preemption
+from .retention_runner import Background, RetentionError, RetentionRunner
+
+__all__ = ["Saver"]
+
+
+class Saver:
+  """Starts a manager's saves and their background work (see the module docstring)."""
+
+  def __init__(self, index: _steps.StepIndex, local: _tiers.LocalTier | None,
+               claims: StepClaims, cadence: _interval.Cadence, preemption: Preemption,
+               background: Background, retention: RetentionRunner,
+               save_options: Mapping[str, Any], timeout_s: float,
+               incremental: _lineage.Incremental | None = None):
+    self.index, self.local, self.claims, self.cadence = index, local, claims, cadence
+    self.incremental = incremental or _lineage.Incremental(False, None)
+    self.preemption, self.background, self.retention = preemption, background, retention
+    self.save_options, self.timeout_s = dict(save_options), timeout_s
+    self.last_saved: int | None = None
+
+  def due(self, step: int) -> bool:
+    """Whether ``step`` is on an interval (durable or local)."""
+    return self.cadence.due(step) or (self.local is not None and self.local.policy.local_due(step))
+
+  def save(self, step: int, tree: Any, user: Callable[[], Any], force: bool) -> Any:
+    """Save ``step`` (``user()``: its manifest metadata) if it is due; its handle or None."""
+    urgent = force or self.preemption.is_save_step(step)
+    durable = urgent or self.cadence.due(step)
+    local = self.local is not None and self.local.policy.local_due(step)
+    if not (durable or local):
+      return None
+    metadata = user()
+
+    def decide() -> dict[str, Any]:
+      for index in [self.index] + ([self.local.index] if self.local else []):
+        _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
+        _lineage.check_replace(index, self.claims, step,  # (do other steps refer to it?)
+                               self.incremental)
+      busy = self.local.pending if self._copies() else self.claims.saving()
+      return self.cadence.decide(busy=bool(busy)) if durable else {}
+
+    # Decided on process 0 for all: every process calls the collective save, or none does.
+    # Keyed on the durable location (local path strings may differ between hosts).
+    decision = _coordination.from_process_0(self.index.path(step), "may-save", decide,
+                                            self.timeout_s)
+    if durable:
+      self.cadence.apply(step, {**decision, "save": decision["save"] or urgent})
+      durable = decision["save"] or urgent  # "auto": skipped while the previous one writes
+    if not (durable or local):
+      return None
+    if durable and self._copies():  # back-pressure: one durable copy pending at a time
+      self.cadence.waited(self.local.wait_copied())
+    return self._start(step, tree, self._where(durable), metadata, durable)
+
+  def _copies(self) -> bool:
+    """Whether durable steps are saved to the local tier and copied from there: only with
+    one process (several processes save durable steps to ``directory`` themselves, each its
+    own chunks: a per-host local tier holds only its host's chunks)."""
+    return self.local is not None and not _coordination.multi()
+
+  def _where(self, durable: bool) -> _steps.StepIndex:
+    """The tier a save goes to: the local one if there is one, except for a durable step
+    with several processes (saved to ``directory``, as without tiers)."""
+    if self.local is not None and (self._copies() or not durable):
+      return self.local.index
+    return self.index
+
+  def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
+             durable: bool) -> Any:
+    from .._save import save as _save
+    inc = self.incremental  # the base: the newest committed step where this save goes
+    # (claimed till committed); not with local tiers of several processes (each host's
+    # local directory may hold only its own chunks: see fnckpt._manager.tiers)
+    base = (inc.choose(index, self.claims, step, self.timeout_s)
+            if not (self.local and jax.process_count() > 1) else None)
+    self.claims.claim_save(step)  # retention and deletes leave it alone from here
+    try:
+      # A local tier's barriers are keyed on the durable step (per-host paths may differ).
+      key = None if index is self.index else _paths.join(self.index.path(step), "(local-tier)")
+      handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
+                           storage_options=index.storage_options, **self.save_options,
+                           base=index.path(base.step) if base else None,
+                           hashes=inc.enabled, barrier_location=key)
+    except BaseException:
+      self.claims.release_save(step)
+      inc.release(base)
+      raise
+    self.claims.set_handle(step, handle)
+    self.last_saved = step
+    if self.local and durable and index is not self.index:
+      self.local.begin(step)
+    self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
+                          step, handle, durable, index, base)
+    return handle
+
+  def _copy(self, step: int) -> float:
+    try:
+      return self.local.copy_to_durable(step)
+    except Exception as e:
+      error = _copy_error(step, self.local, e)
+      warnings.warn(str(error), RuntimeWarning, stacklevel=1)
+      raise error from e
+
+  def _after_commit(self, step: int, handle: Any, durable: bool,
+                    index: _steps.StepIndex, base: Any = None) -> None:
+    """Background: wait for the save's commit (the step's claim ends there); copy it to the
+    durable tier if it was saved to the local one for that (one process; with the data of
+    other steps it refers to); then retention (never while a copy runs: it may be bringing
+    referenced data): the durable tier's on process 0, each process's own local tier on every
+    process. The base stays claimed until then."""
+    try:
+      try:
+        handle.wait()
+      finally:  # the claim covers the commit, not the copy (pending guards the copy)
+        self.claims.release_save(step, handle)
+      index.note_committed(step)
+      cost = handle.stats.total_s
+      if durable and index is not self.index:
+        cost += self._copy(step)
+        self.index.note_committed(step)
+      if durable:
+        self.cadence.committed(cost)
+    except BaseException as e:
+      self.background.record(e)
+      return
+    finally:
+      self.incremental.release(base)
+      if self.local:
+        self.local.finish(step)
+    if jax.process_index() == 0:  # errors are recorded (and warned about) by Background
+      with self.local.copying if self.local else contextlib.nullcontext():
+        self.retention.run()
+    if self.local:
+      self.local.retain(self.claims)
+
+
+def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> RetentionError:
+  """A failed durable copy, as background work that ``wait()`` raises (a
+  :class:`RetentionError`); the text says where the step is left, by cause."""
+  kept = False
+  if not isinstance(error, DamagedError):  # damaged or incomplete: not restorable there
+    try:
+      kept = step in local.index.list().steps
+    except Exception:  # the local tier itself is unreadable
+      pass
+  where = (f"Step {step} is committed on the local tier only; the next durable save is copied "
+           f"as usual (or save it again with force=True)." if kept else
+           f"The local copy of step {step} is gone, damaged or incomplete, so step {step} is "
+           "restorable from neither tier (nothing was committed in the durable one; its older "
+           "steps are unaffected): save a new step, or this one again with force=True.")
+  return RetentionError(
+      f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
+      f"{_paths.display(local.durable_root)!r} failed: {error} {where}")
+
+
+def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,
+                    force: bool) -> None:
+  """save(): refuse an older step, one being saved, or one committed already (unless
+  ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
+  if force:
+    return
+  directory = index.display
+  newest = max(claims.saving() | {index.newest_known() or -1})
+  if newest > step:
+    raise CheckpointError(
+        f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
+        "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True.")
+  handle = claims.handle(step)
+  if handle is not False and (handle is None or not handle.done()):
+    raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
+                          "force=True to replace it.")
+  if (_commit.is_committed(_paths.open_kvstore(index.path(step), index.storage_options))
+      and step not in index.list().damaged):  # a damaged step is replaced like a leftover
+    raise CheckpointError(
+        f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
+        "or save a new step.")

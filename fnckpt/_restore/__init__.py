@@ -1,0 +1,6 @@
+"""Layer 5, restore: ``restore()`` and ``metadata()`` with their public metadata types
+(``restore``), and ``target_from_metadata`` (``target``).
+
+May import: ``_sources``, ``_io``, ``_format``, ``_layout`` and ``fnckpt._errors`` /
+``fnckpt._version``.
+"""

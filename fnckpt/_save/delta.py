@@ -1,0 +1,351 @@
+"""The writer's half of content hashes and incremental saves (``save(base=...)``).
+
+In the background writer thread, never on the caller's path: with ``hashing`` (a save with a
+base, or a save of an incremental manager; not a plain save) every stored chunk and packed leaf
+is hashed (SHA-256 of its bytes); a chunk or packed leaf of a leaf that may reuse its base's
+data (:mod:`fnckpt._format.refs`) is hashed *before* writing and not written when it equals the
+base's. Packed leaves that changed go into this process's pack *segments* (packs laid out by the
+writer, ``<data>/q/<process>/<k>``). Then :func:`conclude` (collective): every process's
+:class:`~fnckpt._format.refs.Report` goes to process 0, which decides which candidate leaves
+changed (any process saw a changed chunk), shares that, and builds the manifest; each process
+copies the base's chunks it skipped of a leaf that changed elsewhere (so every stored array
+stays whole in one directory), and process 0 writes the ``zarr.json`` of those leaves.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+from .._layout import packing as _packing
+from .._format import manifest as _manifest, refs as _refs
+from .._io import collective as _collective, arrays as _store
+from .._errors import CheckpointError
+
+__all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
+
+
+@dataclasses.dataclass
+class PackLeaf:
+  """A staged candidate packed leaf (``staged``: an object with ``nbytes`` and ``raw()``)."""
+  leaf: int
+  staged: Any
+  cost: int
+  expect: bytes
+
+
+@dataclasses.dataclass
+class Plan:
+  """What concluding a save needs from its plan (see ``fnckpt._save.save``)."""
+  records: list[dict[str, Any]]
+  packs: list[dict[str, Any]]
+  stored: dict[int, _refs.StoredCand]
+  packed: dict[int, _refs.PackCand]
+  store_specs: dict[int, dict[str, Any]]      # leaf -> its zarr spec (candidates)
+  store_dirs: dict[int, str]                  # leaf -> its own store dir (candidates)
+  kv_spec: dict[str, Any]
+  data_dir: str
+  build: Callable[[list, list, list], bytes] | None   # process 0: records, packs, bases -> bytes
+  check_base: Callable[[], None] | None = None        # raises if the base is gone
+
+
+# Threads hashing chunks beside the writer thread (hashlib releases the GIL).
+HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+class _Countdown:
+  """Call ``fn`` once after ``n`` calls (from any threads)."""
+
+  def __init__(self, n: int, fn: Callable[[], None]):
+    self._n, self._fn, self._lock = n, fn, threading.Lock()
+
+  def __call__(self) -> None:
+    with self._lock:
+      self._n -= 1
+      last = self._n == 0
+    if last:
+      self._fn()
+
+
+class Delta:
+  """One save's hashing state in the writer thread."""
+
+  def __init__(self, kv_spec: dict[str, Any], ctx: ts.Context, data_dir: str, me: int,
+               release: Callable[[int], None], segment_bytes: int, hashing: bool = True,
+               budget: _store.ByteBudget | None = None):
+    self.hashing = hashing   # record hashes of what is written (a plain save: no; see save.py)
+    self.report = _refs.Report()
+    self.skipped: list[tuple[int, int, int]] = []   # (leaf, chunk pos, bytes) not written
+    self.skipped_bytes = 0
+    self.copied_bytes = 0     # (array bytes, as skipped_bytes: of the chunks copied after all)
+    self.copied_chunks = 0
+    self.budget = budget      # copies of skipped chunks hold it while in flight
+    self.written_bytes = 0
+    self.reused_pack_bytes = 0
+    self.skipped_chunks = 0
+    self._kv_spec, self._ctx, self._dir, self._me = kv_spec, ctx, data_dir, me
+    self._release = release
+    self._limit = segment_bytes
+    self._buffer: list[PackLeaf] = []
+    self._hashers: dict[int, Any] = {}
+    self._lock = threading.Lock()
+    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._jobs: list[concurrent.futures.Future] = []
+    self._writes: list[ts.Future] = []
+
+  # stored chunks ------------------------------------------------------------------------
+
+  def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
+            host: np.ndarray, write: Callable[[], ts.Future],
+            expect_fp: bytes | None = None) -> None:
+    """Write one staged chunk and hash it, on a small thread pool (hashlib releases the GIL):
+    a candidate's chunk is hashed first and written only if it differs from the base's (a
+    fingerprint that differs from the base's proves a change at a fraction of a hash's cost:
+    then the chunk is written unhashed, recorded as such, and never reused); any other stored
+    chunk is written at once and hashed meanwhile. Its budget ``cost`` is given back once it
+    is both hashed and durable (or skipped)."""
+    if leaf is None or (expect is None and not self.hashing):
+      self._track(write(), cost)
+      return
+    if expect is None:
+      fut = write()
+      done = _Countdown(2, lambda: self._release(cost))
+      fut.add_done_callback(lambda _f: done())
+      with self._lock:
+        self._writes.append(fut)
+      self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
+      return
+    self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
+                                          cost, write, expect_fp))
+
+  def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
+    try:
+      h = _refs.array_digest(host) + _refs.fingerprint(host)
+      with self._lock:
+        self.report.chunks.setdefault(leaf, {})[pos] = h
+    finally:
+      done()
+
+  def _decide(self, leaf, pos, host, expect, nbytes, cost, write, expect_fp) -> None:
+    try:
+      fp = _refs.fingerprint(host)
+      if expect_fp is not None and fp != expect_fp:
+        h = _refs.NO_HASH  # changed for sure: not worth a hash (never reused then)
+      else:
+        h = _refs.array_digest(host)
+    except BaseException:
+      self._release(cost)
+      raise
+    with self._lock:
+      self.report.chunks.setdefault(leaf, {})[pos] = h + fp
+      same = h == expect and h != _refs.NO_HASH
+      if same:
+        self.skipped.append((leaf, pos, nbytes))
+        self.skipped_bytes += nbytes
+        self.skipped_chunks += 1
+      else:
+        self.report.changed.add(leaf)
+    if same:
+      self._release(cost)
+      return
+    self._track(write(), cost)
+
+  def _track(self, fut: ts.Future, cost: int) -> None:
+    fut.add_done_callback(lambda _f: self._release(cost))
+    with self._lock:
+      self._writes.append(fut)
+
+  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._executor is None:
+      self._executor = concurrent.futures.ThreadPoolExecutor(
+          max_workers=HASH_THREADS, thread_name_prefix="fnckpt-hash")
+    return self._executor
+
+  def settle(self) -> list[ts.Future]:
+    """Wait for every hashing job (raising the first failure); the writes started."""
+    try:
+      for job in self._jobs:
+        job.result()
+    finally:
+      if self._executor is not None:
+        self._executor.shutdown(wait=True)
+        self._executor = None
+    with self._lock:
+      return list(self._writes)
+
+  def hash_piece(self, leaf: int, data: np.ndarray) -> None:
+    """Bytes of a leaf in a (plan-laid) pack, in order."""
+    import hashlib
+    if not self.hashing:
+      return
+    self._hashers.setdefault(leaf, hashlib.sha256()).update(memoryview(data))
+
+  # pack segments ------------------------------------------------------------------------
+
+  def pack_leaf(self, item: PackLeaf) -> list[ts.Future]:
+    h = _refs.digest(memoryview(item.staged.raw()))
+    if h == item.expect:
+      self.report.maybe[item.leaf] = (h, -1, 0)
+      self.reused_pack_bytes += item.staged.nbytes
+      self._release(item.cost)
+      return []
+    self.report.maybe[item.leaf] = (h, len(self.report.segments), sum(
+        b.staged.nbytes for b in self._buffer))
+    self._buffer.append(item)
+    if sum(b.staged.nbytes for b in self._buffer) >= self._limit:
+      return self.flush()
+    return []
+
+  def finish(self) -> list[ts.Future]:
+    """The queue is done: the last segment, and the hashes of the plan-laid packs' leaves."""
+    for i, h in self._hashers.items():
+      self.report.packed[i] = h.digest()
+    self._hashers = {}
+    return self.flush()
+
+  def flush(self) -> list[ts.Future]:
+    """Write the buffered changed packed leaves as one pack segment."""
+    items, self._buffer = self._buffer, []
+    if not items:
+      return []
+    n = sum(b.staged.nbytes for b in items)
+    padded, chunk, inner = _packing.assign([_packing.PackItem(0, n, 0)], 1).sizes[0]
+    k = len(self.report.segments)
+    d = f"{self._dir}/q/{self._me}/{k}"
+    spec = _store.pack_spec(self._kv_spec, d, padded, chunk, inner)
+    try:
+      store = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
+                                mode="create").result()
+    except BaseException:
+      self._release(sum(b.cost for b in items))
+      raise
+    self.report.segments.append((d, padded, chunk, inner))
+    futures = []
+    for start in range(0, padded, chunk):
+      end = min(start + chunk, padded)
+      futures.append(_store.write_chunk(store, ((start, end),), _assemble(items, start, end)))
+    self.written_bytes += padded
+    cost = sum(b.cost for b in items)
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_f: Any) -> None:
+      with lock:
+        left[0] -= 1
+        last = left[0] == 0
+      if last:
+        self._release(cost)
+
+    for f in futures:
+      f.add_done_callback(done)
+    return futures
+
+
+def _assemble(items: list[PackLeaf], start: int, end: int) -> np.ndarray:
+  buf = np.zeros(end - start, np.uint8)
+  offset = 0
+  for b in items:
+    lo, hi = max(offset, start), min(offset + b.staged.nbytes, end)
+    if lo < hi:
+      buf[lo - start:hi - start] = b.staged.raw()[lo - offset:hi - offset]
+    offset += b.staged.nbytes
+  return buf
+
+
+def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvStore,
+             ctx: ts.Context, location: str) -> bytes | None:
+  """After this process's writes are durable (collective): share the reports, decide, copy
+  skipped chunks of changed leaves, write their zarr.json; process 0 returns the manifest."""
+  gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(),
+                                                     use_bin_type=True))
+  manifest, changed = None, set()
+  if gathered is not None:  # process 0
+    reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
+    changed = _refs.changed_leaves(reports, plan.stored)
+    records, packs, bases = _refs.finalize(plan.records, plan.packs, reports, plan.stored,
+                                           plan.packed, changed, location)
+    manifest = plan.build(records, packs, bases)
+  changed = set(msgpack.unpackb(session.share("changed", msgpack.packb(sorted(changed)))))
+  futures = _copy_skipped(plan, delta, kv, ctx, changed)
+  if gathered is not None:  # process 0 writes the zarr.json of every stored array
+    futures += [_store.open_array(plan.store_specs[i], ctx, mode="create") for i in sorted(
+        changed)]
+  for f in futures:
+    f.result()
+  if manifest is not None and plan.check_base is not None:
+    plan.check_base()
+  return manifest
+
+
+# Reads of the base's chunks in flight at most while copying them (each also holds its bytes
+# of the save's budget until written).
+COPY_WINDOW = 32
+
+
+def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
+                  changed: set[int]) -> list[ts.Future]:
+  """The base's chunks this process skipped, of leaves that changed elsewhere: copied as
+  stored (same chunk shape and codecs, so the encoded chunk is the same bytes). Reads go
+  out concurrently (at most ``COPY_WINDOW``), each charged to the budget until written."""
+  todo = [(i, pos, n) for i, pos, n in delta.skipped if i in changed]
+  if not todo:
+    return []
+  sources: dict[str, ts.KvStore] = {}
+  loc = _refs.locate(plan.kv_spec)
+  pending: collections.deque = collections.deque()
+  out: list[ts.Future] = []
+  try:
+    for i, pos, n in todo:
+      cand, rec = plan.stored[i], plan.records[i]
+      root = _refs.resolve(loc, cand.base.dir, "the base")
+      if root not in sources:
+        sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
+      key = _refs.chunk_key(pos, rec["store"]["chunks"], rec["shape"])
+      if len(pending) >= COPY_WINDOW:
+        out.append(_copy_one(plan, delta, kv, pending.popleft()))
+      if not _fits(delta.budget, n):
+        while pending:  # our own reads first: their writes give budget back
+          out.append(_copy_one(plan, delta, kv, pending.popleft()))
+      if delta.budget is not None:
+        delta.budget.acquire(n)
+      pending.append((i, f"{cand.dir}/{key}", key, n, sources[root].read(f"{cand.dir}/{key}")))
+    while pending:
+      out.append(_copy_one(plan, delta, kv, pending.popleft()))
+  finally:
+    for item in pending:  # (after a failure) reads never written: their budget
+      if delta.budget is not None:
+        delta.budget.release(item[3])
+  return out
+
+
+def _fits(budget: _store.ByteBudget | None, n: int) -> bool:
+  return budget is None or budget.held == 0 or budget.held + n <= budget.limit
+
+
+def _copy_one(plan: Plan, delta: Delta, kv: ts.KvStore, item: tuple) -> ts.Future:
+  """Write one copied chunk once its read is in; its budget goes back when it is written."""
+  i, src_key, key, n, read = item
+  release = (lambda _f=None: delta.budget.release(n)) if delta.budget is not None else (
+      lambda _f=None: None)
+  try:
+    got = read.result()
+    if got.state != "value":
+      raise CheckpointError(
+          f"The base's chunk {src_key} of leaf {plan.records[i]['path']} is missing: the base "
+          "checkpoint was deleted or damaged during this save. Save again (without base=).")
+    fut = kv.write(f"{plan.store_dirs[i]}/{key}", got.value)
+  except BaseException:
+    release()
+    raise
+  delta.copied_bytes += n
+  delta.copied_chunks += 1
+  fut.add_done_callback(release)
+  return fut

@@ -1,0 +1,156 @@
+"""Save's side of pieces (README "Pieces"): which leaves are pieced, their manifest fields, the
+meshes' process maps, and the chunks this process puts into its pack's pieces region (the
+layout itself is :mod:`fnckpt._layout.pieces`, pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .._layout import chunks as _layout, pieces as _pieces
+from .._errors import CheckpointError
+
+__all__ = ["PackPart", "Planner", "mesh_processes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPart:
+  """Bytes ``[offset, offset + nbytes)`` of this process's pack: record ``leaf``'s bytes
+  (a whole packed leaf, or one chunk of a pieced one), staged by ``make()`` when needed."""
+  offset: int
+  nbytes: int
+  leaf: int
+  make: Callable[[], Any] = dataclasses.field(compare=False)
+  shard: Any = dataclasses.field(default=None, compare=False)  # the device buffer (pieces)
+
+
+@functools.lru_cache(maxsize=16)
+def mesh_processes(mesh: Any) -> np.ndarray:
+  """The process of every device of ``mesh``, C order over mesh positions (once per mesh).
+
+  >>> mesh_processes(jax.make_mesh((1,), ("a",))).tolist()
+  [0]
+  """
+  return np.fromiter((d.process_index for d in mesh.devices.flat), np.int64,
+                     count=mesh.devices.size)
+
+
+@dataclasses.dataclass
+class _Leaf:
+  index: int
+  data: Any
+  info: _layout.ShardingInfo
+  spec: _pieces.PieceLeaf
+
+
+class Planner:
+  """Collects a save's pieced leaves (:meth:`consider`, in leaf order), then lays them out
+  (:meth:`finish`). ``piece_bytes``: the largest shard stored as pieces (0: none).
+
+  >>> p = Planner(piece_bytes=0)
+  >>> p.consider(0, {"kind": "array"}, None), p.finish(), p.meshes
+  (False, {}, [])
+  """
+
+  def __init__(self, piece_bytes: int = _pieces.PIECE_BYTES):
+    self.piece_bytes = piece_bytes
+    self.leaves: list[_Leaf] = []
+    self.meshes: list[list[int]] = []
+    self._mesh_arrays: list[np.ndarray] = []
+    self._mesh_index: dict[bytes, int] = {}
+    self._mesh_of: dict[Any, int] = {}       # per mesh object (each mapped once)
+    self.layout: _pieces.Layout | None = None
+
+  def consider(self, i: int, rec: dict[str, Any], data: Any) -> bool:
+    """Piece record ``i`` if it qualifies (a jax array with a NamedSharding whose shard is
+    non-empty and at most ``piece_bytes``): sets its ``pieces`` and ``sharding.mesh``."""
+    if not self.piece_bytes or rec.get("kind") != "array" or not isinstance(data, jax.Array):
+      return False
+    sharding = data.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      return False
+    info = _layout.sharding_info(sharding)
+    shape, itemsize = tuple(data.shape), np.dtype(data.dtype).itemsize
+    if info is None or len(info.dim_axes) > len(shape):
+      return False
+    try:
+      shard = _layout.shard_shape_of(info, shape)
+    except CheckpointError:
+      return False
+    n = _layout.nbytes(shard, itemsize)
+    if not 0 < n <= self.piece_bytes:
+      return False
+    m = self._mesh(sharding.mesh)
+    dim_axes = info.dim_axes + ((),) * (len(shape) - len(info.dim_axes))
+    spec = _pieces.PieceLeaf(i, m, info.axis_sizes, dim_axes,
+                             _pieces.shift_of(i, info.axis_sizes, dim_axes), shard, n)
+    rec["sharding"] = {**rec["sharding"], "mesh": m}
+    rec["pieces"] = {"chunks": list(shard)}
+    self.leaves.append(_Leaf(i, data, info, spec))
+    return True
+
+  def _mesh(self, mesh: Any) -> int:
+    if mesh in self._mesh_of:
+      return self._mesh_of[mesh]
+    procs = mesh_processes(mesh)
+    key = procs.tobytes()
+    if key not in self._mesh_index:
+      self._mesh_index[key] = len(self.meshes)
+      self.meshes.append(procs.tolist())
+      self._mesh_arrays.append(procs)
+    self._mesh_of[mesh] = self._mesh_index[key]
+    return self._mesh_index[key]
+
+  def finish(self) -> dict[int, int]:
+    """Lay the pieced leaves out; returns each writing process's region bytes."""
+    if not self.leaves:
+      return {}
+    self.layout = _pieces.build(self._mesh_arrays, [l.spec for l in self.leaves],
+                                jax.process_count())
+    return {int(p): int(self.layout.region[p]) for p in np.flatnonzero(self.layout.region)}
+
+  def parts(self, start: int, me: int) -> list[PackPart]:
+    """The chunks this process writes, each at its offset in its pack (its pieces region
+    starts at ``start``)."""
+    out = []
+    for leaf in self.leaves:
+      chunks, at = self.layout.mine(leaf.index, me)
+      units = _units(leaf)
+      if [n for n, _ in units] != chunks.tolist():
+        raise CheckpointError(
+            f"Internal error planning the pieces of leaf #{leaf.index}: this process "
+            f"(#{me}) holds chunks {[n for n, _ in units][:8]} to write, the layout says "
+            f"{chunks.tolist()[:8]}. Please report this; save with compression= to avoid "
+            "pieces meanwhile.")
+      shards = {s.device: s for s in leaf.data.addressable_shards} if units else {}
+      for k, (_, unit) in enumerate(units):
+        shard = shards[unit.device]
+        out.append(PackPart(start + at + k * leaf.spec.nbytes, leaf.spec.nbytes, leaf.index,
+                            functools.partial(_stage_shard, shard, leaf.data.dtype),
+                            shard.data))
+    return out
+
+
+def _units(leaf: _Leaf) -> list[tuple[int, _layout.WriteUnit]]:
+  """(chunk number, unit) of the chunks this process writes, by ``local_writes``' rule (the
+  write plan, cached per leaf: a shard of at most 8 MiB is never split, so its chunk is the
+  shard)."""
+  shape, chunk = tuple(leaf.data.shape), leaf.spec.chunk
+  got, units = _layout.plan_write(leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize,
+                                  salt=leaf.index)
+  if tuple(got) != chunk:
+    layout = _layout.WriteLayout(shape, chunk, _layout.local_shards(leaf.info, shape))
+    units = _layout.local_writes(layout, salt=leaf.index)
+  return sorted((_layout._cell_number(u.index, chunk, shape), u) for u in units)
+
+
+def _stage_shard(shard: Any, dtype: Any) -> Any:
+  """One device shard on the host (a view of a CPU buffer, else the device-to-host copy)."""
+  from .save import _Staged
+  host = np.asarray(shard.data)
+  whole = tuple(slice(0, n) for n in host.shape)
+  return _Staged(tuple(host.shape), np.dtype(dtype), [(whole, host)])

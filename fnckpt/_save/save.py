@@ -1,0 +1,917 @@
+"""save(): plan -> agree across processes -> stage off the devices (under a host-memory budget)
+-> background write (``writer``) -> barrier -> manifest -> barrier -> commit marker. The
+handle; waiting for pending saves; no error is lost."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import hashlib
+import itertools
+import os
+import re
+import sys
+import threading
+import time
+import zlib
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
+from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
+                       refs as _refs, tree as _tree)
+from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
+from . import delta as _delta, pieces as _pieces_save
+from .._errors import CheckpointError
+from .writer import Chunk, Commit, Writer
+
+__all__ = ["save", "wait", "SaveHandle", "SaveStats"]
+
+# Arrays of at most this many bytes are stored inside the manifest (no files of their own).
+INLINE_BYTES = 16 << 10
+
+# Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
+# staged buffer, which the writer drops once TensorStore has copied it into its transaction,
+# then that copy plus the encoded chunk being written (measured: about 2n at the peak).
+CHUNK_COST = 2
+
+
+def default_budget_bytes() -> int:
+  """A quarter of the memory available now (at least 256 MiB)."""
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    available = int(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  return max(256 << 20, available // 4)
+
+
+def _phase(name: str) -> None:
+  """Called as a save passes each phase ("staging", "staged", "written", "manifest",
+  "committing", "committed"). A no-op; fault-injection tests replace it."""
+  del name
+
+
+def _reached(location: str, name: str) -> None:
+  _commit.report(location, name)
+  _phase(name)
+
+
+_budget_lock = threading.Lock()
+_budget: _store.ByteBudget | None = None
+# Saves not yet reported: running, or failed with an error nobody has seen yet.
+_pending: set["SaveHandle"] = set()
+_pending_lock = threading.Lock()
+# The newest save per location of this process: a new save to it waits for this one.
+_latest: dict[str, "SaveHandle"] = {}
+_order = itertools.count()
+
+
+def _process_budget(limit: int) -> _store.ByteBudget:
+  """One budget per process, shared by overlapping saves; its limit is the latest asked."""
+  global _budget
+  with _budget_lock:
+    if _budget is None:
+      _budget = _store.ByteBudget(limit)
+    _budget.limit = limit
+    return _budget
+
+
+@dataclasses.dataclass
+class SaveStats:
+  """What one save did on this process. Seconds are wall-clock."""
+  blocking_s: float = 0.0      # time save() held the caller
+  write_s: float = 0.0         # from the first chunk write until all chunks are durable
+  commit_s: float = 0.0        # barriers, manifest and commit marker
+  total_s: float = 0.0         # from the call until committed
+  bytes_written: int = 0       # array bytes this process wrote (chunks and packs)
+  chunks_written: int = 0
+  bytes_reused: int = 0        # array bytes equal to the base's, not written (save(base=))
+  peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
+                               # (as charged to the budget: CHUNK_COST x each chunk in flight)
+
+
+class SaveHandle:
+  """A save in flight. ``wait()`` blocks until the checkpoint is committed and re-raises any
+  error; ``done()`` polls; ``stats`` says what happened."""
+
+  def __init__(self, location: str):
+    self.location = location
+    self.stats = SaveStats()
+    self._event = threading.Event()
+    self._error: BaseException | None = None
+    self._seq = next(_order)   # fnckpt.wait() reports failures in the order of the saves
+    self.replaced = False      # overwrite=True removed what was at the location
+
+  def done(self) -> bool:
+    """Whether the save has finished (committed or failed); never blocks."""
+    return self._event.is_set()
+
+  def wait(self, timeout: float | None = None) -> SaveStats:
+    """Block until committed (or ``timeout`` seconds); raise the save's error if it failed."""
+    if not self._event.wait(timeout):
+      raise TimeoutError(f"The save to {self.location!r} is still running after {timeout}s.")
+    _forget(self)
+    if self._error is not None:
+      raise self._error
+    return self.stats
+
+  def _finish(self, error: BaseException | None, reported: bool = False) -> None:
+    if error is not None and self.replaced:
+      error = _after_replace(error)
+    self._error = error
+    with _pending_lock:
+      if error is None or reported:
+        _pending.discard(self)
+      if _latest.get(self.location) is self:
+        del _latest[self.location]
+    self._event.set()
+
+  def __repr__(self) -> str:
+    state = "failed" if self._error else "committed" if self.done() else "pending"
+    return f"SaveHandle({self.location!r}, {state})"
+
+
+def _forget(handle: SaveHandle) -> None:
+  with _pending_lock:
+    _pending.discard(handle)
+
+
+def wait() -> None:
+  """Wait for every pending save of this process; raise every failure nobody has seen yet
+  (one error, or one listing them all).
+
+  >>> import fnckpt
+  >>> fnckpt.wait()  # nothing pending: returns at once
+  """
+  with _pending_lock:
+    handles = sorted(_pending, key=lambda h: h._seq)
+  errors = []
+  for h in handles:
+    try:
+      h.wait()
+    except BaseException as e:
+      errors.append(e)
+  if len(errors) == 1:
+    raise errors[0]
+  if errors:
+    raise CheckpointError(f"{len(errors)} saves failed:\n" + "\n".join(
+        f"  - {str(e).splitlines()[0]}" for e in errors)) from errors[0]
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+  """Saves still running finish before the interpreter exits (their thread is not a daemon,
+  so Python joins it before this runs). Failures nobody waited for are printed here and make
+  the exit status 1, so a scheduler does not record success."""
+  with _pending_lock:
+    handles = list(_pending)
+  failed = False
+  for h in handles:
+    try:
+      h.wait()
+    except BaseException as e:
+      failed = True
+      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and nobody "
+            f"waited for it: {e}", file=sys.stderr)
+  if failed:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+@dataclasses.dataclass
+class _Array:
+  index: int
+  rec: dict[str, Any]
+  data: Any                      # jax.Array or np.ndarray holding the bytes
+  spec: dict[str, Any]
+  units: list[_layout.WriteUnit]
+
+
+@dataclasses.dataclass
+class _Plan:
+  records: list[dict[str, Any]]
+  arrays: list[_Array]           # zarr arrays (this process writes ``units`` of each)
+  packed: list[tuple[int, Any]]  # (record index, data) this process packs
+  packs: list[dict[str, Any]]    # every process's pack, for the manifest
+  my_pack: dict[str, Any] | None
+  data_dir: str
+  values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
+  holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
+  stored_c: dict[int, _refs.StoredCand] = dataclasses.field(default_factory=dict)
+  packed_c: dict[int, _refs.PackCand] = dataclasses.field(default_factory=dict)
+  maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
+  pieces: list[_pieces_save.PackPart] = dataclasses.field(default_factory=list)  # mine
+  meshes: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+def _holders(data: Any) -> str:
+  """Who holds an array leaf: "host" (numpy), "local" (jax, on this process's devices only:
+  process 0's value is saved), "all" (replicated on every process), or "some" (sharded, or
+  replicated on some processes). Alike on every process but for "local" (on another
+  process, an array held by one process is "some"), which the tree agreement then reports."""
+  if isinstance(data, np.ndarray):
+    return "host"
+  if data.is_fully_addressable:
+    return "local"
+  if data.is_fully_replicated and len(_processes(data.sharding)) == jax.process_count():
+    return "all"
+  return "some"
+
+
+@functools.lru_cache(maxsize=256)
+def _processes(sharding: Any) -> frozenset[int]:
+  return frozenset(d.process_index for d in sharding.device_set)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+  """An incremental save's base: its manifest and where it and the new checkpoint are."""
+  manifest: Any
+  loc: _refs.Location
+  new_loc: _refs.Location
+  source: Any = None              # the opened base (its commit marker as read at the start)
+
+  def check(self) -> None:
+    """Before the new checkpoint commits: the base is still the committed checkpoint read at
+    the start (else the new one would refer to data that may be gone)."""
+    from .._io import commit as _commit
+    src = self.source
+    if not _commit.unchanged(src.kv, src.commit):
+      raise CheckpointError(
+          f"The base {src.location!r} was deleted or replaced while this save was writing; "
+          "the new checkpoint would refer to its data, so it is not committed. Save again "
+          "(with a committed base, or without base=). Earlier checkpoints are intact.")
+
+
+def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
+          codecs: dict[str, Any], base: _Base | None = None, pieces: bool = False) -> _Plan:
+  """Leaf records for the manifest and what this process writes (pure but for jax sharding
+  queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces")."""
+  records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
+  me, nproc = jax.process_index(), jax.process_count()
+  pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if pieces else 0)
+  for path, leaf in leaves:
+    if isinstance(leaf, _perprocess.PerProcess):
+      records.append({"path": [list(e) for e in path], "kind": "perprocess"})
+      holders.append(None)
+      per_process.append((path, leaf))
+      continue
+    try:
+      rec, data = _leaves.encode_leaf(path, leaf)
+    except CheckpointError as e:
+      problems.append(str(e))
+      continue
+    records.append(rec)
+    holders.append(None if data is None else _holders(data))
+    if data is None:
+      continue
+    if isinstance(data, jax.Array) and data.is_deleted():
+      problems.append(f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
+                      "save the state before the step that donates it.")
+      continue
+    dtype, shape = np.dtype(data.dtype), tuple(data.shape)
+    size = _layout.nbytes(shape, dtype.itemsize)
+    whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
+    if size <= inline_bytes and whole:
+      rec["inline"] = _leaves.host_bytes(data) if me == 0 else b""
+    elif size <= pack_bytes and whole:
+      candidates.append((len(records) - 1, data, _packing.PackItem(
+          len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
+    elif (holders[-1] != "local" or nproc == 1) and pieced.consider(len(records) - 1, rec,
+                                                                    data):
+      continue
+    else:
+      arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, codecs))
+      if holders[-1] == "local" and me != 0:
+        arrays[-1].units = []  # a non-global array: process 0's value, written by it alone
+  values = None
+  try:
+    values = _perprocess.encode(per_process) if per_process else None
+  except CheckpointError as e:
+    problems.append(str(e))
+  if problems:
+    raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
+  stored_c, packed_c = (_refs.candidates(records, base.manifest, base.loc, base.new_loc)
+                        if base is not None else ({}, {}))
+  maybe = [c for c in candidates if c[0] in packed_c]
+  owners = _packing.assign([c[2] for c in maybe], nproc).where
+  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
+                                data_dir, nproc, me, pieced.finish())
+  mine = [p for p in packs if p["dir"] == f"{data_dir}/p/{me}"]
+  parts = pieced.parts(mine[0]["pieces"], me) if pieced.leaves and mine else []
+  return _Plan(records, arrays, packed, packs, mine[0] if mine else None, data_dir, values,
+               holders, stored_c, packed_c,
+               [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts, pieced.meshes)
+
+
+def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int,
+                  regions: dict[int, int]):
+  """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
+  (record index, data) this process packs. ``regions``: each process's pieces bytes."""
+  plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions,
+                         chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
+                         _packing.PACK_CHUNK_BYTES)
+  packs, index_of = [], {}
+  for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
+    index_of[p] = len(packs)
+    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "chunk": chunk, "inner": inner,
+                  **({"process": p, "pieces": plan.pieces[p]} if regions else {})})
+  packed = []
+  for i, data, _ in candidates:
+    p, offset = plan.where[i]
+    records[i]["pack"] = {"index": index_of[p], "offset": offset}
+    if p == me:
+      packed.append((i, data))
+  return packs, packed
+
+
+def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any]) -> _Array:
+  """A large leaf's zarr array and the chunks this process writes: planned from the
+  sharding's structure (O(local devices), cached), ``salt=i`` spreading replicated leaves'
+  writes over processes."""
+  dtype, shape = np.dtype(data.dtype), tuple(data.shape)
+  if isinstance(data, np.ndarray):
+    whole = tuple((0, n) for n in shape)
+    chunks = _layout.chunk_shape(shape, 1, dtype.itemsize)
+    units = [_layout.WriteUnit(whole, "host", whole)] if jax.process_index() == 0 else []
+  else:
+    chunks, units = _layout.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
+  inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
+  rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, codecs)
+  units = units if _layout.nbytes(shape, 1) else []
+  return _Array(i, rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
+
+
+def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
+  """The unit's bytes on the host, safe from whatever the caller does next.
+
+  - numpy leaves are copied (the caller may mutate them in place);
+  - on an accelerator ``np.asarray`` is the device-to-host copy into a new buffer (started
+    for every shard at once beforehand: :func:`_start_copies`);
+  - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
+    array then leaves that buffer alone (JAX allocates anew), so no copy is needed.
+  """
+  local = tuple(slice(a, b) for a, b in unit.local)
+  if isinstance(data, np.ndarray):
+    return np.array(data[local], copy=True)
+  whole = shard_data.shape == tuple(b - a for a, b in unit.local)
+  if next(iter(shard_data.devices())).platform == "cpu":
+    view = np.asarray(shard_data)
+    return view if whole else view[local]
+  return np.asarray(shard_data if whole else shard_data[local])
+
+
+def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
+  """On accelerators: start every device-to-host copy of this save at once (when they fit in
+  the budget), so the caller waits for about the total transfer time, not a sum of serial
+  round trips. On CPU nothing is copied (staging takes views)."""
+  shards = [s for s in _to_copy(plan) if next(iter(s.devices())).platform != "cpu"]
+  total = sum(s.nbytes for s in shards)
+  if total and CHUNK_COST * total <= budget.limit:
+    for s in shards:
+      s.copy_to_host_async()
+
+
+def _to_copy(plan: _Plan) -> list[jax.Array]:
+  """The device data this process stages: its shards of stored arrays, its packed leaves,
+  (save(base=)) the packed leaves that may reuse the base's, and its pieces."""
+  shards = []
+  for a in plan.arrays:
+    if isinstance(a.data, jax.Array) and a.units:
+      writers = {u.device for u in a.units}
+      shards += [s.data for s in a.data.addressable_shards if s.device in writers]
+  for _, data in [*plan.packed, *plan.maybe_packed]:
+    if isinstance(data, jax.Array):
+      shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
+  shards += [part.shard for part in plan.pieces]
+  return shards
+
+
+def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
+         budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
+         pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
+         zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+         storage_options: dict[str, Any] | None = None, base: str | None = None) -> SaveHandle:
+  """Save a pytree to ``path``; return once its arrays are copied off the devices.
+
+  Writing and committing continue in the background: ``handle.wait()`` (or
+  :func:`fnckpt.wait`) blocks until the checkpoint is committed and raises any error. Once
+  ``save`` returns, the caller may delete, donate or overwrite the arrays it passed. With
+  several processes (``jax.distributed``), every process calls ``save`` with the same global
+  tree; each writes only the chunks it owns. Saves to one location from one process run one
+  after another, never mixed.
+
+  Args:
+    tree: any pytree of jax/numpy arrays, scalars, strings, PRNG keys, ... (see README).
+    path: a local path, ``file://``, ``memory://``, ``gs://`` or ``s3://`` location.
+    overwrite: replace an existing checkpoint (or interrupted save) at ``path``.
+    metadata: small msgpack-able user data stored in the manifest.
+    budget_bytes: host bytes this process may hold for pending saves before ``save`` waits
+      for the writes to drain (default: a quarter of available memory).
+    inline_bytes: arrays up to this size go inside the manifest instead of their own files.
+    pack_bytes: larger arrays up to this size that this process sees whole share one packed
+      array per process (fewer, larger files); 0 gives each its own zarr array. Device
+      shards of up to 8 MiB of sharded arrays also go into the packs, as *pieces* (README
+      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses or has a base.
+    compression: compress the chunks of arrays stored on their own (not inline or packed):
+      ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
+      README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
+    zstd: short for ``compression="zstd:<zstd>"``.
+    barrier_timeout_s: deadline of each cross-process barrier.
+    storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
+    base: a committed checkpoint on the same storage (e.g. the previous step): arrays whose
+      bytes equal the base's (by SHA-256, computed in the background) are not written again;
+      the new checkpoint refers to the base's data. The base must outlive it (the manager's
+      retention keeps referenced data; see README "Incremental saves and forks"). Only a save
+      with a base hashes its data (a plain save pays nothing for hashing); a base saved
+      without hashes (a plain save) has nothing to compare with, so that save writes
+      everything, and records its hashes so that the next save with it as base can reuse.
+
+  >>> import jax.numpy as jnp, fnckpt, tempfile
+  >>> d = tempfile.mkdtemp()
+  >>> h = fnckpt.save({"w": jnp.ones((4, 4)), "step": 1}, f"{d}/ckpt")
+  >>> _ = h.wait()
+  >>> fnckpt.restore(f"{d}/ckpt")["step"]
+  1
+  >>> s = fnckpt.save({"w": jnp.ones((4, 4)), "step": 2}, f"{d}/next", base=f"{d}/ckpt").wait()
+  >>> fnckpt.restore(f"{d}/next")["step"], s.bytes_reused  # the base had no hashes
+  (2, 0)
+  """
+  return start(tree, path, overwrite=overwrite, metadata=metadata, budget_bytes=budget_bytes,
+               inline_bytes=inline_bytes, pack_bytes=pack_bytes, compression=compression,
+               zstd=zstd, barrier_timeout_s=barrier_timeout_s,
+               storage_options=storage_options, base=base, hashes=base is not None)
+
+
+def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
+          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
+          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
+          zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+          storage_options: dict[str, Any] | None = None, base: str | None = None,
+          hashes: bool = False, barrier_location: str | None = None) -> SaveHandle:
+  """:func:`save`; ``hashes``: record the content hashes of what is written even without a
+  base (the saves of an ``incremental=True`` manager: its full saves are the next saves'
+  bases). Every process passes the same ``hashes``. ``barrier_location`` (the manager's local
+  tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
+  paths that differ between processes."""
+  t0 = time.perf_counter()
+  location = _paths.display(path)
+  handle = SaveHandle(location)
+  with _pending_lock:  # register first: a concurrent save to this location waits for us
+    earlier = _latest.get(location)
+    _latest[location] = handle
+    _pending.add(handle)
+  if earlier is not None:
+    earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
+  session, writer, where = None, None, "planning"
+  key = _paths.display(barrier_location) if barrier_location else location
+  try:
+    # The session first: from here on any failure is published to the other processes (and
+    # every process counts this attempt, so the next one pairs up again).
+    session = _collective.Session(key, barrier_timeout_s)
+    if metadata is not None:
+      _manifest.check_msgpackable(metadata, "save(metadata=...)")
+    _check_sizes(inline_bytes, pack_bytes)
+    codecs = _codecs(compression, zstd)
+    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
+    data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
+    where = "reading the base checkpoint"
+    based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
+    where = "planning"
+    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
+                 based, pieces=pack_bytes > 0 and not (hashes or based is not None or
+                                                       codecs.get("zstd") or codecs.get("blosc")))
+    _agree(session, plan.records, plan.holders)
+    where = "checking the location"
+    _prepare_location(kv, location, overwrite, session, handle)
+    budget = _process_budget(_store.budget_arg(budget_bytes, "save", default_budget_bytes()))
+    writer = Writer(location, session, budget, lambda p: _reached(key, p),
+                    lambda err: _done(handle, writer, err, t0))
+    writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
+                                min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
+                                hashing=hashes or base is not None, budget=budget)
+    writer.start()
+    where = "staging the arrays"
+    _reached(key, "staging")
+    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
+  except BaseException as e:
+    err = _wrap(e, location, where)
+    if writer is not None:
+      writer.abort(err)   # drains what was staged, publishes the error, walks the barriers
+      writer.join()
+    else:
+      if session is not None:
+        session.fail(err)
+        _walk_in_background(session)
+    handle._finish(err, reported=True)
+    raise handle._error from (e if handle._error is not e else None)
+  writer.close(commit)
+  _reached(key, "staged")
+  handle.stats.blocking_s = time.perf_counter() - t0
+  return handle
+
+
+def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
+  """The committed checkpoint ``base`` (on the same storage as the new one)."""
+  from .._restore import restore as _restore
+  if not isinstance(base, (str, os.PathLike)):
+    raise CheckpointError(f"save(base={base!r}): expected the location of a committed "
+                          "checkpoint (a str), e.g. the previous step's path.")
+  src = _restore.open_source(os.fspath(base), storage_options)
+  loc, new_loc = _refs.locate(src.kv_spec), _refs.locate(kv_spec)
+  if loc.store != new_loc.store or loc.path == new_loc.path:
+    raise CheckpointError(
+        f"save(base={src.location!r}) to {location!r}: the base must be another checkpoint "
+        "on the same storage (same scheme, bucket and options) as the new one. Save without "
+        "base=, or pick a base beside the new checkpoint.")
+  return _Base(src.manifest, loc, new_loc, src)
+
+
+def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
+  for name, v, hi, default in (
+      ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
+      ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES)):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+      raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
+                            f"the default is {default}.")
+
+
+def _codecs(compression: Any, zstd: Any) -> dict[str, Any]:
+  try:
+    return _store.compression_options(compression, zstd)
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
+
+
+def _walk_in_background(session: _collective.Session) -> None:
+  """A save that failed before its writer started still arrives at its remaining barriers."""
+  def walk() -> None:
+    session.abort()
+    session.close()
+
+  if session.multi:
+    threading.Thread(target=walk, name="fnckpt-abort").start()
+
+
+def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: float) -> None:
+  if writer.aborted:
+    return  # save() raises the staging error itself
+  handle.stats.write_s, handle.stats.commit_s = writer.write_s, writer.commit_s
+  d = writer.delta
+  handle.stats.bytes_reused = d.skipped_bytes - d.copied_bytes + d.reused_pack_bytes
+  handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
+  handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks
+  handle.stats.total_s = time.perf_counter() - t0
+  handle._finish(error)
+
+
+def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
+               metadata: Any, based: _Base | None = None) -> Commit:
+  """Stage this process's chunks and pack into the writer; return what committing needs."""
+  is_main = jax.process_index() == 0
+  creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
+              if a.index not in plan.stored_c] if is_main else []  # (candidates: if changed)
+  opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
+  _start_copies(plan, budget)
+  for a, fut in zip(plan.arrays, opened):
+    _stage_array(a, fut, plan.stored_c.get(a.index), writer, budget, handle)
+  if plan.my_pack is not None:
+    _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
+  for i, data in plan.maybe_packed:
+    n = _nbytes(data)
+    try:
+      staged = _charge(budget, CHUNK_COST * n, writer, lambda: _Staged.of(data))
+    except BaseException as e:
+      raise _at(e, plan.records[i]["path"])
+    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.packed_c[i].hash))
+  if plan.values is not None:
+    creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
+                             plan.values))
+  dplan = _delta.Plan(
+      plan.records, plan.packs, plan.stored_c, plan.packed_c,
+      {a.index: a.spec for a in plan.arrays if a.index in plan.stored_c},
+      {a.index: a.rec["store"]["dir"] for a in plan.arrays if a.index in plan.stored_c},
+      kv_spec, plan.data_dir,
+      (lambda records, packs, bases: _manifest.encode(_manifest_dict(
+          plan, metadata, records, packs, bases))) if is_main else None,
+      based.check if based is not None else None)
+  return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
+                                            writer.location), creating, is_main)
+
+
+def _stage_array(a: _Array, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
+                 handle: SaveHandle) -> None:
+  """Stage the chunks of one zarr array this process writes (each hashed by the writer; a
+  candidate's chunk equal to the base's is not written)."""
+  shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                if isinstance(a.data, jax.Array) and a.units else {})
+  itemsize = np.dtype(a.data.dtype).itemsize
+  chunks, shape = a.rec["store"]["chunks"], a.rec["shape"]
+  for unit in a.units:
+    n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+    try:
+      host = _charge(budget, CHUNK_COST * n, writer,
+                     lambda: _stage(a.data, unit, shard_data.get(unit.device)))
+    except BaseException as e:
+      raise _at(e, a.rec["path"])
+    pos = _refs.chunk_pos(unit.index, chunks, shape)
+    writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
+                     cand.expect(pos) if cand is not None else None, n,
+                     cand.expect_fp(pos) if cand is not None else None))
+    _count(handle, budget, n)
+
+
+def _charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
+  """Take ``cost`` from the budget (starting the writer when it is full), then stage."""
+  if writer.error is not None:
+    raise writer.error
+  budget.acquire(cost, on_wait=writer.drain)
+  try:
+    return stage()
+  except BaseException:
+    budget.release(cost)
+    raise
+
+
+def _count(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
+  handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
+  handle.stats.bytes_written += n
+  handle.stats.chunks_written += 1
+
+
+def _at(e: BaseException, path) -> BaseException:
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+    return e
+  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
+
+
+def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
+  """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
+  its shards on CPU, the device-to-host copies on accelerators, a copy of numpy data); the
+  writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
+  it does not need."""
+  pack = plan.my_pack
+  spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["chunk"], pack["inner"])
+  # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
+  # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
+  fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
+  todo = sorted([_pieces_save.PackPart(plan.records[i]["pack"]["offset"], _nbytes(data), i,
+                                        functools.partial(_Staged.of, data))
+                  for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
+  staged: dict[int, _Staged] = {}  # by position in todo
+  first = 0                        # todo[:first] lie before the current chunk
+
+  def parts(start: int, end: int) -> list[tuple[int, "_Staged", int, int, int]]:
+    out = []
+    for k in range(first, len(todo)):
+      part = todo[k]
+      if part.offset >= end:
+        break
+      if part.offset + part.nbytes <= start:
+        continue
+      try:
+        leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
+      except BaseException as e:
+        raise _at(e, plan.records[part.leaf]["path"])
+      lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
+      out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
+    return out
+
+  for start in range(0, pack["nbytes"], pack["chunk"]):
+    end = min(start + pack["chunk"], pack["nbytes"])
+    cost = CHUNK_COST * (end - start)
+    got = _charge(budget, cost, writer, lambda: parts(start, end))
+    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, got, writer.delta.hash_piece),
+                     cost))
+    del got  # (while staging the next chunk) the writer frees them once assembled
+    _count(handle, budget, end - start)
+    while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
+      staged.pop(first, None)  # a part that ends in this chunk is not needed any more
+      first += 1
+
+
+def _nbytes(data: Any) -> int:
+  return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
+
+
+@dataclasses.dataclass
+class _Staged:
+  """A packed leaf held safe from the caller: its distinct shards (index, host array), each
+  a view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
+  array), a device-to-host copy, or a copy of numpy data."""
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  parts: list[tuple[tuple[slice, ...], np.ndarray]]
+
+  @staticmethod
+  def of(data: Any) -> "_Staged":
+    shape, dtype = tuple(data.shape), np.dtype(data.dtype)
+    whole = tuple(slice(0, n) for n in shape)
+    if isinstance(data, np.ndarray):
+      return _Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
+    if data.is_fully_replicated:
+      return _Staged(shape, dtype, [(whole, np.asarray(data.addressable_data(0)))])
+    parts, seen = [], set()
+    for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
+      index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
+      if index not in seen:
+        seen.add(index)
+        parts.append((tuple(slice(a, b) for a, b in index), np.asarray(s.data)))
+    return _Staged(shape, dtype, parts)
+
+  @property
+  def nbytes(self) -> int:
+    return _layout.nbytes(self.shape, self.dtype.itemsize)
+
+  def raw(self) -> np.ndarray:
+    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part."""
+    if len(self.parts) == 1:
+      host = self.parts[0][1]
+    else:
+      host = np.empty(self.shape, self.dtype)
+      for index, part in self.parts:
+        host[index] = part
+    return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+
+
+@dataclasses.dataclass
+class _Assemble:
+  """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
+  staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
+  nbytes: int
+  pieces: list[tuple[int, _Staged, int, int, int]]
+  hash_piece: Any = None
+
+  def __call__(self) -> np.ndarray:
+    buf = np.zeros(self.nbytes, np.uint8)
+    for offset, leaf, lo, hi, i in self.pieces:
+      buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
+      if self.hash_piece is not None:
+        self.hash_piece(i, buf[offset:offset + hi - lo])
+    return buf
+
+
+def _skeleton(rec: dict[str, Any]) -> bytes:
+  """What every process must agree on for one leaf: the record without its values."""
+  keep = {k: v for k, v in rec.items() if k not in ("inline", "value", "pack", "subtype")}
+  if "inline" in rec:
+    keep["inline"] = True
+  return msgpack.packb(keep, use_bin_type=True)
+
+
+def _agree(session: _collective.Session, records: list[dict[str, Any]],
+           holders: list[str | None]) -> None:
+  """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
+  inline): compare each leaf's digest with process 0's; a difference fails every process,
+  naming the first differing key path (save() publishes the error; the others raise it at the
+  'agreed' barrier)."""
+  if not session.multi:
+    return
+  mine = [(_tree.keystr(r["path"]),
+           hashlib.sha256(_skeleton(r) + str(h).encode()).hexdigest()[:16],
+           _brief(r) + (f" ({_HELD[h]})" if h else ""))
+          for r, h in zip(records, holders)]
+  shared = session.share("tree", zlib.compress(msgpack.packb(mine), 1))
+  theirs = [tuple(x) for x in msgpack.unpackb(zlib.decompress(shared), use_list=False)]
+  if [m[:2] for m in mine] != [t[:2] for t in theirs]:
+    raise CheckpointError(_disagreement(session.location, mine, theirs))
+  session.barrier("agreed")
+
+
+_HELD = {"host": "numpy", "local": "on this process only", "all": "on every process",
+         "some": "on some processes"}
+
+
+def _brief(rec: dict[str, Any]) -> str:
+  """A leaf as a disagreement shows it, e.g. ``jax float32[64, 128] P('x', None) on mesh
+  {'x': 2, 'y': 4}``."""
+  parts = [rec.get("source", rec["kind"])] + ([rec["type"]] if "type" in rec else [])
+  if "dtype" in rec:
+    parts.append(f"{rec['dtype']}{list(rec['shape'])}" if "shape" in rec else rec["dtype"])
+  sharding = rec.get("sharding")
+  if isinstance(sharding, dict) and sharding.get("type") == "named":
+    spec = ", ".join(repr(tuple(e)) if isinstance(e, list) else repr(e)
+                     for e in sharding["spec"])
+    parts.append(f"P({spec}) on mesh {dict(zip(sharding['axes'], sharding['sizes']))}")
+  elif isinstance(sharding, dict):
+    parts.append(f"{sharding['type']} sharding")
+  return " ".join(map(str, parts))
+
+
+def _disagreement(location: str, mine, theirs) -> str:
+  """The first difference between this process's leaves and process 0's, each a (key path,
+  digest, brief)."""
+  me = jax.process_index()
+  first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a[:2] != b[:2]),
+               min(len(mine), len(theirs)))
+  a = mine[first] if first < len(mine) else None
+  b = theirs[first] if first < len(theirs) else None
+  if a is not None and b is not None and a[0] == b[0]:
+    what = (f"the leaf at {a[0]} is {a[2]} on process {me} but {b[2]} on process 0"
+            if a[2] != b[2] else f"the leaf at {a[0]} ({a[2]}) is stored differently on "
+            f"process {me} than on process 0 (what is inline, or the chunk layout)")
+  elif b is not None and b[0] not in {m[0] for m in mine}:
+    what = (f"process 0 has a leaf at {b[0]} ({b[2]}) that process {me} lacks"
+            + (f" (it has {a[0]} there)" if a is not None else ""))
+  elif a is not None and a[0] not in {t[0] for t in theirs}:
+    what = (f"process {me} has a leaf at {a[0]} ({a[2]}) that process 0 lacks"
+            + (f" (it has {b[0]} there)" if b is not None else ""))
+  else:
+    what = (f"leaf #{first} is {a[0] if a else '<none>'} on process {me} but "
+            f"{b[0] if b else '<none>'} on process 0 (the same keys in another order)")
+  return (f"Saving to {location!r}: processes {me} and 0 passed different trees: {what}. "
+          "Every process must pass the same tree structure, shapes, dtypes and shardings to "
+          "save (values of non-global leaves may differ; process 0's are kept; wrap "
+          "per-process values in fnckpt.PerProcess). Nothing was written or committed; earlier "
+          "checkpoints are intact.")
+
+
+def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, Any]:
+  from importlib import metadata as importlib_metadata
+  from .._version import __version__
+  try:
+    ts_version = importlib_metadata.version("tensorstore")
+  except importlib_metadata.PackageNotFoundError:
+    ts_version = "unknown"
+  return {"format": _manifest.FORMAT_NAME, "version": _manifest.FORMAT_VERSION,
+          "created": time.time(), "process_count": jax.process_count(),
+          "versions": {"fnckpt": __version__, "jax": jax.__version__,
+                       "tensorstore": ts_version},
+          "metadata": metadata, "data": plan.data_dir, "packs": packs,
+          "leaves": records, **({"bases": bases} if bases else {}),
+          **({"meshes": plan.meshes} if plan.meshes else {})}
+
+
+def _is_ours(key: str) -> bool:
+  """Keys a checkpoint (of format 1 or 2) consists of."""
+  if key in (_manifest.COMMIT, _manifest.MANIFEST) or key.startswith(_manifest.DATA_DIR + "/"):
+    return True
+  return re.match(_manifest.DATA_PREFIX + r"[0-9a-f]{32}/", key) is not None
+
+
+def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
+                      session: _collective.Session, handle: SaveHandle) -> None:
+  """Refuse to clobber a checkpoint unless asked; when asked, hide it (marker first) and clear
+  it before any new byte lands (new data goes to this save's own directory anyway)."""
+  # an I/O error here is wrapped by save(): "Saving to ... failed while checking the location"
+  committed = _commit.is_committed(kv)
+  keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
+  foreign = [k for k in keys if not _is_ours(k)]
+  if foreign:
+    raise CheckpointError(
+        f"{location!r} holds files that are not part of an fnckpt checkpoint (e.g. "
+        f"{sorted(foreign)[0]!r}); fnckpt will not write there, even with overwrite=True, so "
+        "that nothing of yours is deleted. Save to a new or empty path.")
+  leftovers = committed or bool(keys)
+  if leftovers and not overwrite:
+    what = "A checkpoint" if committed else "An interrupted save (uncommitted data)"
+    raise CheckpointError(
+        f"{what} already exists at {location!r}. Pass overwrite=True to replace it, or save "
+        "to a new path.")
+  # Every process must have looked before any of them writes (or deletes): else a fast
+  # process 0 creating files makes a slow one see "an interrupted save" and give up.
+  session.barrier("checked")
+  handle.replaced = leftovers  # (every process: an error from here on must say so)
+  if leftovers and jax.process_index() == 0:
+    _paths.clear(kv, first=(_manifest.COMMIT,))
+  session.barrier("cleared")
+
+
+def _after_replace(err: BaseException) -> BaseException:
+  """A failed overwrite: the old checkpoint at the location is gone (marker first), so
+  "earlier checkpoints are intact" must not be said of it."""
+  text = str(err)
+  if not isinstance(err, CheckpointError) or "earlier checkpoints are intact" not in text:
+    return err
+  text = text.replace("earlier checkpoints are intact", "the checkpoint that was at this "
+                      "path was removed first (overwrite=True); other checkpoints are intact")
+  try:
+    return type(err)(text)
+  except TypeError:
+    return err
+
+
+def _wrap(e: BaseException, location: str, phase: str,
+          committed: bool | None = False) -> BaseException:
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+    return e
+  text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", _paths.redact(str(e)))  # noise
+  hint = _paths.io_hint(e)
+  if committed:
+    after = (" The checkpoint itself is committed (its marker was written); only this "
+             "last step failed.")
+  elif committed is None:
+    after = (" Process 0 may have committed the checkpoint; check with fnckpt.metadata or "
+             "`fnckpt ls`.")
+  else:
+    after = " Nothing was committed; earlier checkpoints are intact."
+  return CheckpointError(
+      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {text}.{hint}{after}")

@@ -1,0 +1,241 @@
+"""The background half of one save: a thread that hands staged chunks to TensorStore as they
+arrive, waits until they are durable, then commits (barriers, manifest, commit marker).
+
+All of a save's background state lives here: the queue of staged chunks, the host-memory
+budget they hold, the first error, whether staging was aborted, and when to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import tensorstore as ts
+
+from .._format import manifest as _manifest
+from .._io import collective as _collective, commit as _commit, arrays as _store
+from . import delta as _delta
+from .._errors import CheckpointError
+
+__all__ = ["Writer", "Chunk", "Commit"]
+
+
+@dataclasses.dataclass
+class Chunk:
+  """A staged chunk: the opened array (a future), its index, host bytes (or a callable that
+  builds them in the writer thread), and budget held."""
+  store: ts.Future
+  index: Any
+  host: Any
+  cost: int
+  leaf: int | None = None         # a stored array's record index (its chunks are hashed)
+  pos: int = 0                    # the chunk's position in the grid
+  expect: bytes | None = None     # the base's hash of this chunk: equal -> not written
+  nbytes: int = 0
+  expect_fp: bytes | None = None  # the base's fingerprint of it: different -> not hashed
+
+
+@dataclasses.dataclass
+class Commit:
+  """What committing needs once every chunk is durable."""
+  kv: ts.KvStore
+  manifest: Callable[[], bytes | None]   # collective (hashes shared); bytes on process 0
+  creating: list                  # futures of zarr.json writes (process 0)
+  write_marker: bool              # process 0
+
+
+_END = object()
+
+
+class Writer:
+  """``put`` staged chunks, then ``close()`` (or ``abort(error)``); ``on_done(error)`` is called
+  once, from the thread, with the save's error or ``None`` when committed.
+
+  The thread starts writing once staging is done or when the budget fills (``drain``), so it
+  does not compete with the caller's copies; after any failure it keeps draining the queue so
+  staging never waits on bytes nobody will free, publishes the error to the other processes
+  and arrives at the remaining barriers (so none of them waits for this one)."""
+
+  def __init__(self, location: str, session: _collective.Session, budget: _store.ByteBudget,
+               reached: Callable[[str], None], on_done: Callable[[BaseException | None], None]):
+    self.location = location
+    self.session = session
+    self.budget = budget
+    self._reached = reached
+    self._on_done = on_done
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._drain = threading.Event()
+    self._commit: Commit | None = None
+    self.error: BaseException | None = None
+    self.aborted = False
+    self.abort_error: BaseException | None = None
+    self.phase = "staging"
+    self.committed: bool | None = False   # whether the commit marker was written
+    self.write_s = 0.0
+    self.commit_s = 0.0
+    self.delta: _delta.Delta | None = None   # set before start()
+    self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def join(self) -> None:
+    self._thread.join()
+
+  def drain(self) -> None:
+    """Start writing now (the budget is full)."""
+    self._drain.set()
+
+  def put(self, chunk: Chunk) -> None:
+    """Queue a staged chunk (its cost already taken from the budget); after a failure, give
+    the cost back and raise the failure."""
+    if self.error is not None:
+      self.budget.release(chunk.cost)
+      raise self.error
+    self._queue.put(chunk)
+
+  def close(self, commit: Commit) -> None:
+    """Staging is done: write what is queued, then commit."""
+    self._commit = commit
+    self._queue.put(_END)
+    self._drain.set()
+
+  def abort(self, error: BaseException) -> None:
+    """Staging failed with ``error``: drain what was staged, commit nothing, tell the others."""
+    self.aborted = True
+    self.abort_error = error
+    self._queue.put(_END)
+    self._drain.set()
+
+  def _write_all(self) -> list[ts.Future]:
+    commits = []
+    self._drain.wait()
+    while (item := self._next(commits)) is not _END:
+      if self.error is not None or self.aborted:
+        self.budget.release(item.cost)
+        continue
+      try:
+        if isinstance(item, _delta.PackLeaf):
+          commits += self.delta.pack_leaf(item)
+          continue
+        self._write(item)
+      except BaseException as e:
+        self.budget.release(item.cost)
+        self.error = e
+        continue
+    try:  # (after a failure too: every hashing job ends and gives its budget back)
+      commits += self.delta.settle()
+      if self.error is None and not self.aborted:
+        commits += self.delta.finish()
+    except BaseException as e:
+      self.error = self.error or e
+    return commits
+
+  def _next(self, commits: list) -> Any:
+    """The next queued item; before blocking on an empty queue, write the buffered pack
+    segment (its leaves hold budget the caller may be waiting for: else a deadlock)."""
+    try:
+      return self._queue.get_nowait()
+    except queue.Empty:
+      pass
+    if self.error is None and not self.aborted and self.delta is not None:
+      try:
+        commits += self.delta.flush()
+      except BaseException as e:
+        self.error = e
+    return self._queue.get()
+
+  def _write(self, item: Chunk) -> None:
+    """Hand one chunk to the delta: hashed, and written unless equal to the base's."""
+    host = item.host() if callable(item.host) else item.host
+    item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
+    store = item.store.result()
+    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
+                     lambda: _store.write_chunk(store, item.index, host), item.expect_fp)
+
+  def _run(self) -> None:
+    error: BaseException | None = None
+    self.phase = "writing the arrays"
+    try:
+      t0 = time.perf_counter()
+      commits = self._write_all()
+      extra = self._commit.creating if self._commit else []
+      for c in [*extra, *commits]:  # wait for every write, even after a failure
+        try:
+          c.result()
+        except BaseException as e:
+          self.error = self.error or e
+      if self.aborted:
+        return
+      if self.error is not None:
+        raise self.error
+      if self.session.multi:
+        self.phase = "sharing the content hashes"
+      manifest = self._commit.manifest() if self._commit else None
+      self.write_s = time.perf_counter() - t0
+      self._reached("written")
+      self._finish(manifest)
+    except BaseException as e:
+      error = e
+    finally:
+      if error is not None or self.aborted:
+        err = error or self.abort_error or self.error
+        if err is not None and not isinstance(err, CheckpointError):
+          err = _wrap_phase(err, self.location, self.phase, self.committed)
+        elif err is not None and self.committed is not False:
+          err = _with_commit_state(err, self.committed)
+        self.session.fail(err)
+        self.session.abort()
+        error = err
+      self.session.close()
+      self._on_done(None if self.aborted else error)
+
+  def _finish(self, manifest: bytes | None) -> None:
+    """Manifest, barrier, commit marker, barrier."""
+    t0 = time.perf_counter()
+    c = self._commit
+    if c is None:  # close() sets it before the end marker; only abort() omits it
+      raise RuntimeError("internal: the writer reached commit without close()")
+    if manifest is not None:
+      self.phase = "writing the manifest"
+      c.kv.write(_manifest.MANIFEST, manifest).result()
+      self._reached("manifest")
+    self.phase = "waiting for every process to finish writing"
+    self.session.barrier("written")
+    self._reached("committing")
+    if c.write_marker:
+      self.phase = "writing the commit marker"
+      _commit.write_commit(c.kv, manifest)
+      self.committed = True
+    elif self.session.multi:
+      self.committed = None  # process 0 may have written the marker
+    self.phase = "waiting for the commit"
+    self.session.barrier("committed")
+    self.commit_s = time.perf_counter() - t0
+    self._reached("committed")
+
+
+def _with_commit_state(err: CheckpointError, committed: bool | None) -> CheckpointError:
+  """A late failure (e.g. a timeout at the last barrier) must not hide that the marker was
+  (or may have been) written."""
+  text = str(err)
+  if "is committed" in text or "may have committed" in text:
+    return err
+  text = text.replace(" Nothing was committed; earlier checkpoints are intact.", "")
+  after = (" The checkpoint itself is committed (its marker was written); only this last step "
+           "failed." if committed else " Process 0 may have committed the checkpoint; check "
+           "with fnckpt.metadata or `fnckpt ls`.")
+  try:
+    return type(err)(text + after)
+  except TypeError:  # a subclass with another constructor: keep it, add a note
+    err.add_note(after.strip())
+    return err
+
+
+def _wrap_phase(e: BaseException, location: str, phase: str,
+                committed: bool | None) -> BaseException:
+  from .save import _wrap
+  return _wrap(e, location, phase, committed)
