@@ -391,16 +391,16 @@ def test_verify_says_when_the_checkpoint_changed_while_being_read(tmp_path, monk
   """A checkpoint overwritten between verify's header read and its chunk reads: the failed
   reads are reported as the change (as restore reports it), not as damage."""
   from fnckpt import cli as fcli
-  from fnckpt._restore import restore as _restore
+  from fnckpt._sources import source as _source
   ckpt = str(tmp_path / "c")
   fnckpt.save({"w": np.arange(40000, dtype=np.float32)}, ckpt, pack_bytes=0).wait()
-  real_open = _restore.open_source
+  real_open = _source.open_source
 
   def open_then_overwrite(path, options=None):
     src = real_open(path, options)
     fnckpt.save({"w": np.zeros(40000, np.float32)}, ckpt, pack_bytes=0, overwrite=True).wait()
     return src
-  monkeypatch.setattr(_restore, "open_source", open_then_overwrite)
+  monkeypatch.setattr(_source, "open_source", open_then_overwrite)
   assert fcli.main(["verify", "-q", ckpt]) == 1
   (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
   assert line.startswith(f"DAMAGED {ckpt}: The checkpoint at '{ckpt}' changed while being "

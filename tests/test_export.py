@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 import fnckpt
 from fnckpt._format import records as _records
-from fnckpt._sources import slices as _slices
+from fnckpt._sources import slices as _slices, source as _source
 from fnckpt._export import plan as _export_plan
 from test_cli import cli
 
@@ -217,7 +217,7 @@ def test_streaming_stays_within_the_budget(saved, tmp_path):
   assert_same(read_back(out), arrays(host, ["params", "dense"]))
   # Windows smaller than one row of inner chunks, or than a packed leaf: pieces cut inside
   # rows, still bounded.
-  src = fnckpt._restore.restore.open_source(path)
+  src = _source.open_source(path)
   leaves = {l.where: l for l in src.manifest.leaves}
   for where, limit, want in [("['params']['dense']['kernel']", 64 << 10,
                               host["params"]["dense"]["kernel"]),
@@ -353,8 +353,7 @@ def test_output_is_atomic_and_overwrite_is_explicit(saved, tmp_path):
 
 
 def _records_of(path):
-  from fnckpt._restore import restore as _restore
-  return _restore.open_source(path).manifest
+  return _source.open_source(path).manifest
 
 
 def test_damaged_checkpoint_leaves_no_output(saved, tmp_path):

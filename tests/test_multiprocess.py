@@ -205,8 +205,8 @@ def test_2_processes_save_pieces_then_2_restore_onto_another_mesh(tmp_path):
   m = fnckpt.metadata(path)
   pieced = {r.where for r in m.leaves if r.pieces is not None}
   assert pieced == {"['a']", "['b']", "['f']"}
-  from fnckpt._restore import restore as _restore
-  manifest = _restore.open_source(path).manifest
+  from fnckpt._sources import source as _source
+  manifest = _source.open_source(path).manifest
   assert sorted(p.process for p in manifest.packs) == [0, 1]
   assert manifest.layout.region.tolist()[0] > 0 and manifest.layout.region.tolist()[1] > 0
   assert [len(x) for x in manifest.meshes] == [8]

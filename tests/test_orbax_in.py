@@ -455,12 +455,12 @@ def test_a_chunk_or_scalar_larger_than_its_array_is_refused_before_reading(saved
 def test_the_read_budget_charges_whole_chunks(tmp_path):
   """Orbax saved from one device writes the array as one chunk; TensorStore decodes the whole
   chunk for any slice of it: restore charges each slice the chunk-aligned box it overlaps."""
-  from fnckpt._restore import restore as _restore
+  from fnckpt._sources import source as _source
   value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   path = str(tmp_path / "one")
   c = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
   c.save(path, args=ocp.args.PyTreeSave({"w": value}))
-  src = _restore._open_any(path, None)
+  src = _source.open_any(path, None)
   rec = src.manifest.leaves[0]
   assert rec.stored.chunks == (64, 32)
   assert src.reader.read_bytes(rec, ((0, 8), (0, 32))) == value.nbytes      # a row slice

@@ -22,8 +22,7 @@ import numpy as np
 
 from .._format import leaves as _leaves, records as _records
 from .._io import arrays as _store
-from .._sources import slices as _slices
-from .._restore import restore as _restore
+from .._sources import slices as _slices, source as _source
 from . import plan as _export_plan
 from .._errors import CheckpointError
 
@@ -91,8 +90,8 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
   started = time.monotonic()
   target, single = _output(out)
   window = _slices.Window(_store.budget_arg(budget_bytes, "export_safetensors",
-                                            _restore.READ_WINDOW_BYTES, MIN_WINDOW_BYTES))
-  src = _restore.open_source(checkpoint, storage_options)
+                                            _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES))
+  src = _source.open_source(checkpoint, storage_options)
   p = _export_plan.plan(src.manifest.leaves, src.location, single=single, select=select,
                         dtype=dtype, prefix=prefix, rename=rename,
                         max_shard_size=max_shard_size)
@@ -171,7 +170,7 @@ def _to_bytes(data: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
-def _write_file(src: _restore.Source, f: _export_plan.OutFile, path: str,
+def _write_file(src: _source.Source, f: _export_plan.OutFile, path: str,
                 window: _slices.Window, target: str) -> None:
   """One safetensors file: the header, then each tensor's pieces in order (checking that
   every tensor gets exactly its bytes), fsynced."""

@@ -14,11 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import CheckpointError
+from . import records as _records
 from .manifest import check_msgpackable
 from .tree import keystr
-
-if False:  # typing only
-  from . import records as _records  # noqa: F401
 
 __all__ = ["encode_leaf", "decode_value", "sharding_record", "dtype_of", "is_key_array",
            "host_value", "to_little_endian"]
@@ -37,8 +35,7 @@ def dtype_of(name: str) -> np.dtype:
 def _storable(dtype: np.dtype) -> bool:
   """Numeric and bool dtypes fnckpt stores (ml_dtypes' bfloat16, int4, float8_* included);
   not strings, objects, dates, void, structured dtypes or ``longdouble``."""
-  from .records import DTYPES
-  return dtype.fields is None and dtype.name in DTYPES
+  return dtype.fields is None and dtype.name in _records.DTYPES
 
 
 def is_key_array(x: Any) -> bool:

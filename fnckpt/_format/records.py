@@ -20,7 +20,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .._layout import pieces as _pieces
 from .._errors import CheckpointError
+from .codecs import BLOSC_CNAMES, BLOSC_SHUFFLES
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
@@ -344,7 +346,6 @@ def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
 def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...],
                   meshes: tuple[np.ndarray, ...], nproc: int) -> Any:
   """The layout of the pieced leaves; every writer's region inside its pack."""
-  from .._layout import pieces as _pieces
   todo = [_pieces.PieceLeaf(l.index, l.pieces.mesh, l.sharding.sizes,
                             l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
                             _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
@@ -650,7 +651,6 @@ def _stored(s: Any, shape, dtype: str, version: int, bases=()) -> Stored:
 def _blosc(b: Any) -> tuple[tuple[str, Any], ...] | None:
   if b is None:
     return None
-  from .._io.arrays import BLOSC_CNAMES, BLOSC_SHUFFLES
   _keys(b, "'store'.blosc", ("cname", "clevel", "shuffle"))
   _req(b["cname"] in BLOSC_CNAMES, lambda: f"'store'.blosc.cname must be one of "
        f"{sorted(BLOSC_CNAMES)}, found {_short(b['cname'])}")

@@ -19,20 +19,14 @@ import tensorstore as ts
 
 from .._errors import CheckpointError
 from .._layout.chunks import Index
+from .._format.codecs import BLOSC
+from .._format.leaves import dtype_of
 
 __all__ = ["zarr_spec", "pack_spec", "store_record", "open_array", "write_chunk", "read_slice",
            "storage_dtype", "from_storage", "ByteBudget"]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
-
-
-# ``save(compression="blosc")``: of the codecs measured on real training state (params fp32,
-# Adam mu bf16 / nu fp32; bench/compression.py), blosc's lz4 with bit shuffling compressed most
-# per CPU second spent (README "Compression").
-BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "bitshuffle"}
-BLOSC_CNAMES = frozenset(("lz4", "lz4hc", "blosclz", "zstd", "zlib"))
-BLOSC_SHUFFLES = frozenset(("noshuffle", "shuffle", "bitshuffle"))
 
 
 def compression_options(compression: Any, zstd: Any) -> dict[str, Any]:
@@ -84,14 +78,12 @@ def storage_dtype(dtype: str) -> str:
   """
   if dtype in _ZARR3_DTYPES:
     return dtype
-  from .._format.leaves import dtype_of
   return {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}[dtype_of(dtype).itemsize]
 
 
 def from_storage(host: np.ndarray, dtype: str) -> np.ndarray:
   """Data read from a zarr3 array -> the saved ``dtype`` (a view for bit-stored dtypes)."""
   if host.dtype.name != dtype:
-    from .._format.leaves import dtype_of
     return host.view(dtype_of(dtype))
   return host
 

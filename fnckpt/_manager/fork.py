@@ -18,7 +18,8 @@ from typing import Any
 import msgpack
 import tensorstore as ts
 
-from .._format import manifest as _manifest, records as _records, refs as _refs
+from .._format import (manifest as _manifest, perprocess as _perprocess, records as _records,
+                       refs as _refs)
 from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError
 
@@ -268,7 +269,6 @@ def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manif
   """PerProcess values live under a checkpoint's own data: copy them (small)."""
   if not any(l.kind == "perprocess" for l in manifest.leaves):
     return
-  from .._format import perprocess as _perprocess
   for p in range(manifest.process_count):
     got = src.read(_perprocess.values_key(manifest.data, p)).result()
     if got.state == "value":

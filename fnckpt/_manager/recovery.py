@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 from .._io import coordination as _coordination
+from .._restore import restore as _restore
 from . import health as _health, tiers as _tiers
 from .claims import StepClaims
 from .._errors import DamagedError
@@ -106,6 +107,5 @@ class Recovery:
 
 
 def _restore_at(index: StepIndex, step: int, target: Any, kwargs: dict[str, Any]) -> Any:
-  import fnckpt  # the public restore; imported late (fnckpt imports this module)
-  return fnckpt.restore(index.path(step), target, storage_options=index.storage_options,
-                        **kwargs)
+  return _restore.restore(index.path(step), target, storage_options=index.storage_options,
+                          **kwargs)

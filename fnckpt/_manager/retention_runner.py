@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 
 from .._io import coordination as _coordination
-from . import retention as _retention
+from . import fork as _fork, retention as _retention
 from .claims import StepClaims
 from .._errors import CheckpointError
 from .steps import StepIndex
@@ -124,7 +124,6 @@ def collect_held(index: StepIndex, claims: StepClaims) -> None:
   listing = index.list(in_flight=claims.saving())
   if not listing.held:
     return
-  from . import fork as _fork
   held = claims.claim_unprotected(lambda protect: [s for s in listing.held
                                                    if s not in protect])
   try:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from .._io import commit as _commit, coordination as _coordination, paths as _paths
+from .._save import save as _save
 from . import interval as _interval, lineage as _lineage, steps as _steps, tiers as _tiers
 from .claims import StepClaims
 from .._errors import CheckpointError, DamagedError
@@ -96,7 +97,6 @@ class Saver:
 
   def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
              durable: bool) -> Any:
-    from .._save import save as _save
     inc = self.incremental  # the base: the newest committed step where this save goes
     # (claimed till committed); not with local tiers of several processes (each host's
     # local directory may hold only its own chunks: see fnckpt._manager.tiers)

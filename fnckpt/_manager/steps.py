@@ -35,7 +35,8 @@ import numpy as np
 import tensorstore as ts
 
 from .._io import paths as _paths
-from . import health as _health
+from .._restore import restore as _restore
+from . import fork as _fork, health as _health
 from .._errors import CheckpointError
 
 __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
@@ -158,7 +159,6 @@ class StepIndex:
   def refs(self) -> Any:
     """What the run's steps and forks refer to (:class:`fnckpt._manager.fork.References`)."""
     if self._refs is None:
-      from . import fork as _fork
       self._refs = _fork.References(self.root, self.storage_options)
     return self._refs
 
@@ -252,7 +252,6 @@ class StepIndex:
     """Delete ``step``'s directory, its commit marker first (never seen half deleted), and
     its damage mark; its data directories in ``keep`` (that other steps or forks refer to)
     stay (``REFERENCED``, :func:`fnckpt._manager.fork.delete_step`)."""
-    from . import fork as _fork
     _fork.delete_step(self.root, step, set(keep), self.storage_options)
     try:
       mark = _health.mark_key(step)
@@ -286,8 +285,8 @@ class StepIndex:
 
   def user_metadata(self, step: int) -> Any:
     """The ``user_metadata`` of the committed ``step`` (one manifest read)."""
-    import fnckpt  # the public API; imported late (fnckpt imports this module)
-    return fnckpt.metadata(self.path(step), storage_options=self.storage_options).user_metadata
+    return _restore.metadata(self.path(step),
+                             storage_options=self.storage_options).user_metadata
 
   def metric_values(self, listing: Listing, name: str) -> dict[int, Any]:
     """``{step: metrics[name]}`` for the committed steps of ``listing`` (``None`` where absent

@@ -45,7 +45,10 @@ from typing import Any, Sequence
 
 from .._format import manifest as _manifest
 from .._io import paths as _paths
+from . import fork as _fork
 from .._errors import CheckpointError, DamagedError
+from .retention_runner import RetentionError, delete_referenced
+from .steps import StepIndex
 
 __all__ = ["TierPolicy", "LocalTier", "choose", "copy_step", "check_separate", "expected_keys"]
 
@@ -224,7 +227,6 @@ def copy_referenced(src_root: str, dst_root: str, step: int, manifest: bytes,
   source, and ``dst_root/<s>/REFERENCED`` naming it when ``<s>`` is no committed step there
   (so the durable tier holds every byte its steps refer to; its retention drops that data
   once nothing refers to it). Returns the bytes copied."""
-  from . import fork as _fork
   copied = 0
   for s, data in sorted(_fork.sibling_refs(src_root, step, manifest, src_options)):
     src = _paths.open_kvstore(_paths.join(src_root, str(s)), src_options)
@@ -289,7 +291,6 @@ class LocalTier:
 
   def __init__(self, root: str, policy: TierPolicy, storage_options: dict[str, Any] | None,
                durable_root: str, durable_options: dict[str, Any] | None):
-    from .steps import StepIndex  # (_steps imports nothing of this module)
     check_separate(root, storage_options, durable_root, durable_options)
     self.index = StepIndex(root, storage_options)
     self.policy = policy
@@ -335,7 +336,6 @@ class LocalTier:
     """Delete local step directories (committed, leftovers, marked damaged) beyond the newest
     ``local_max_to_keep``; claimed steps and pending copies are spared; data other steps refer
     to stays (``REFERENCED``)."""
-    from .retention_runner import RetentionError, delete_referenced
     with self._lock:
       listing = self.index.list(in_flight=claims.saving())
       steps = sorted(set(listing.steps) | set(listing.uncommitted) | set(listing.damaged))

@@ -18,17 +18,14 @@ import numpy as np
 import tensorstore as ts
 
 from .._layout import chunks as _layout
-from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
-                       records as _records, refs as _refs, tree as _tree)
+from .._format import (leaves as _leaves, perprocess as _perprocess, records as _records,
+                       refs as _refs, tree as _tree)
 from .._io import commit as _commit, paths as _paths, arrays as _store
-from .._errors import CheckpointError, DamagedError, NotCommittedError
+from .._sources import source as _source
+from .._sources.source import Source
+from .._errors import CheckpointError, DamagedError
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
-
-
-# Reads in flight by default. More only adds memory (TensorStore's raw bytes beside each decoded
-# slice): on the bench's 250 MiB state, 32 MiB to 256 MiB windows restore equally fast.
-READ_WINDOW_BYTES = 128 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,73 +120,6 @@ def _storage_of(rec: _records.Leaf) -> str:
   return "inline"
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """An opened, committed checkpoint: where it is, its validated manifest, and the commit
-  marker's bytes as read (to tell whether it changed while being read)."""
-  location: str
-  kv_spec: dict[str, Any]
-  ctx: ts.Context
-  kv: ts.KvStore
-  manifest: _records.Manifest
-  commit: bytes
-  format: str = "fnckpt"
-  reader: Any = None       # a foreign format's slice reader (_foreign); None for fnckpt's own
-
-
-def _open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
-  """fnckpt's own checkpoint at ``path`` (whatever its name: also ``run.json``), else an
-  Orbax or safetensors one (``_foreign``). An interrupted fnckpt save stays one (never the
-  contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
-  may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data)."""
-  from .._sources import detect as _foreign  # (imported here: the CLI and save never need it)
-  try:
-    return open_source(path, storage_options)
-  except NotCommittedError:
-    opened = None if _has_own_files(path, storage_options) else \
-        _foreign.open_orbax(path, storage_options)
-    if opened is None:
-      raise
-  except CheckpointError as e:
-    opened = None if _has_own_files(path, storage_options) else \
-        _foreign.open_foreign(path, storage_options)
-    if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
-      raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
-                            "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
-                            "model.safetensors.index.json).") from None
-    if opened is None:
-      raise
-  return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
-                opened.format, opened.reader)
-
-
-def _has_own_files(path: str, storage_options: dict[str, Any] | None) -> bool:
-  """Whether ``path`` is a directory holding a fnckpt commit marker, manifest or format 2
-  data (empty byte-range reads: existence only)."""
-  try:
-    kv = _paths.resolve(path, storage_options)[2]
-    marks = [kv.read(k, byte_range=slice(0, 0)) for k in (_manifest.COMMIT, _manifest.MANIFEST)]
-    data = kv.list(range=ts.KvStore.KeyRange(_manifest.DATA_PREFIX,
-                                             _manifest.DATA_PREFIX[:-1] + "."))
-    return any(m.result().state == "value" for m in marks) or bool(data.result())
-  except Exception:  # (not a directory: a file of that name)
-    return False
-
-
-def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:
-  location = _paths.display(path)
-  try:
-    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
-    manifest, _, commit = _commit.read_header(kv, location)
-  except CheckpointError:
-    raise
-  except Exception as e:  # TensorStore's I/O errors: a file in the way, no permission, ...
-    raise CheckpointError(
-        f"Cannot read a checkpoint at {location!r} ({type(e).__name__}: {e}). Check that the "
-        "path is a checkpoint directory and that it is readable.") from e
-  return Source(location, kv_spec, ctx, kv, manifest, commit)
-
-
 def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
   """Describe a committed checkpoint without reading array data (also an Orbax PyTree
   checkpoint or safetensors, see :func:`restore`: their arrays' zarr metadata or headers are
@@ -201,7 +131,7 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
   >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
   (2, 3)
   """
-  src = _open_any(path, storage_options)
+  src = _source.open_any(path, storage_options)
   return _describe(src.location, src.manifest, src.format)
 
 
@@ -451,7 +381,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
-  src = _open_any(path, storage_options)
+  src = _source.open_any(path, storage_options)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:
     wants, treedef = [_Want(r) for r in records], None
@@ -460,7 +390,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   else:
     wants, treedef = _match(location, records, target, partial, cast)
 
-  budget = _store.budget_arg(budget_bytes, "restore", READ_WINDOW_BYTES)
+  budget = _store.budget_arg(budget_bytes, "restore", _source.READ_WINDOW_BYTES)
   values = _read_all(src, wants, budget)
   _fill_per_process(src, wants, values, per_process_from)
   if treedef is None:
@@ -584,7 +514,7 @@ class _Stream:
     if self.src.reader is not None:  # Orbax, safetensors
       read = self.src.reader.slice_reader(rec)
     elif rec.pieces is not None:
-      read = pieces_reader(self.src, rec, self.packs)
+      read = _source.pieces_reader(self.src, rec, self.packs)
     else:
       read = self._stored_reader(rec)
     itemsize = _leaves.dtype_of(rec.dtype).itemsize
@@ -639,7 +569,7 @@ class _Stream:
     try:
       host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec.dtype))
     except Exception as e:
-      raise _read_error(self.src, r.want.rec, e) from None
+      raise _source.read_error(self.src, r.want.rec, e) from None
     if devices is None:
       r.parts[None] = host
       self.held -= n
@@ -665,22 +595,6 @@ class _Stream:
     self.held -= sum(self.put_bytes)
     self.to_put.clear()
     self.put_bytes.clear()
-
-
-def pieces_reader(src: Source, rec: _records.Leaf, packs: dict[int, ts.TensorStore]) -> Any:
-  """A :class:`fnckpt._sources.pieces.SliceReader` of pieced leaf ``rec``; opened packs are kept
-  in ``packs`` (opening does no I/O: the manifest says everything)."""
-  from .._sources import pieces as _pieces_read
-
-  def open_pack(k: int) -> ts.TensorStore:
-    if k not in packs:
-      pack = src.manifest.packs[k]
-      packs[k] = _store.open_array(_store.pack_spec(
-          _refs.base_spec(src.kv_spec, src.manifest, pack.base, src.location), pack.dir,
-          pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read").result()
-    return packs[k]
-
-  return _pieces_read.SliceReader(src.manifest, rec, open_pack)
 
 
 def _ready(fut: Any) -> bool:
@@ -792,7 +706,7 @@ def _land_packed(src: Source, reads: dict[int, "_Read"],
     try:
       raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
     except Exception as e:
-      raise _read_error(src, r.want.rec, e) from None
+      raise _source.read_error(src, r.want.rec, e) from None
     host = _convert(r.want, _leaves.checked_bools(
         _as_leaf(raw, r.want.rec.dtype, r.shape), r.want.rec))
     whole = r.sharding is not None and r.sharding.is_fully_replicated
@@ -847,39 +761,3 @@ def _memory_bytes() -> int:
   except (OSError, ValueError):
     return 1 << 40
 
-
-def _read_error(src: Source, rec: _records.Leaf, e: Exception) -> CheckpointError:
-  if src.reader is not None:
-    return src.reader.read_error(rec, e)
-  location = src.location
-  if not _commit.unchanged(src.kv, src.commit):
-    return _commit.changed_error(location)
-  where = rec.where
-  base = None
-  if rec.packed is not None:
-    base = src.manifest.packs[rec.packed.pack].base
-    store = f"{location}/{src.manifest.packs[rec.packed.pack].dir}"
-  elif rec.pieces is not None:
-    store = f"{location}/{src.manifest.data}/p (pieces of {rec.where})"
-  else:
-    base = rec.stored.base if rec.stored is not None else None
-    store = f"{location}/{rec.stored.dir}" if rec.stored is not None else location
-  text = _paths.error_text(e)
-  if base is not None:
-    ref = _refs.describe(location, src.manifest, base)
-    store = _refs.display(location, src.manifest.bases[base].dir) + store[len(location):]
-    if _paths.read_failure(e) == "missing":  # (damage: self-healing restores skip the step)
-      return DamagedError(
-          f"Cannot restore {where} from {location!r}: it refers to {ref}, which is missing "
-          f"(no data at {store!r}: that checkpoint was deleted or moved). This checkpoint "
-          "cannot be restored without it; restore another step, or put the referenced "
-          f"checkpoint back. [{text}]")
-  cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
-           "corrupt": "its data is corrupt or truncated",
-           "missing": "a chunk of its data is missing",
-           "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
-  error = DamagedError if cause else CheckpointError  # else: not known to be damage
-  cause = cause or f"reading failed ({type(e).__name__}: {text})"
-  return error(
-      f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
-      f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._layout import chunks as _layout, pieces as _pieces
 from .._errors import CheckpointError
+from .staged import Staged
 
 __all__ = ["PackPart", "Planner", "mesh_processes"]
 
@@ -150,7 +151,6 @@ def _units(leaf: _Leaf) -> list[tuple[int, _layout.WriteUnit]]:
 
 def _stage_shard(shard: Any, dtype: Any) -> Any:
   """One device shard on the host (a view of a CPU buffer, else the device-to-host copy)."""
-  from .save import _Staged
   host = np.asarray(shard.data)
   whole = tuple(slice(0, n) for n in host.shape)
-  return _Staged(tuple(host.shape), np.dtype(dtype), [(whole, host)])
+  return Staged(tuple(host.shape), np.dtype(dtype), [(whole, host)])

@@ -26,8 +26,12 @@ from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
 from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
                        refs as _refs, tree as _tree)
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
+from .._sources import source as _source
 from . import delta as _delta, pieces as _pieces_save
 from .._errors import CheckpointError
+from .._version import __version__
+from .errors import wrap
+from .staged import Staged
 from .writer import Chunk, Commit, Writer
 
 __all__ = ["save", "wait", "SaveHandle", "SaveStats"]
@@ -242,7 +246,6 @@ class _Base:
   def check(self) -> None:
     """Before the new checkpoint commits: the base is still the committed checkpoint read at
     the start (else the new one would refer to data that may be gone)."""
-    from .._io import commit as _commit
     src = self.source
     if not _commit.unchanged(src.kv, src.commit):
       raise CheckpointError(
@@ -503,7 +506,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     _reached(key, "staging")
     commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
   except BaseException as e:
-    err = _wrap(e, location, where)
+    err = wrap(e, location, where)
     if writer is not None:
       writer.abort(err)   # drains what was staged, publishes the error, walks the barriers
       writer.join()
@@ -521,11 +524,10 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
 
 def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
   """The committed checkpoint ``base`` (on the same storage as the new one)."""
-  from .._restore import restore as _restore
   if not isinstance(base, (str, os.PathLike)):
     raise CheckpointError(f"save(base={base!r}): expected the location of a committed "
                           "checkpoint (a str), e.g. the previous step's path.")
-  src = _restore.open_source(os.fspath(base), storage_options)
+  src = _source.open_source(os.fspath(base), storage_options)
   loc, new_loc = _refs.locate(src.kv_spec), _refs.locate(kv_spec)
   if loc.store != new_loc.store or loc.path == new_loc.path:
     raise CheckpointError(
@@ -588,7 +590,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   for i, data in plan.maybe_packed:
     n = _nbytes(data)
     try:
-      staged = _charge(budget, CHUNK_COST * n, writer, lambda: _Staged.of(data))
+      staged = _charge(budget, CHUNK_COST * n, writer, lambda: Staged.of(data))
     except BaseException as e:
       raise _at(e, plan.records[i]["path"])
     writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.packed_c[i].hash))
@@ -664,12 +666,12 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
   fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
   todo = sorted([_pieces_save.PackPart(plan.records[i]["pack"]["offset"], _nbytes(data), i,
-                                        functools.partial(_Staged.of, data))
+                                        functools.partial(Staged.of, data))
                   for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
-  staged: dict[int, _Staged] = {}  # by position in todo
+  staged: dict[int, Staged] = {}  # by position in todo
   first = 0                        # todo[:first] lie before the current chunk
 
-  def parts(start: int, end: int) -> list[tuple[int, "_Staged", int, int, int]]:
+  def parts(start: int, end: int) -> list[tuple[int, "Staged", int, int, int]]:
     out = []
     for k in range(first, len(todo)):
       part = todo[k]
@@ -703,51 +705,11 @@ def _nbytes(data: Any) -> int:
 
 
 @dataclasses.dataclass
-class _Staged:
-  """A packed leaf held safe from the caller: its distinct shards (index, host array), each
-  a view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
-  array), a device-to-host copy, or a copy of numpy data."""
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  parts: list[tuple[tuple[slice, ...], np.ndarray]]
-
-  @staticmethod
-  def of(data: Any) -> "_Staged":
-    shape, dtype = tuple(data.shape), np.dtype(data.dtype)
-    whole = tuple(slice(0, n) for n in shape)
-    if isinstance(data, np.ndarray):
-      return _Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
-    if data.is_fully_replicated:
-      return _Staged(shape, dtype, [(whole, np.asarray(data.addressable_data(0)))])
-    parts, seen = [], set()
-    for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
-      index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
-      if index not in seen:
-        seen.add(index)
-        parts.append((tuple(slice(a, b) for a, b in index), np.asarray(s.data)))
-    return _Staged(shape, dtype, parts)
-
-  @property
-  def nbytes(self) -> int:
-    return _layout.nbytes(self.shape, self.dtype.itemsize)
-
-  def raw(self) -> np.ndarray:
-    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part."""
-    if len(self.parts) == 1:
-      host = self.parts[0][1]
-    else:
-      host = np.empty(self.shape, self.dtype)
-      for index, part in self.parts:
-        host[index] = part
-    return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
-
-
-@dataclasses.dataclass
 class _Assemble:
   """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
   staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
   nbytes: int
-  pieces: list[tuple[int, _Staged, int, int, int]]
+  pieces: list[tuple[int, Staged, int, int, int]]
   hash_piece: Any = None
 
   def __call__(self) -> np.ndarray:
@@ -836,7 +798,6 @@ def _disagreement(location: str, mine, theirs) -> str:
 
 def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, Any]:
   from importlib import metadata as importlib_metadata
-  from .._version import __version__
   try:
     ts_version = importlib_metadata.version("tensorstore")
   except importlib_metadata.PackageNotFoundError:
@@ -897,21 +858,3 @@ def _after_replace(err: BaseException) -> BaseException:
     return type(err)(text)
   except TypeError:
     return err
-
-
-def _wrap(e: BaseException, location: str, phase: str,
-          committed: bool | None = False) -> BaseException:
-  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-    return e
-  text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", _paths.redact(str(e)))  # noise
-  hint = _paths.io_hint(e)
-  if committed:
-    after = (" The checkpoint itself is committed (its marker was written); only this "
-             "last step failed.")
-  elif committed is None:
-    after = (" Process 0 may have committed the checkpoint; check with fnckpt.metadata or "
-             "`fnckpt ls`.")
-  else:
-    after = " Nothing was committed; earlier checkpoints are intact."
-  return CheckpointError(
-      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {text}.{hint}{after}")

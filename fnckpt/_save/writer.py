@@ -19,6 +19,7 @@ from .._format import manifest as _manifest
 from .._io import collective as _collective, commit as _commit, arrays as _store
 from . import delta as _delta
 from .._errors import CheckpointError
+from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
 
@@ -184,7 +185,7 @@ class Writer:
       if error is not None or self.aborted:
         err = error or self.abort_error or self.error
         if err is not None and not isinstance(err, CheckpointError):
-          err = _wrap_phase(err, self.location, self.phase, self.committed)
+          err = wrap(err, self.location, self.phase, self.committed)
         elif err is not None and self.committed is not False:
           err = _with_commit_state(err, self.committed)
         self.session.fail(err)
@@ -233,9 +234,3 @@ def _with_commit_state(err: CheckpointError, committed: bool | None) -> Checkpoi
   except TypeError:  # a subclass with another constructor: keep it, add a note
     err.add_note(after.strip())
     return err
-
-
-def _wrap_phase(e: BaseException, location: str, phase: str,
-                committed: bool | None) -> BaseException:
-  from .save import _wrap
-  return _wrap(e, location, phase, committed)

@@ -26,7 +26,9 @@ import numpy as np
 import tensorstore as ts
 
 from .._format import records as _records
+from .._io import paths as _paths
 from .._errors import CheckpointError
+from .orbax import read_bounded
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "Tensor", "parse_header", "key_paths", "open_file",
            "open_index", "open_dir", "INDEX_NAME"]
@@ -219,7 +221,6 @@ def _value(fut: ts.Future, location: str, what: str) -> bytes:
       raise _bad(location, f"it ends inside {what}") from None
     raise CheckpointError(f"Cannot read {location!r} ({what}): {e}") from None
   except Exception as e:
-    from .._io import paths as _paths
     raise CheckpointError(f"Cannot read {location!r} ({what}): {_paths.error_text(e)}. Check "
                           "that the file exists and is readable.") from None
   if got.state != "value":
@@ -307,7 +308,6 @@ class Reader:
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
     if isinstance(e, CheckpointError):
       return e
-    from .._io import paths as _paths
     t = self.tensors[rec.index]
     return CheckpointError(
         f"Cannot restore {rec.where} (tensor {t.name!r}) from {self.prefix + t.file!r}: reading "
@@ -572,7 +572,6 @@ def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
 def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
   """The index's JSON, its ``weight_map`` checked (names to plain file names, every shard
   ``*-NNNNN-of-MMMMM.safetensors`` of a set in it)."""
-  from .orbax import read_bounded
   try:
     raw = read_bounded(kv, key, MAX_INDEX_BYTES)
   except ValueError as e:

@@ -3,13 +3,12 @@
 :func:`pieces` yields ``Piece(leaf, start, data)`` for the given array leaves, in order: each
 leaf cut into C-order contiguous blocks (:func:`blocks`, aligned to the stored inner chunks
 where they fit), so the pieces of a leaf concatenated are its bytes in C order. Reads go
-through restore's code (``_restore.Source``, ``_store`` specs opened without I/O, restore's
-error classification); at most ``window`` bytes of host memory are held at once, counting
-the piece the caller is working on and charging each read twice its size (TensorStore holds
-the raw bytes beside the decoded piece, as save's budget counts them), with several reads in
-flight so storage stays busy. Inline leaves
-come from the manifest, packed ones as byte ranges of their pack, stored ones as slices of
-their zarr3 array.
+through the code restore reads with (``source.Source``, ``_store`` specs opened without I/O,
+``source.read_error``'s classification); at most ``window`` bytes of host memory are held at
+once, counting the piece the caller is working on and charging each read twice its size
+(TensorStore holds the raw bytes beside the decoded piece, as save's budget counts them), with
+several reads in flight so storage stays busy. Inline leaves come from the manifest, packed ones
+as byte ranges of their pack, stored ones as slices of their zarr3 array.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import tensorstore as ts
 
 from .._format import leaves as _leaves, records as _records, refs as _refs
 from .._io import arrays as _store
-from .._restore import restore as _restore
 from .._layout.chunks import Index
+from . import source as _source
 
 __all__ = ["Piece", "Window", "blocks", "pieces"]
 
@@ -89,7 +88,7 @@ class _Reader:
   """Opens each stored array (the current leaf's) and pack once, without I/O, and starts the
   read of one block."""
 
-  def __init__(self, src: _restore.Source):
+  def __init__(self, src: _source.Source):
     self.src, self.packs, self.stored = src, {}, (None, None)
     self.pieced: tuple[int | None, Any] = (None, None)
 
@@ -104,7 +103,7 @@ class _Reader:
         return _store.read_slice(self._pack(leaf.packed.pack), ((first, first + count),))
       if leaf.pieces is not None:
         if self.pieced[0] != leaf.index:
-          self.pieced = (leaf.index, _restore.pieces_reader(self.src, leaf, self.packs))
+          self.pieced = (leaf.index, _source.pieces_reader(self.src, leaf, self.packs))
         return self.pieced[1](index)
       if self.stored[0] != leaf.index:  # (a reused leaf: in the checkpoint its base names)
         self.stored = (leaf.index, _store.open_array(_store.zarr_spec(
@@ -112,7 +111,7 @@ class _Reader:
             leaf.shape), self.src.ctx, mode="read").result())
       return _store.read_slice(self.stored[1], index)
     except Exception as e:  # TensorStore refused the spec or the read
-      raise _restore._read_error(self.src, leaf, e) from None
+      raise _source.read_error(self.src, leaf, e) from None
 
   def _pack(self, k: int) -> ts.TensorStore:
     if k not in self.packs:
@@ -133,14 +132,14 @@ class _Reader:
     try:
       data = got.result()
     except Exception as e:
-      raise _restore._read_error(self.src, leaf, e) from None
+      raise _source.read_error(self.src, leaf, e) from None
     if leaf.packed is not None:
       return _leaves.checked_bools(
           data.view(_leaves.dtype_of(leaf.dtype)).reshape([b - a for a, b in index]), leaf)
     return _store.from_storage(data, leaf.dtype)
 
 
-def pieces(src: _restore.Source, leaves: Sequence[_records.Leaf], window: Window,
+def pieces(src: _source.Source, leaves: Sequence[_records.Leaf], window: Window,
            out_itemsize: Callable[[_records.Leaf], int] | None = None) -> Iterator[Piece]:
   """Every array leaf of ``leaves``, in order, as C-order pieces (see the module). Blocks are
   at most an eighth of the window (so about four reads are in flight, each charged twice), or

@@ -12,9 +12,11 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started. ``export`` writes local files only (``fnckpt._export.export``). ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
+is started. ``export`` writes local files only (``fnckpt._export.export``).
+``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
 ``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
-is opened and read as restore does (``_restore.open_source``, its read window and context).
+is opened and read as restore does (``fnckpt._sources.source.open_source``, its read window
+and context).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from .._layout import chunks as _layout
 from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
                        records as _records, refs as _refs, tree as _tree)
 from .._io import commit as _commit, paths as _paths, arrays as _store
+from .._sources import source as _source
 from .._restore import restore as _restore
+from .._export.export import export_safetensors
 from .._manager import fork as _fork, steps as _steps
 from .._errors import CheckpointError
 
@@ -85,7 +89,7 @@ def _compact(value: Any, limit: int = 60) -> str:
 
 # --- reading ---------------------------------------------------------------------------------
 # Every storage access goes through ``args.storage_options`` (the dict fnckpt.save/restore
-# take); a checkpoint is opened the way restore opens it (``_restore.open_source``), and its
+# take); a checkpoint is opened the way restore opens it (``_source.open_source``), and its
 # arrays are read in restore's window with the Source's kvstore spec and context.
 
 def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any] | None:
@@ -135,7 +139,7 @@ def _nbytes(rec: _records.Leaf) -> int:
   return rec.nbytes
 
 
-def _read_per_process(src: _restore.Source, process: int) -> tuple[_records.Leaf, ...]:
+def _read_per_process(src: _source.Source, process: int) -> tuple[_records.Leaf, ...]:
   """Process ``process``'s ``fnckpt.PerProcess`` values (validated records, nothing decoded:
   a key would need a JAX backend); CheckpointError naming the file if missing or invalid."""
   key = _perprocess.values_key(src.manifest.data, process)
@@ -171,7 +175,7 @@ def _regions(shape: Sequence[int], inner: Sequence[int]) -> Iterator[_layout.Ind
       yield ((a, min(a + inner[0], shape[0])),) + rest
 
 
-def _spec(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any]:
+def _spec(src: _source.Source, rec: _records.Leaf | int) -> dict[str, Any]:
   """The zarr3 spec of a stored leaf, or of pack number ``rec`` (as restore builds it)."""
   if isinstance(rec, int):
     pack = src.manifest.packs[rec]
@@ -181,18 +185,18 @@ def _spec(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any]:
                           rec.dtype, rec.shape)
 
 
-def _base_spec(src: _restore.Source, base: int | None) -> dict[str, Any]:
+def _base_spec(src: _source.Source, base: int | None) -> dict[str, Any]:
   return _refs.base_spec(src.kv_spec, src.manifest, base, src.location)
 
 
-def _where(src: _restore.Source, base: int | None, d: str) -> str:
+def _where(src: _source.Source, base: int | None, d: str) -> str:
   """A stored directory's location (in the referenced checkpoint for a reference)."""
   if base is None:
     return f"{src.location}/{d}"
   return f"{_refs.display(src.location, src.manifest.bases[base].dir)}/{d}"
 
 
-def _reused(src: _restore.Source, rec: _records.Leaf) -> int | None:
+def _reused(src: _source.Source, rec: _records.Leaf) -> int | None:
   """The base index a leaf's bytes come from (None: written by this save, or inline)."""
   if rec.stored is not None:
     return rec.stored.base
@@ -201,7 +205,7 @@ def _reused(src: _restore.Source, rec: _records.Leaf) -> int | None:
   return None
 
 
-def _lineage(src: _restore.Source) -> str:
+def _lineage(src: _source.Source) -> str:
   fork = src.manifest.fork
   if fork is None:
     return ""
@@ -209,7 +213,7 @@ def _lineage(src: _restore.Source) -> str:
           f"{fork.step}")
 
 
-def _open_stored(src: _restore.Source, spec: dict[str, Any], *, check_metadata: bool
+def _open_stored(src: _source.Source, spec: dict[str, Any], *, check_metadata: bool
                  ) -> ts.TensorStore:
   """A zarr3 array in the Source's context; with ``check_metadata`` its zarr.json is read and
   compared with what the manifest says (a missing or altered zarr.json is an error)."""
@@ -227,7 +231,7 @@ def _read_regions(store: ts.TensorStore, regions: Iterator[_layout.Index], items
   held = 0
   for region in regions:
     n = _layout.nbytes([b - a for a, b in region], itemsize)
-    while pending and held + n > _restore.READ_WINDOW_BYTES:
+    while pending and held + n > _source.READ_WINDOW_BYTES:
       r, fut, m = pending.pop(0)
       held -= m
       yield r, _result(fut)
@@ -335,7 +339,7 @@ def _step_rows(steps: list[tuple[str, str]], keys: list[str], options: dict[str,
   rows, lineage = [], ""
   for name, path in steps:
     try:
-      src = _restore.open_source(path, options)
+      src = _source.open_source(path, options)
     except CheckpointError as e:
       rows.append([name, "DAMAGED", "-", "-", "-", _files_of(keys, name), "-", str(e)])
       continue
@@ -383,7 +387,7 @@ def _value_text(rec: _records.Leaf) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  src = _restore.open_source(args.path, args.storage_options)
+  src = _source.open_source(args.path, args.storage_options)
   location, manifest = src.location, src.manifest
   commit = _manifest.decode_commit(src.commit, location)
   v = manifest.versions
@@ -489,7 +493,7 @@ class _Unit:
                                                                          self.inner))
 
 
-def _units(src: _restore.Source) -> list[_Unit]:
+def _units(src: _source.Source) -> list[_Unit]:
   manifest = src.manifest
   units = []
   for rec in manifest.leaves:
@@ -508,7 +512,7 @@ def _units(src: _restore.Source) -> list[_Unit]:
   return units
 
 
-def _spec_or_error(src: _restore.Source, rec: _records.Leaf | int) -> dict[str, Any] | str:
+def _spec_or_error(src: _source.Source, rec: _records.Leaf | int) -> dict[str, Any] | str:
   try:
     return _spec(src, rec)
   except CheckpointError as e:  # a reference that leads nowhere valid: a problem of this leaf
@@ -521,7 +525,7 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[
   unreadable, reported as such). When something could not be read because the checkpoint
   was replaced or deleted meanwhile (its commit marker changed), that is the one problem."""
   try:
-    src = _restore.open_source(path, options)
+    src = _source.open_source(path, options)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"]
   problems = (_verify_arrays(src, quiet) + _verify_bools(src) + _verify_per_process(src)
@@ -531,7 +535,7 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[
   return problems
 
 
-def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
+def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
   """Every inner chunk of every stored array and pack read (each checked by its crc32c)."""
   problems = []
   units = _units(src)
@@ -561,7 +565,7 @@ def _verify_arrays(src: _restore.Source, quiet: bool) -> list[str]:
   return problems
 
 
-def _verify_bools(src: _restore.Source) -> list[str]:
+def _verify_bools(src: _source.Source) -> list[str]:
   """Inline and packed bool arrays hold only bytes 0 and 1 (their checksums, if any, cannot
   tell; TensorStore checks stored bool arrays itself)."""
   problems = []
@@ -575,7 +579,7 @@ def _verify_bools(src: _restore.Source) -> list[str]:
   return problems
 
 
-def _verify_hashes(src: _restore.Source) -> list[str]:
+def _verify_hashes(src: _source.Source) -> list[str]:
   """Every recorded content hash (README "References and hashes") against the bytes read:
   each chunk of a stored array, each packed leaf (referenced data too)."""
   problems = []
@@ -594,7 +598,7 @@ def _verify_hashes(src: _restore.Source) -> list[str]:
   return problems
 
 
-def _hash_mismatch(src: _restore.Source, rec: _records.Leaf) -> str | None:
+def _hash_mismatch(src: _source.Source, rec: _records.Leaf) -> str | None:
   itemsize = _leaves.dtype_of(rec.dtype).itemsize
   if rec.packed is not None:
     store = _open_stored(src, _spec(src, rec.packed.pack), check_metadata=False)
@@ -617,7 +621,7 @@ def _hash_mismatch(src: _restore.Source, rec: _records.Leaf) -> str | None:
   return None
 
 
-def _verify_per_process(src: _restore.Source) -> list[str]:
+def _verify_per_process(src: _source.Source) -> list[str]:
   """Each saving process's ``pp/<process>`` file: there, valid, and holding a value for every
   ``fnckpt.PerProcess`` leaf."""
   manifest = src.manifest
@@ -685,11 +689,11 @@ def _desc(rec: _records.Leaf) -> str:
   return rec.kind if rec.kind != "empty" else f"empty {rec.type}"
 
 
-def _chunks_of_array(src: _restore.Source, rec: _records.Leaf) -> Any:
+def _chunks_of_array(src: _source.Source, rec: _records.Leaf) -> Any:
   """A function region -> np.ndarray for an array leaf (inline, packed, pieced or stored)."""
   dtype = _leaves.dtype_of(rec.dtype)
   if rec.pieces is not None:
-    read = _restore.pieces_reader(src, rec, {})
+    read = _source.pieces_reader(src, rec, {})
     return lambda region: read(region).result()
   if rec.stored is None:
     if rec.inline is not None:
@@ -713,8 +717,8 @@ def _count_different(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.any(a8 != b8, axis=1).sum())
 
 
-def _per_process_differ(src_a: _restore.Source, rec_a: _records.Leaf,
-                        src_b: _restore.Source, rec_b: _records.Leaf) -> str | None:
+def _per_process_differ(src_a: _source.Source, rec_a: _records.Leaf,
+                        src_b: _source.Source, rec_b: _records.Leaf) -> str | None:
   """Per-process values compared process by process (by saved records, bitwise)."""
   n_a, n_b = src_a.manifest.process_count, src_b.manifest.process_count
   if n_a != n_b:
@@ -725,7 +729,7 @@ def _per_process_differ(src_a: _restore.Source, rec_a: _records.Leaf,
   return f"the values of process(es) {differ} differ" if differ else None
 
 
-def _values_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore.Source,
+def _values_differ(src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.Source,
                    rec_b: _records.Leaf) -> str | None:
   if rec_a.kind == "perprocess":
     return _per_process_differ(src_a, rec_a, src_b, rec_b)
@@ -743,7 +747,7 @@ def _values_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore
   return None if same else f"{_compact(va, 30)} -> {_compact(vb, 30)}"
 
 
-def _arrays_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore.Source,
+def _arrays_differ(src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.Source,
                    rec_b: _records.Leaf) -> str | None:
   """Two arrays of one shape and dtype compared bitwise, a slab along the leading dimension
   at a time (each at most restore's read window, unless one row is larger)."""
@@ -753,7 +757,7 @@ def _arrays_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore
   if any(n == 0 for n in shape):
     return None
   row = _layout.nbytes(shape[1:], itemsize) if shape else itemsize
-  step = max(1, _restore.READ_WINDOW_BYTES // max(1, row)) if shape else 1
+  step = max(1, _source.READ_WINDOW_BYTES // max(1, row)) if shape else 1
   differ = 0
   for start in range(0, shape[0] if shape else 1, step):
     region = (((start, min(start + step, shape[0])),) + tuple((0, n) for n in shape[1:])
@@ -763,7 +767,7 @@ def _arrays_differ(src_a: _restore.Source, rec_a: _records.Leaf, src_b: _restore
   return f"{differ} of {total} elements differ" if differ else None
 
 
-def _value_lines(src_a: _restore.Source, src_b: _restore.Source,
+def _value_lines(src_a: _source.Source, src_b: _source.Source,
                  pairs: Sequence[tuple[_records.Leaf, _records.Leaf]]) -> list[str]:
   """``!`` lines for the leaves (of the same structure) whose values differ. A read that
   fails because either checkpoint changed meanwhile is that CheckpointError, as in restore."""
@@ -785,8 +789,8 @@ def _value_lines(src_a: _restore.Source, src_b: _restore.Source,
 
 
 def _diff(args: argparse.Namespace) -> int:
-  src_a = _restore.open_source(args.a, args.storage_options)
-  src_b = _restore.open_source(args.b, args.storage_options)
+  src_a = _source.open_source(args.a, args.storage_options)
+  src_b = _source.open_source(args.b, args.storage_options)
   loc_a, man_a = src_a.location, src_a.manifest
   loc_b, man_b = src_b.location, src_b.manifest
   recs_a = {_tree.match_key(r.path): r for r in man_a.leaves}
@@ -837,7 +841,6 @@ def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
 
 
 def _export(args: argparse.Namespace) -> int:
-  from .._export.export import export_safetensors
   r = export_safetensors(args.checkpoint, args.out, select=args.select, dtype=args.dtype,
                          prefix=args.prefix, rename=_renames(args.rename),
                          max_shard_size=args.max_shard_size, overwrite=args.overwrite,

@@ -1,0 +1,54 @@
+"""A packed leaf (or one device shard of a pieced leaf) staged off the devices: what save's
+pack staging holds until the writer thread assembles the pack's chunks from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .._layout import chunks as _layout
+from .._format import leaves as _leaves
+
+__all__ = ["Staged"]
+
+
+@dataclasses.dataclass
+class Staged:
+  """A packed leaf held safe from the caller: its distinct shards (index, host array), each
+  a view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
+  array), a device-to-host copy, or a copy of numpy data."""
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  parts: list[tuple[tuple[slice, ...], np.ndarray]]
+
+  @staticmethod
+  def of(data: Any) -> "Staged":
+    shape, dtype = tuple(data.shape), np.dtype(data.dtype)
+    whole = tuple(slice(0, n) for n in shape)
+    if isinstance(data, np.ndarray):
+      return Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
+    if data.is_fully_replicated:
+      return Staged(shape, dtype, [(whole, np.asarray(data.addressable_data(0)))])
+    parts, seen = [], set()
+    for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
+      index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
+      if index not in seen:
+        seen.add(index)
+        parts.append((tuple(slice(a, b) for a, b in index), np.asarray(s.data)))
+    return Staged(shape, dtype, parts)
+
+  @property
+  def nbytes(self) -> int:
+    return _layout.nbytes(self.shape, self.dtype.itemsize)
+
+  def raw(self) -> np.ndarray:
+    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part."""
+    if len(self.parts) == 1:
+      host = self.parts[0][1]
+    else:
+      host = np.empty(self.shape, self.dtype)
+      for index, part in self.parts:
+        host[index] = part
+    return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
