@@ -520,9 +520,10 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
     elif None in r.parts:  # a host target
       value = r.parts[None]
     else:
-      value = jax.make_array_from_single_device_arrays(  # dtype: none may be on this process
-          r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices],
-          dtype=r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
+      parts = [r.parts[d] for d in r.sharding.addressable_devices]
+      value = jax.make_array_from_single_device_arrays(  # dtype: for none on this process
+          r.shape, r.sharding, parts,
+          dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
     values[i] = _finish_leaf(r.want, value)
   return values
 
