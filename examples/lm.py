@@ -37,6 +37,7 @@ The pieces (``SIZES``, ``build``, ``TextBatches``, ``make_mesh``) are importable
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -246,15 +247,18 @@ def spec_for(keypath: str) -> P:
   return next((spec for pattern, spec in SHARDING_RULES if re.search(pattern, keypath)), P())
 
 
-def make_mesh(shape: tuple[int, int] | None) -> Mesh:
-  """A ('data', 'model') mesh over this job's devices (default: all on 'data')."""
+def make_mesh(shape: tuple[int, int] | None, axis_types: str = "auto") -> Mesh:
+  """A ('data', 'model') mesh over this job's devices (default: all on 'data'), with Auto axes
+  (XLA propagates shardings) or Explicit ones (shardings are part of the types: ``jax.typeof``;
+  what ``jax.make_mesh`` gives by default)."""
   devices = jax.devices()
   shape = shape or (len(devices), 1)
   if shape[0] * shape[1] != len(devices):
     raise SystemExit(f"--mesh {shape[0]},{shape[1]} needs {shape[0] * shape[1]} devices; this "
                      f"job has {len(devices)} ({devices[0].platform}).")
+  kind = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
   return jax.make_mesh(shape, ("data", "model"), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)  # XLA propagates shardings
+                       axis_types=(kind[axis_types],) * 2)
 
 
 # --- everything a training job needs, built for one size and one mesh ----------------------
@@ -287,14 +291,18 @@ def build(size: Size, mesh: Mesh, seed: int = 0) -> Run:
       lambda path, _: NamedSharding(mesh, spec_for(jax.tree_util.keystr(path))), abstract)
   tokens = encode(make_corpus(size.corpus_chars), size.vocab)
 
-  def init() -> dict[str, Any]:
-    arrays = jax.jit(init_arrays, out_shardings=shardings)()
-    return {**arrays, "step": 0, "data": TextBatches.initial_state(seed + 2)}
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:  # shardings are part of the types
+    init_on_mesh = jax.jit(lambda: jax.tree.map(jax.sharding.reshard, init_arrays(), shardings))
+  else:
+    init_on_mesh = jax.jit(init_arrays, out_shardings=shardings)
 
-  # What to restore into: shapes, dtypes and the shardings of *this* job's mesh (any mesh).
-  target = {**jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                           abstract, shardings),
-            "step": 0, "data": TextBatches.initial_state(0)}
+  def init() -> dict[str, Any]:
+    return {**init_on_mesh(), "step": 0, "data": TextBatches.initial_state(seed + 2)}
+
+  # What to restore into: shapes, dtypes and the shardings of *this* job's mesh (any mesh);
+  # on Explicit axes jax.eval_shape gives shardings over an abstract mesh (no devices), which
+  # restore places on this job's devices.
+  target = {**jax.eval_shape(init_on_mesh), "step": 0, "data": TextBatches.initial_state(0)}
 
   def train_step(arrays: dict[str, Any], batch: jax.Array):
     key, dropout_key = jax.random.split(arrays["key"])
@@ -308,6 +316,9 @@ def build(size: Size, mesh: Mesh, seed: int = 0) -> Run:
     params = optax.apply_updates(arrays["params"], updates)
     return {"params": params, "opt_state": opt_state, "key": key}, loss
 
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:  # the model's ops as on Auto axes
+    train_step = jax.sharding.auto_axes(
+        train_step, out_sharding=(shardings, NamedSharding(mesh, P())))
   train_step = jax.jit(train_step, out_shardings=(shardings, NamedSharding(mesh, P())),
                        donate_argnums=0)
   return Run(size, mesh, init, target, train_step,
@@ -374,6 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="number of simulated CPU devices (ignored on GPU/TPU)")
   p.add_argument("--mesh", default=None, help="mesh shape 'DATA,MODEL' (default: all devices "
                  "on the data axis)")
+  p.add_argument("--axis-types", choices=("auto", "explicit"), default="auto",
+                 help="the mesh's axis types (explicit: shardings in the types, as "
+                 "jax.make_mesh gives by default)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
   p.add_argument("--eval", action="store_true", help="evaluate the newest checkpoint's "
@@ -441,14 +455,17 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.devices:  # before JAX starts its CPU backend; only CPU devices are simulated
     jax.config.update("jax_num_cpu_devices", args.devices)
-  mesh = make_mesh(tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None)
+  mesh = make_mesh(tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None,
+                   args.axis_types)
   devices = jax.devices()
   print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s), "
         f"size {args.size}", flush=True)
-  if args.eval:
-    summary = evaluate_newest(args.dir, SIZES[args.size], mesh)
-  else:
-    summary = train(args, build(SIZES[args.size], mesh, args.seed))
+  # Explicit axes: the mesh in context, as jax.sharding.reshard and jitted steps on it need
+  with jax.set_mesh(mesh) if args.axis_types == "explicit" else contextlib.nullcontext():
+    if args.eval:
+      summary = evaluate_newest(args.dir, SIZES[args.size], mesh)
+    else:
+      summary = train(args, build(SIZES[args.size], mesh, args.seed))
   print(json.dumps(summary), flush=True)  # the last line: a JSON summary
   return 0
 

@@ -88,6 +88,24 @@ def test_preempted_run_has_the_loss_curve_of_an_uninterrupted_one(straight, tmp_
 
 
 @pytest.mark.slow
+def test_explicit_axes_resume_bitwise(tmp_path):
+  """--axis-types explicit: the restore target is jax.eval_shape's, on an abstract mesh."""
+  explicit = (*TINY, *ON_8, "--steps", STEPS, "--axis-types", "explicit")
+  rc, straight_losses, straight_summary, log = lm(tmp_path / "straight", *explicit)
+  assert rc == 0 and sorted(straight_losses) == list(range(1, STEPS + 1)), log
+  run = tmp_path / "explicit"
+  rc, first, summary, log = lm(run, *explicit, "--preempt-at-step", 10)
+  assert rc == 0, log
+  assert summary["preempted"] and summary["step"] == 11, log
+  rc, second, summary, log = lm(run, *explicit)
+  assert rc == 0, log
+  assert "resumed from step 11" in log
+  assert sorted(second) == list(range(12, STEPS + 1))
+  assert {**first, **second} == straight_losses  # every loss, bit for bit
+  assert summary["params_sha256"] == straight_summary["params_sha256"]
+
+
+@pytest.mark.slow
 def test_resumes_on_another_mesh_and_device_count(straight, tmp_path):
   directory, straight_losses, straight_summary = straight
   run = tmp_path / "moved"

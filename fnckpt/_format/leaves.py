@@ -159,12 +159,15 @@ def _unplain(obj: Any) -> Any:
 
 def _unsupported(path, leaf) -> CheckpointError:
   t = type(leaf)
+  code = (" A function is code, not state: save only the arrays (Equinox: "
+          "eqx.partition(model, eqx.is_array)[0]; Flax NNX: nnx.split(model)[1]) and rebuild "
+          "the rest in code." if callable(leaf) else "")
   return CheckpointError(
       f"Unsupported leaf at {keystr(path)}: {t.__module__}.{t.__qualname__}. fnckpt saves "
       "jax.Array (any dtype, typed PRNG keys included), numpy arrays and scalars, Python "
       "bool/int/float/complex/str/bytes/None, empty containers and numpy Generators. If this "
       "is a container, register it as a pytree node (jax.tree_util.register_dataclass or "
-      "register_pytree_with_keys); otherwise convert it to one of these before saving.")
+      "register_pytree_with_keys); otherwise convert it to one of these before saving." + code)
 
 
 def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:

@@ -516,7 +516,7 @@ def _check_placed(target: Any, directory: str) -> None:
   device. An error with several processes, a warning with one."""
   flat = jax.tree_util.tree_flatten_with_path(target)[0]
   unplaced = [jax.tree_util.keystr(path) for path, leaf in flat
-              if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+              if isinstance(leaf, jax.ShapeDtypeStruct) and _no_sharding(leaf)]
   if not unplaced:
     return
   where = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5
@@ -532,6 +532,13 @@ def _check_placed(target: Any, directory: str) -> None:
   warnings.warn(
       f"restore_or_init({directory!r}): the target has no sharding at {where}; these arrays "
       f"are restored onto one device ({jax.devices()[0]}). {fix}", stacklevel=3)
+
+
+def _no_sharding(leaf: jax.ShapeDtypeStruct) -> bool:
+  try:
+    return leaf.sharding is None
+  except Exception:  # a PartitionSpec with no mesh in context: restore names it and the fix
+    return False
 
 
 def _raise_first(errors: list[BaseException]) -> None:

@@ -24,6 +24,7 @@ from .._io import commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from .._sources.source import Source
 from .._errors import CheckpointError, DamagedError
+from . import shardings as _shardings
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -151,9 +152,10 @@ def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
 
 @dataclasses.dataclass
 class _Want:
-  rec: dict[str, Any]
+  rec: _records.Leaf
   host: bool = True                          # numpy result (no sharding)
   sharding: jax.sharding.Sharding | None = None
+  final: Any = None                          # moved there once placed (_shardings.Placement)
   dtype: np.dtype | None = None
   value: Any = None                          # for non-array targets: the target leaf
   array_target: bool = True
@@ -176,19 +178,21 @@ def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
     pairs, _ = _tree.flatten(target)
     by_prefix = {_tree.match_key(p): s for p, s in pairs}
     names = {_tree.match_key(p): _tree.keystr(p) for p, _ in pairs}
-  wants, used, problems = [], set(), []
+  wants, used, problems, resolver = [], set(), [], _shardings.Resolver()
   for rec in records:
     key = _tree.match_key(rec.path)
     found = next((key[:i] for i in range(len(key), -1, -1) if key[:i] in by_prefix), None)
     if found is None and partial:
       continue
-    sharding = None if found is None else by_prefix[found]
     used.add(found)
-    if sharding is not None and rec.is_array:
-      problem = _sharding_problem(sharding, rec)
-      if problem:
-        problems.append(f"{rec.where}: {problem}")
-    wants.append(_Want(rec, host=sharding is None, sharding=sharding))
+    placement = _shardings.Placement(None)
+    if found is not None and rec.is_array:
+      try:
+        placement = resolver.leaf(rec.where, by_prefix[found], _saved_shape(rec))
+      except CheckpointError as e:
+        problems.append(str(e))
+    wants.append(_Want(rec, host=placement.sharding is None, sharding=placement.sharding,
+                       final=placement.final))
   missing = [names[k] for k in by_prefix if k not in used]
   if missing or problems:
     raise _tree.mismatch_error(location, missing=missing, mismatched=problems,
@@ -196,46 +200,40 @@ def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
   return wants
 
 
-def _sharding_problem(sharding: jax.sharding.Sharding, rec: _records.Leaf) -> str:
-  """Why ``sharding`` cannot hold the saved array ('' if it can)."""
-  shape = tuple(rec.shape) if rec.kind == "array" else _array_metadata(rec).key_shape
-  try:
-    sharding.shard_shape(shape)
-    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > len(shape):
-      raise ValueError(f"its PartitionSpec {sharding.spec} has more entries than the array "
-                       f"has dimensions ({len(shape)})")
-  except Exception as e:
-    return (f"the sharding {sharding} cannot hold an array of shape {shape} ({e}); give "
-            "this key path a sharding that fits")
-  return ""
+def _saved_shape(rec: _records.Leaf) -> tuple[int, ...]:
+  """The shape a target sharding must hold: the array's, or a PRNG key array's key shape."""
+  return tuple(rec.shape) if rec.kind != "key" else _array_metadata(rec).key_shape
 
 
-def _target_spec(leaf: Any) -> tuple[str, Any, Any, Any]:
-  """(kind, shape, dtype, sharding) of a target leaf; kind 'array', 'key', 'host' or 'value'."""
+def _target_spec(leaf: Any) -> tuple[str, Any, Any]:
+  """(kind, shape, dtype) of a target leaf; kind 'array', 'key', 'host' or 'value'."""
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-    sharding = getattr(leaf, "sharding", None)
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      return "key", tuple(leaf.shape), None, sharding
-    return "array", tuple(leaf.shape), np.dtype(leaf.dtype), sharding
+      return "key", tuple(leaf.shape), None
+    return "array", tuple(leaf.shape), np.dtype(leaf.dtype)
   if isinstance(leaf, np.ndarray):  # byte order is not part of the dtype asked for
-    return "host", tuple(leaf.shape), leaf.dtype.newbyteorder("="), None
+    return "host", tuple(leaf.shape), leaf.dtype.newbyteorder("=")
   if isinstance(leaf, jax.sharding.Sharding):
-    return "array", None, None, leaf
-  return "value", None, None, None
+    return "array", None, None
+  return "value", None, None
 
 
 def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool,
            cast: bool):
   pairs, treedef = _tree.flatten(target)
   by_key = {_tree.match_key(r.path): r for r in records}
-  missing, mismatched, wants = [], [], []
+  missing, mismatched, wants, resolver = [], [], [], _shardings.Resolver()
   for path, leaf in pairs:
     rec = by_key.get(_tree.match_key(path))
     where = _tree.keystr(path)
     if rec is None:
       missing.append(where)
       continue
-    want = _want(leaf, rec, cast)
+    try:
+      want = _want(leaf, rec, cast, resolver)
+    except CheckpointError as e:  # a target sharding that cannot be resolved (names where)
+      mismatched.append(str(e))
+      continue
     if isinstance(want, str):
       mismatched.append(f"{where}: {want}")
     else:
@@ -254,18 +252,21 @@ def _match(location: str, records: list[_records.Leaf], target: Any, partial: bo
   return wants, treedef
 
 
-def _want(leaf: Any, rec: _records.Leaf, cast: bool) -> _Want | str:
-  """What to read for one target leaf, or why the saved leaf cannot fill it."""
+def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolver
+          ) -> _Want | str:
+  """What to read for one target leaf, or why the saved leaf cannot fill it (a target
+  sharding that cannot be resolved raises a CheckpointError naming the key path)."""
   if isinstance(leaf, _perprocess.PerProcess) or rec.kind == "perprocess":
     return _per_process_problem(leaf, rec) or _Want(rec, value=leaf.value, array_target=False)
-  kind, shape, dtype, sharding = _target_spec(leaf)
+  kind, shape, dtype = _target_spec(leaf)
   if kind == "key":
     if rec.kind != "key":
       return f"the target is a PRNG key array, the checkpoint holds {_saved_desc(rec)}"
     key_shape = _array_metadata(rec).key_shape
     if shape != key_shape:
       return f"key shape {key_shape} saved, {shape} in the target"
-    return _Want(rec, host=False, sharding=sharding)
+    placed = resolver.leaf(rec.where, leaf, key_shape)
+    return _Want(rec, host=False, sharding=placed.sharding, final=placed.final)
   if kind == "value":
     if rec.is_array and not isinstance(leaf, (bool, int, float, complex)):
       return f"the target is {type(leaf).__name__}, the checkpoint holds {_saved_desc(rec)}"
@@ -273,8 +274,10 @@ def _want(leaf: Any, rec: _records.Leaf, cast: bool) -> _Want | str:
   if rec.kind in ("scalar", "npscalar") and shape in (None, ()):
     # e.g. flax's TrainState.step: a Python int when saved, a 0-d array in
     # jax.eval_shape(init) (or after a jitted step)
-    return _scalar_problem(rec, dtype, cast) or _Want(
-        rec, host=kind == "host", sharding=sharding, dtype=dtype, from_scalar=True)
+    problem = _scalar_problem(rec, dtype, cast)
+    placed = _placement(resolver, rec, leaf, kind, ())
+    return problem or _Want(rec, host=kind == "host", sharding=placed.sharding,
+                            final=placed.final, dtype=dtype, from_scalar=True)
   if rec.kind != "array":
     return f"the target is an array, the checkpoint holds {_saved_desc(rec)}"
   saved_shape, saved_dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
@@ -282,7 +285,16 @@ def _want(leaf: Any, rec: _records.Leaf, cast: bool) -> _Want | str:
     return f"shape {saved_shape} saved, {shape} in the target"
   if dtype is not None and dtype != saved_dtype and not cast:
     return f"dtype {saved_dtype} saved, {dtype} in the target (pass cast=True to convert)"
-  return _Want(rec, host=kind == "host", sharding=sharding, dtype=dtype)
+  placed = _placement(resolver, rec, leaf, kind, saved_shape)
+  return _Want(rec, host=kind == "host", sharding=placed.sharding, final=placed.final,
+               dtype=dtype)
+
+
+def _placement(resolver: _shardings.Resolver, rec: _records.Leaf, leaf: Any, kind: str,
+               shape: tuple[int, ...]) -> _shardings.Placement:
+  if kind == "host":
+    return _shardings.Placement(None)
+  return resolver.leaf(rec.where, leaf, shape)
 
 
 def _per_process_problem(leaf: Any, rec: _records.Leaf) -> str:
@@ -441,8 +453,10 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
     elif None in r.parts:  # a host target
       value = r.parts[None]
     else:
-      value = jax.make_array_from_single_device_arrays(
-          r.shape, r.sharding, [r.parts[d] for d in r.sharding.addressable_devices])
+      parts = [r.parts[d] for d in r.sharding.addressable_devices]
+      value = jax.make_array_from_single_device_arrays(  # dtype: for none on this process
+          r.shape, r.sharding, parts,
+          dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
     values[i] = _finish_leaf(r.want, value)
   return values
 
@@ -456,8 +470,10 @@ def _plain_value(w: _Want) -> Any:
     return value
   host = np.asarray(value)
   host = host if w.dtype is None else _leaves.cast(host, w.dtype, w.rec.where)
-  return host if w.host else _place(
-      host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  if w.host:
+    return host
+  value = _place(host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  return value if w.final is None else _move(w, value)
 
 
 def _place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
@@ -482,8 +498,9 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   (a collective), and restore makes none."""
   if sharding.is_fully_addressable:
     return jax.device_put(host, sharding)
-  return jax.make_array_from_callback(host.shape, sharding,
-                                     lambda index: np.array(host[index]))  # own buffers
+  return jax.make_array_from_callback(host.shape, sharding,  # own buffers; dtype: none may
+                                     lambda index: np.array(host[index]),  # be on this process
+                                     dtype=host.dtype)
 
 
 def _start_read(w: _Want) -> "_Read":
@@ -649,7 +666,8 @@ def _finish_leaf(w: _Want, value: Any) -> Any:
   if rec.kind == "key":
     if isinstance(value, np.ndarray):
       value = jax.numpy.asarray(value)
-    return jax.random.wrap_key_data(value, impl=rec.impl)
+    value = jax.random.wrap_key_data(value, impl=rec.impl)
+    return value if w.final is None else _move(w, value)
   if not w.array_target:  # e.g. a Python scalar target for a saved 0-d array
     t = type(w.value)
     if isinstance(w.value, (bool, int, float, complex)) and np.ndim(value) == 0:
@@ -657,7 +675,17 @@ def _finish_leaf(w: _Want, value: Any) -> Any:
     return np.asarray(value)
   if isinstance(value, np.ndarray) and not w.host:
     return jax.device_put(value)
-  return value
+  return value if w.final is None else _move(w, value)
+
+
+def _move(w: _Want, value: jax.Array) -> jax.Array:
+  """A placed array moved to the target's memory kind or layout (``_Want.final``)."""
+  try:
+    return jax.device_put(value, w.final)
+  except Exception as e:
+    raise CheckpointError(f"{w.rec.where}: restored, but cannot be moved to the target's "
+                          f"{w.final} ({type(e).__name__}: {e}); give this key path a "
+                          "sharding of device memory.") from None
 
 
 def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
