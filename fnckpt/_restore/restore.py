@@ -306,7 +306,7 @@ def _per_process_problem(leaf: Any, rec: _records.Leaf) -> str:
   return ""
 
 
-def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> str:
+def _scalar_problem(rec: _records.Leaf, dtype: np.dtype | None, cast: bool) -> str:
   """Why a saved scalar cannot fill a 0-d array target of ``dtype`` ('' if it can): it must
   be a number of the same kind (bool, integer in range, floating, complex) unless cast."""
   value = _leaves.decode_value(rec)
@@ -326,7 +326,7 @@ def _scalar_problem(rec: dict[str, Any], dtype: np.dtype | None, cast: bool) -> 
           "cast=True to convert)")
 
 
-def _saved_desc(rec: dict[str, Any]) -> str:
+def _saved_desc(rec: _records.Leaf) -> str:
   """What a saved leaf is, with its article: 'an array float32[4, 2]', 'None', 'a str value'."""
   if rec.kind in ("array", "key"):
     what = "a PRNG key array" if rec.kind == "key" else "an array"
@@ -342,7 +342,7 @@ def _saved_desc(rec: dict[str, Any]) -> str:
 
 # --- reading -----------------------------------------------------------------------------
 
-def _data_sharding(want: _Want, rec: dict[str, Any]) -> jax.sharding.Sharding | None:
+def _data_sharding(want: _Want, rec: _records.Leaf) -> jax.sharding.Sharding | None:
   """For a PRNG key: the sharding of its key data (trailing dimensions unsharded)."""
   s = want.sharding
   if rec.kind != "key" or s is None:
