@@ -3,6 +3,7 @@ bytes, versioning, validation into frozen records. No files: leaf records come f
 fnckpt._format.leaves.encode_leaf, manifests are built here as a writer would (README "Format")."""
 
 import collections
+import enum
 import hashlib
 import math
 import struct
@@ -50,67 +51,12 @@ def _array(key, **storage):
           "source": "numpy", "sharding": None, **storage}
 
 
-# --- records back to the wire format ------------------------------------------------------
-
-def _wire_sharding(s):
-  if s is None:
-    return None
-  if s.type == "named":
-    return {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
-            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]}
-  if s.type == "single":
-    return {"type": "single"}
-  return {"type": s.type, "devices": s.devices}
-
-
-def _wire_leaf(leaf):
-  """A validated :class:`_records.Leaf` as the record a writer puts in the manifest (the
-  inverse of parsing; README "Format (version 2)")."""
-  rec = {"path": [list(e) for e in leaf.path], "kind": leaf.kind}
-  if leaf.is_array:
-    rec.update(dtype=leaf.dtype, shape=list(leaf.shape), source=leaf.source,
-               sharding=_wire_sharding(leaf.sharding))
-    if leaf.kind == "key":
-      rec["impl"] = leaf.impl
-    assert [leaf.inline, leaf.stored, leaf.packed].count(None) == 2  # exactly one
-    if leaf.inline is not None:
-      rec["inline"] = leaf.inline
-    elif leaf.stored is not None:
-      s = leaf.stored
-      rec["store"] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
-                      "zstd": s.zstd}
-      if s.blosc is not None:
-        rec["store"]["blosc"] = dict(s.blosc)
-    else:
-      rec["pack"] = {"index": leaf.packed.pack, "offset": leaf.packed.offset}
-      assert leaf.packed.nbytes == leaf.nbytes
-  elif leaf.kind == "perprocess":
-    pass  # the values are in each process's pp/<process> file
-  elif leaf.kind == "empty":
-    rec.update(type=leaf.type, name=leaf.name)
-  elif leaf.kind == "scalar":
-    v = leaf.value
-    rec.update(type=leaf.type, value=[v.real, v.imag] if leaf.type == "complex" else v)
-  elif leaf.kind == "bigint":
-    rec["value"] = str(leaf.value)
-  elif leaf.kind == "npscalar":
-    rec.update(dtype=leaf.dtype, value=leaf.value)
-  else:
-    assert leaf.kind == "npgen", leaf.kind
-    rec["value"] = leaf.value
-  return rec
-
-
-def _wire(m):
-  """A :class:`_records.Manifest` as the msgpack map it was parsed from."""
-  out = {"format": _manifest.FORMAT_NAME, "version": m.version, "created": m.created,
-         "process_count": m.process_count, "versions": dict(m.versions),
-         "metadata": m.metadata, "leaves": [_wire_leaf(l) for l in m.leaves]}
-  if m.version >= 2:
-    out["data"] = m.data
-    out["packs"] = [{"dir": p.dir, "nbytes": p.nbytes, "chunk": p.chunk, "inner": p.inner}
-                    for p in m.packs]
-  return out
+def _wire_v1(m):
+  """A format-1 :class:`_records.Manifest` as the msgpack map it was parsed from (encode
+  refuses format 1 manifests: fnckpt writes format 2; its leaves encode alike)."""
+  return {"format": _manifest.FORMAT_NAME, "version": m.version, "created": m.created,
+          "process_count": m.process_count, "versions": dict(m.versions),
+          "metadata": m.metadata, "leaves": [_records.encode(l) for l in m.leaves]}
 
 
 def _canonical(obj):
@@ -137,6 +83,14 @@ _data = st.recursive(
     max_leaves=12)
 
 Pair = collections.namedtuple("Pair", "x y")  # attribute keys ("attr")
+
+
+class Color(enum.IntEnum):  # scalars of a subclass: the record's 'subtype'
+  RED = 1
+
+
+class Name(str):
+  pass
 
 _ARRAY_DTYPES = ["bool", "int4", "uint8", "int16", "float32", "bfloat16", "float8_e4m3fn",
                  "complex64", "float64"]
@@ -178,7 +132,7 @@ _leaf_values = st.one_of(
     st.none(), st.booleans(), _ints, st.floats(allow_nan=False),
     st.complex_numbers(allow_nan=False), st.text(max_size=8), st.binary(max_size=8),
     st.integers().filter(lambda v: not -(1 << 63) <= v < (1 << 64)),  # bigint kind
-    st.sampled_from(_NP_SCALARS), _generators,
+    st.sampled_from(_NP_SCALARS), _generators, st.sampled_from([Color.RED, Name("n")]),
     st.sampled_from(["dict", "list", "tuple"]).map(lambda t: {"dict": {}, "list": [],
                                                               "tuple": ()}[t]))
 
@@ -247,7 +201,7 @@ def test_property_encode_decode_round_trip(manifest):
   assert isinstance(decoded, _records.Manifest)
   assert [l.index for l in decoded.leaves] == list(range(len(manifest["leaves"])))
   # the records say exactly what the manifest said: same values, same msgpack types
-  assert _canonical(_wire(decoded)) == _canonical(manifest)
+  assert _canonical(_records.encode(decoded)) == _canonical(manifest)
   # frozen: what a reader validated cannot change under it
   with pytest.raises(AttributeError):
     decoded.version = 1
@@ -358,6 +312,8 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
                                               r"map, found 3"),
     (_packed(_manifest_dict([{**_scalar("a", 1), "future": True}])),
      r"the record of \['a'\] is invalid: it has an unknown field 'future'"),
+    (_packed(_manifest_dict([{**_scalar("a", 1), "subtype": 3}])),
+     r"the record of \['a'\] is invalid: 'subtype' must be a string, found 3"),
     (_packed(_manifest_dict([_array("a", inline=b"\0" * 15)])),
      r"the record of \['a'\] is invalid: 'inline' must hold 16 bytes"),
     (_packed(_manifest_dict([{**_array("a", inline=b"\0" * 16), "dtype": "object"}])),
@@ -405,7 +361,7 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
 ], ids=["empty", "reserved-byte", "trailing", "list", "foreign", "no-version", "str-version",
         "zero-version", "no-leaves", "no-data", "unknown-key", "leaves-not-a-list", "created",
         "absolute-data", "dotdot-data", "pack-inner", "pack-dir", "bad-kind", "no-path",
-        "not-a-record", "unknown-record-key", "inline-size", "dtype", "two-storages",
+        "not-a-record", "unknown-record-key", "subtype", "inline-size", "dtype", "two-storages",
         "pack-range", "pack-index", "no-pack", "store-dir", "chunk-too-large", "inner-chunk",
         "blosc-cname", "zstd-and-blosc", "perprocess-value", "duplicate-path", "leaf-and-parent", "sequence-gap", "mixed-children"])
 def test_decode_rejects_bad_manifests_with_a_clear_error(data, match):
@@ -429,7 +385,9 @@ def test_decode_reads_older_format_versions():
   decoded = _manifest.decode(_manifest.encode(manifest), LOC)
   assert decoded.version == 1 and decoded.data is None and decoded.packs == ()
   assert decoded.leaves[1].stored == _records.Stored("d/1", (4,), (2,), None)
-  assert _canonical(_wire(decoded)) == _canonical(manifest)
+  assert _canonical(_wire_v1(decoded)) == _canonical(manifest)
+  with pytest.raises(ValueError, match="format 1 records are read-only"):
+    _records.encode(decoded)
   # ... and only format 1: format-2 keys and records are refused in it
   for bad, match in [
       ({**manifest, "data": DATA}, r"it has an unknown field 'data'"),

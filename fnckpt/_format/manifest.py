@@ -14,7 +14,7 @@ import msgpack
 from . import records as _records
 from .._errors import CheckpointError, DamagedError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode", "pack",
            "encode_commit", "decode_commit", "digest", "check_msgpackable"]
 
 FORMAT_NAME = "fnckpt"
@@ -25,7 +25,9 @@ DATA_DIR = "d"              # format 1: arrays at d/<n>/
 DATA_PREFIX = "data-"       # format 2: a save's data under data-<32 hex digits>/
 
 
-def _pack(obj: Any) -> bytes:
+def pack(obj: Any) -> bytes:
+  """Plain data -> msgpack bytes, as manifests and commit markers are written (no validation:
+  tools and tests that write a manifest by hand use it)."""
   return msgpack.packb(obj, use_bin_type=True, strict_types=False)
 
 
@@ -70,7 +72,7 @@ def encode(manifest: dict[str, Any]) -> bytes:
   >>> decode(encode(m), "x").version
   2
   """
-  return _pack(manifest)
+  return pack(manifest)
 
 
 def decode(data: bytes, location: str) -> _records.Manifest:
@@ -102,7 +104,7 @@ def _check_header(obj: Any, location: str, what: str) -> None:
 
 def encode_commit(manifest_bytes: bytes, committed_at: float) -> bytes:
   """The commit marker: names the manifest it commits by hash."""
-  return _pack({"format": FORMAT_NAME, "version": FORMAT_VERSION,
+  return pack({"format": FORMAT_NAME, "version": FORMAT_VERSION,
                 "manifest_sha256": digest(manifest_bytes), "committed": committed_at})
 
 

@@ -1,4 +1,4 @@
-"""PURE: a manifest's msgpack data -> frozen, validated records (formats 1 and 2).
+"""PURE: a manifest's msgpack data <-> frozen, validated records (formats 1 and 2).
 
 Everything read from storage is untrusted. :func:`parse` turns a decoded manifest into
 :class:`Manifest` (with :class:`Leaf` records) or raises one :class:`CheckpointError` naming the
@@ -9,6 +9,10 @@ formed (no duplicates, no leaf that is also a parent, sequence indices dense, so
 tree allocates no more than the leaves); storage directories relative, normalized and inside
 the checkpoint. Unknown keys and kinds are refused (a newer writer's manifest is refused by its
 version number first). Other modules read these records, never the raw dicts.
+
+The writers build the same records and :func:`encode` turns them into the msgpack data (format
+2 only): ``parse(encode(m), location, 2) == m`` for every valid record. Encoding never
+validates; parsing is the one validator.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import numpy as np
 
 from .._layout import pieces as _pieces
 from .._errors import CheckpointError
-from .codecs import BLOSC_CNAMES, BLOSC_SHUFFLES
+from .codecs import BLOSC, BLOSC_CNAMES, BLOSC_SHUFFLES
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
-           "parse_values", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
+           "parse_values", "encode", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
            "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
@@ -237,6 +241,7 @@ class Leaf:
   hash: bytes | None = None        # SHA-256 of the stored bytes (see README "References")
   chunk_hashes: bytes | None = None
   chunk_fps: bytes | None = None
+  subtype: str | None = None       # a scalar's subclass ("module.Name"; informative only)
 
   @property
   def where(self) -> str:
@@ -505,7 +510,9 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
     return Leaf(i, path, kind, type=rec["type"], name=_str(rec["name"], "'name'"))
   if kind == "scalar":
     _keys(rec, "it", common + ("type", "value"), ("subtype",))
-    return Leaf(i, path, kind, type=rec["type"], value=_scalar(rec["type"], rec["value"]))
+    subtype = _str(rec["subtype"], "'subtype'", 256) if "subtype" in rec else None
+    return Leaf(i, path, kind, type=rec["type"], value=_scalar(rec["type"], rec["value"]),
+                subtype=subtype)
   if kind == "bigint":
     _keys(rec, "it", common + ("value",))
     v = _str(rec["value"], "'value'", MAX_BIGINT_DIGITS + 1)
@@ -762,3 +769,109 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
       _req(idx == list(range(len(idx))), "sequence indices must be 0..n-1 without gaps")
   _req(len(leaves) <= 1 or all(paths),
        "the root is a leaf but there are other leaves")
+
+
+# --- records -> the wire format (README "Format (version 2)") ------------------------------
+# Keys in the order the writer has always written them (so the manifest of a tree is the same
+# bytes as before the writer built records). Derived and record-only fields (``Leaf.index``,
+# ``Packed.nbytes``, ``Pieces.mesh``, a named sharding's ``devices``, ``Manifest.layout``) are
+# not written; nothing a record lacks is added.
+
+def encode(r: Manifest | Leaf) -> dict[str, Any]:
+  """A record -> its msgpack map: the inverse of :func:`parse` for every valid format-2
+  record. A :class:`Manifest` of format 1 is refused (fnckpt reads format 1, writes 2).
+
+  >>> encode(Leaf(0, (("dict", "step"),), "scalar", type="int", value=3))
+  {'path': [['dict', 'step']], 'kind': 'scalar', 'type': 'int', 'value': 3}
+  """
+  return _encode_manifest(r) if isinstance(r, Manifest) else _encode_leaf(r)
+
+
+def _encode_manifest(m: Manifest) -> dict[str, Any]:
+  if m.version != 2 or m.data is None:
+    raise ValueError(f"format {m.version} records are read-only: fnckpt writes format 2")
+  out = {"format": "fnckpt", "version": m.version, "created": float(m.created),
+         "process_count": m.process_count, "versions": dict(m.versions),
+         "metadata": m.metadata, "data": m.data, "packs": [_encode_pack(p) for p in m.packs],
+         "leaves": [_encode_leaf(l) for l in m.leaves]}
+  if m.meshes:
+    out["meshes"] = [np.asarray(a).tolist() for a in m.meshes]
+  if m.bases:
+    out["bases"] = [{"dir": b.dir, "data": b.data} for b in m.bases]
+  if m.fork is not None:
+    out["fork"] = {"run": m.fork.run, "step": m.fork.step}
+  return out
+
+
+def _encode_leaf(l: Leaf) -> dict[str, Any]:
+  rec: dict[str, Any] = {"path": [list(e) for e in l.path], "kind": l.kind}
+  kind = l.kind
+  if kind in ("array", "key"):
+    if kind == "key":
+      rec["impl"] = l.impl
+    rec["source"], rec["dtype"] = l.source, l.dtype
+    rec["shape"], rec["sharding"] = list(l.shape), _encode_sharding(l.sharding)
+    if l.inline is not None:
+      rec["inline"] = l.inline
+    elif l.stored is not None:
+      rec["store"] = _encode_stored(l.stored)
+    elif l.packed is not None:
+      rec["pack"] = {"index": l.packed.pack, "offset": l.packed.offset}
+    elif l.pieces is not None:
+      rec["pieces"] = {"chunks": list(l.pieces.chunks)}
+    if l.chunk_hashes is not None:
+      rec["chunk_hashes"] = l.chunk_hashes
+    if l.chunk_fps is not None:
+      rec["chunk_fps"] = l.chunk_fps
+    if l.hash is not None:
+      rec["hash"] = l.hash
+  elif kind == "scalar":
+    rec["type"] = l.type
+    rec["value"] = [l.value.real, l.value.imag] if l.type == "complex" else l.value
+    if l.subtype is not None:
+      rec["subtype"] = l.subtype
+  elif kind == "empty":
+    rec["type"], rec["name"] = l.type, l.name
+  elif kind == "bigint":
+    rec["value"] = str(l.value)
+  elif kind == "npscalar":
+    rec["dtype"], rec["value"] = l.dtype, l.value
+  elif kind == "npgen":
+    rec["value"] = l.value
+  return rec                      # "perprocess": path and kind only
+
+
+def _encode_sharding(s: Sharding | None) -> dict[str, Any] | None:
+  if s is None:
+    return None
+  if s.type == "single":
+    return {"type": "single"}
+  if s.type != "named":
+    return {"type": s.type, "devices": s.devices}
+  out = {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
+         "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]}
+  if s.mesh is not None:
+    out["mesh"] = s.mesh
+  return out
+
+
+_BLOSC_KEYS = tuple(BLOSC)       # "cname", "clevel", "shuffle": the order save writes
+
+
+def _encode_stored(s: Stored) -> dict[str, Any]:
+  out = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner), "zstd": s.zstd}
+  if s.blosc is not None:
+    b = dict(s.blosc)
+    out["blosc"] = {**{k: b[k] for k in _BLOSC_KEYS if k in b}, **b}
+  if s.base is not None:
+    out["base"] = s.base
+  return out
+
+
+def _encode_pack(p: Pack) -> dict[str, Any]:
+  out = {"dir": p.dir, "nbytes": p.nbytes, "chunk": p.chunk, "inner": p.inner}
+  if p.process is not None:
+    out["process"], out["pieces"] = p.process, p.pieces
+  if p.base is not None:
+    out["base"] = p.base
+  return out
