@@ -226,7 +226,7 @@ def test_verify_a_manifest_that_disagrees_with_zarr_json(tmp_path, capsys):
   m["leaves"][0]["shape"] = [1 << 29, 40]
   for k in ("chunk_hashes", "chunk_fps", "hash"):  # (else: their lengths are wrong)
     m["leaves"][0].pop(k, None)
-  raw = _manifest.encode(m)
+  raw = _manifest.pack(m)
   (ckpt / "manifest.msgpack").write_bytes(raw)
   (ckpt / "COMMIT").write_bytes(_manifest.encode_commit(raw, time.time()))
   assert main(["verify", str(ckpt)]) == 1

@@ -248,7 +248,7 @@ def test_unsupported_scheme(location):
 
 def _rewrite(path, manifest):
   """Write ``manifest`` and a commit marker naming it (a checkpoint as another writer would)."""
-  data = _manifest.encode(manifest)
+  data = _manifest.pack(manifest)
   with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
     f.write(data)
   with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
@@ -287,7 +287,7 @@ def test_a_checkpoint_from_a_newer_format_version(ckpt):
 
 def test_a_corrupt_manifest(ckpt):
   path, _ = ckpt
-  data = _manifest.encode([1, 2])  # valid msgpack, not a manifest
+  data = _manifest.pack([1, 2])  # valid msgpack, not a manifest
   with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
     f.write(data)
   with open(os.path.join(path, _manifest.COMMIT), "wb") as f:

@@ -248,7 +248,7 @@ def test_a_reference_above_the_storage_root_is_refused():
   fnckpt.save(tree, "memory://inc-root/c", base="memory://inc-root/b").wait()
   raw = msgpack.unpackb(kv.read("manifest.msgpack").result().value, strict_map_key=False)
   raw["bases"][0]["dir"] = "../../../b"
-  body = _manifest.encode(raw)
+  body = _manifest.pack(raw)
   kv.write("manifest.msgpack", body).result()
   kv.write("COMMIT", _manifest.encode_commit(body, 0.0)).result()
   with pytest.raises(fnckpt.CheckpointError, match="leads above the root of its storage"):
@@ -698,7 +698,7 @@ def test_verify_reports_a_reference_above_the_root_naming_the_leaf(tmp_path, cap
   raw = msgpack.unpackb(open(f"{b}/manifest.msgpack", "rb").read(), strict_map_key=False)
   assert raw["bases"], "the test needs b to refer to a"
   raw["bases"][0]["dir"] = "../" * 40 + "x"
-  body = _manifest.encode(raw)
+  body = _manifest.pack(raw)
   open(f"{b}/manifest.msgpack", "wb").write(body)
   open(f"{b}/COMMIT", "wb").write(_manifest.encode_commit(body, 0.0))
   assert cli_main(["verify", "-q", b]) == 1

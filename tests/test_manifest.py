@@ -195,7 +195,7 @@ def _manifests(draw):
 @given(_manifests())
 def test_property_encode_decode_round_trip(manifest):
   _manifest.check_msgpackable(manifest, "manifest")
-  data = _manifest.encode(manifest)
+  data = _manifest.pack(manifest)
   assert isinstance(data, bytes)
   decoded = _manifest.decode(data, LOC)
   assert isinstance(decoded, _records.Manifest)
@@ -220,7 +220,7 @@ def test_property_encode_decode_round_trip(manifest):
 def test_property_leaf_values_survive_the_manifest(value):
   rec, data = _leaves.encode_leaf((("dict", "v"),), value)
   assert data is None  # values go inline, no array data
-  back = _manifest.decode(_manifest.encode(_manifest_dict([rec])), LOC).leaves[0]
+  back = _manifest.decode(_manifest.pack(_manifest_dict([rec])), LOC).leaves[0]
   assert isinstance(back, _records.Leaf) and back.path == (("dict", "v"),)
   restored = _leaves.decode_value(back)
   assert type(restored) is type(value)
@@ -240,7 +240,7 @@ def test_numpy_generators_survive_the_manifest():
     gen = np.random.Generator(getattr(np.random, name)(7))
     gen.random(3)  # a state past the seed
     rec, _ = _leaves.encode_leaf((("seq", 0),), gen)
-    back = _manifest.decode(_manifest.encode(_manifest_dict([rec])), LOC).leaves[0]
+    back = _manifest.decode(_manifest.pack(_manifest_dict([rec])), LOC).leaves[0]
     restored = _leaves.decode_value(back)
     assert type(restored.bit_generator).__name__ == name
     np.testing.assert_array_equal(restored.random(5), gen.random(5))
@@ -248,7 +248,7 @@ def test_numpy_generators_survive_the_manifest():
 
 def test_manifest_bytes_are_plain_msgpack():
   manifest = _manifest_dict([_scalar("a", 1)])
-  assert msgpack.unpackb(_manifest.encode(manifest), raw=False) == manifest
+  assert msgpack.unpackb(_manifest.pack(manifest), raw=False) == manifest
 
 
 def test_constants_name_the_files():
@@ -280,7 +280,7 @@ _ONE_PACK = [{"dir": f"{DATA}/p/0", "nbytes": 32, "chunk": 32, "inner": 16}]
     (b"", r"The manifest of '/ckpt/7' is corrupt \(.*\)\. The checkpoint cannot be read; "
           r"restore an earlier one\."),
     (b"\xc1", r"manifest of '/ckpt/7' is corrupt"),
-    (_manifest.encode(_manifest_dict()) + b"x", r"manifest of '/ckpt/7' is corrupt \(ExtraData"),
+    (_manifest.pack(_manifest_dict()) + b"x", r"manifest of '/ckpt/7' is corrupt \(ExtraData"),
     (msgpack.packb([1, 2]), r"manifest of '/ckpt/7' is corrupt or not an fnckpt manifest "
                             r"\(no 'format': 'fnckpt' header\)"),
     (msgpack.packb({"format": "orbax", "version": 1, "leaves": []}),
@@ -370,7 +370,7 @@ def test_decode_rejects_bad_manifests_with_a_clear_error(data, match):
 
 
 def test_decode_rejects_a_newer_format_version_and_says_to_upgrade():
-  data = _manifest.encode({**_manifest_dict(), "version": _manifest.FORMAT_VERSION + 1})
+  data = _manifest.pack({**_manifest_dict(), "version": _manifest.FORMAT_VERSION + 1})
   with pytest.raises(CheckpointError, match=(
       rf"'/ckpt/7' was written in fnckpt format version {_manifest.FORMAT_VERSION + 1}, newer "
       rf"than this fnckpt reads \(up to {_manifest.FORMAT_VERSION}\)\. Upgrade fnckpt: "
@@ -382,7 +382,7 @@ def test_decode_reads_older_format_versions():
   """Format 1 (fnckpt 0.1.0): no 'data' or 'packs', arrays at d/<n>."""
   store = {"dir": "d/1", "chunks": [4], "inner": [2], "zstd": None}
   manifest = _v1_dict([_scalar("step", 3), _array("w", store=store)])
-  decoded = _manifest.decode(_manifest.encode(manifest), LOC)
+  decoded = _manifest.decode(_manifest.pack(manifest), LOC)
   assert decoded.version == 1 and decoded.data is None and decoded.packs == ()
   assert decoded.leaves[1].stored == _records.Stored("d/1", (4,), (2,), None)
   assert _canonical(_wire_v1(decoded)) == _canonical(manifest)
@@ -398,7 +398,7 @@ def test_decode_reads_older_format_versions():
       (_v1_dict([{"path": [["dict", "w"]], "kind": "perprocess"}]),
        r"the record of \['w'\] is invalid: kind 'perprocess' needs format 2")]:
     with pytest.raises(CheckpointError, match=_INVALID + match):
-      _manifest.decode(_manifest.encode(bad), LOC)
+      _manifest.decode(_manifest.pack(bad), LOC)
 
 
 _loose_records = st.fixed_dictionaries(
@@ -431,7 +431,7 @@ def _is_decoded_or_refused(data):
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.binary(max_size=64), _data.map(lambda d: msgpack.packb(d)),
                  st.lists(_loose_records, max_size=6).map(
-                     lambda r: _manifest.encode(_manifest_dict(r)))))
+                     lambda r: _manifest.pack(_manifest_dict(r)))))
 def test_property_decode_of_any_bytes_is_a_manifest_or_a_checkpoint_error(data):
   _is_decoded_or_refused(data)
 
@@ -449,13 +449,13 @@ def test_property_a_changed_field_is_valid_or_a_checkpoint_error(manifest, data)
     target.pop(key, None)
   else:
     target[key] = data.draw(_data)
-  _is_decoded_or_refused(_manifest.encode(manifest))
+  _is_decoded_or_refused(_manifest.pack(manifest))
 
 
 # --- the commit marker -------------------------------------------------------------------
 
 def test_commit_marker_names_the_manifest_by_sha256():
-  manifest_bytes = _manifest.encode(_manifest_dict())
+  manifest_bytes = _manifest.pack(_manifest_dict())
   commit = _manifest.decode_commit(_manifest.encode_commit(manifest_bytes, 12.5), LOC)
   assert commit["manifest_sha256"] == hashlib.sha256(manifest_bytes).hexdigest()
   assert commit["manifest_sha256"] == _manifest.digest(manifest_bytes)

@@ -291,7 +291,7 @@ def test_layout_agrees_with_the_write_rule_on_every_process(mesh, procs, spec):
 def _rewrite(path, change):
   m = manifest(path)
   change(m)
-  data = _manifest.encode(m)
+  data = _manifest.pack(m)
   with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
     f.write(data)
   with open(os.path.join(path, _manifest.COMMIT), "wb") as f:

@@ -85,7 +85,7 @@ def _rewrite_manifest(path, change):
   with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
     m = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
   change(m)
-  data = _manifest.encode(m)
+  data = _manifest.pack(m)
   with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
     f.write(data)
   with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
