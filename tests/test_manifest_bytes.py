@@ -101,7 +101,7 @@ def _cases(tmp) -> dict[str, str]:
     mgr = fnckpt.CheckpointManager(f"{tmp}/{name}/a", **opts)
     for step in range(2):
       mgr.save(step, _tree(float(step)))
-    mgr.wait()
+      mgr.wait()  # (step 1 of an incremental run refers to step 0 only once it is committed)
     mgr.fork(1, f"{tmp}/{name}/b").close()
     mgr.close()
     out[f"{name}_parent"] = f"{tmp}/{name}/a/1"
@@ -134,6 +134,6 @@ def test_encoding_the_parsed_golden_gives_its_bytes(name):
   m = _manifest.decode(raw, name)
   wire = _records.encode(m)
   assert wire == msgpack.unpackb(raw, raw=False, strict_map_key=False)
-  if name == "inc2":  # written before records: 'hash' before 'pack' for reused packed leaves
-    return
+  if name in ("inc2", "fork_parent", "fork"):  # written before records: 'hash' before 'pack'
+    return                                      # for the reused packed leaves
   assert _manifest.pack(wire) == raw
