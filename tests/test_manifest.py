@@ -1,12 +1,15 @@
 """fnckpt._format.manifest and fnckpt._format.records: manifest and commit marker <-> msgpack
-bytes, versioning, validation into frozen records. No files: leaf records come from
-fnckpt._format.leaves.encode_leaf, manifests are built here as a writer would (README "Format")."""
+bytes, versioning, validation into frozen records, records back to msgpack (encode). No files:
+leaf records come from fnckpt._format.leaves.leaf_record, manifests are built here as a writer
+would (README "Format"), as msgpack maps and as records."""
 
 import collections
 import enum
 import hashlib
 import math
+import os
 import struct
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fnckpt import CheckpointError
+from fnckpt._layout import pieces as _pieces
 from fnckpt._format import (leaves as _leaves, manifest as _manifest, records as _records,
                             tree as _tree)
 
@@ -152,11 +156,12 @@ def _divisors(n):
 @st.composite
 def _manifests(draw):
   """A valid format-2 manifest of a random pytree, as a writer would build it: every leaf
-  record from encode_leaf, each array inline, in its own zarr array, or in one of the packs."""
+  record from leaf_record, each array inline, in its own zarr array, or in one of the packs."""
   records, used = [], {}
   turn = draw(st.integers(0, 2))  # storages in turn: every manifest with arrays mixes them
   for i, (path, leaf) in enumerate(_tree.flatten(draw(_trees))[0]):
-    rec, data = _leaves.encode_leaf(path, leaf)
+    rec, data = _leaves.leaf_record(i, path, leaf)
+    rec = _records.encode(rec)
     if data is None and draw(st.integers(0, 9)) == 0:  # an fnckpt.PerProcess leaf
       rec = {"path": rec["path"], "kind": "perprocess"}
     if data is not None:
@@ -189,6 +194,136 @@ def _manifests(draw):
                         process_count=draw(st.integers(1, 4096)), metadata=draw(_data))
 
 
+# --- records, generated directly (every field: pieces, bases, fork, hashes, meshes) -------
+
+_names = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,7}", fullmatch=True)
+_rels = st.builds(lambda up, rest: "/".join([".."] * up + rest), st.integers(0, 3),
+                  st.lists(_names, min_size=1, max_size=3))
+_data_names = st.binary(min_size=16, max_size=16).map(lambda b: "data-" + b.hex())
+_blosc = st.builds(lambda c, l, s: tuple(sorted({"cname": c, "clevel": l, "shuffle": s}.items())),
+                   st.sampled_from(sorted(_records.BLOSC_CNAMES)), st.integers(0, 9),
+                   st.sampled_from(sorted(_records.BLOSC_SHUFFLES)))
+_codecs = st.one_of(st.tuples(st.sampled_from([None, 0, 3, -5, 22]), st.none()),
+                    st.tuples(st.sampled_from([None, 0]), _blosc))
+
+
+def _under(draw, bases, what):
+  """(directory, base index) of a storage: this save's data or a referenced one's."""
+  k = (None, *range(len(bases)))[draw(st.integers(0, 2)) % (len(bases) + 1)]
+  return f"{bases[k].data if k is not None else DATA}/{what}", k
+
+
+def _stored_leaf(draw, leaf, bases):
+  chunks = tuple(draw(st.integers(1, max(n, 1))) for n in leaf.shape)
+  inner = tuple(draw(st.sampled_from(_divisors(c))) for c in chunks)
+  d, k = _under(draw, bases, f"a/{leaf.index}")
+  zstd, blosc = draw(_codecs)
+  leaf = replace(leaf, stored=_records.Stored(d, chunks, inner, zstd, blosc, k))
+  how = ("chunks", "none", "hash")[(draw(st.integers(0, 2)) + leaf.index) % 3]
+  if how == "hash":
+    return replace(leaf, hash=draw(st.binary(min_size=32, max_size=32)))
+  if how == "chunks":
+    n = math.prod(-(-s // c) for s, c in zip(leaf.shape, chunks)) if all(leaf.shape) else 0
+    ch = draw(st.binary(min_size=32 * n, max_size=32 * n))
+    fps = draw(st.binary(min_size=8 * n, max_size=8 * n)) if draw(st.booleans()) else None
+    return replace(leaf, hash=hashlib.sha256(ch).digest(), chunk_hashes=ch, chunk_fps=fps)
+  return leaf
+
+
+def _pack_record(draw, d, used, base=None, process=None, pieces=None):
+  """A pack of at least ``used`` bytes (padded to whole inner chunks)."""
+  nbytes = max(1, used + draw(st.integers(0, 5)))
+  inner = draw(st.sampled_from(_divisors(nbytes)))
+  chunk = inner * draw(st.integers(1, nbytes // inner))
+  return _records.Pack(d, nbytes, chunk, inner, base, process, pieces)
+
+
+@st.composite
+def _pieced_leaves(draw, first, nproc):
+  """Named-sharded leaves stored as pieces over one or two meshes, their meshes (the process
+  of each position) and their layout's region per process."""
+  meshes, leaves = [], []
+  for _ in range(draw(st.integers(1, 2))):
+    sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    procs = np.array(draw(st.lists(st.integers(0, nproc - 1), min_size=math.prod(sizes),
+                                   max_size=math.prod(sizes))), np.int64)
+    procs.flags.writeable = False
+    meshes.append(procs)
+  for j in range(draw(st.integers(1, 3))):
+    m = draw(st.integers(0, len(meshes) - 1))
+    sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    if math.prod(sizes) != len(meshes[m]):
+      sizes = (len(meshes[m]),)
+    axes = ("x", "y")[:len(sizes)]
+    spec = tuple(draw(st.sampled_from([None, *axes, tuple(reversed(axes))]))
+                 for _ in range(draw(st.integers(0, 2))))
+    used = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+    if len(set(used)) != len(used):
+      spec = ()
+    sharding = _records.Sharding("named", axes, sizes, spec, math.prod(sizes), m)
+    grid = [math.prod(sizes[a] for a in axes_) for axes_ in sharding.dim_axes]
+    chunk = tuple(draw(st.integers(1, 3)) for _ in range(len(spec) + draw(st.integers(0, 1))))
+    shape = tuple(c * (grid[d] if d < len(grid) else 1) for d, c in enumerate(chunk))
+    dtype = draw(st.sampled_from(["float32", "int8", "bfloat16"]))
+    leaves.append(_records.Leaf(first + j, (("dict", "p"), ("seq", j)), "array", dtype, shape,
+                                "jax", sharding, pieces=_records.Pieces(chunk, m)))
+  todo = [_pieces.PieceLeaf(l.index, m_, l.sharding.sizes,
+                            l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
+                            _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
+                            l.pieces.chunks, math.prod(l.pieces.chunks) * _records.itemsize(
+                                l.dtype)) for l in leaves for m_ in [l.pieces.mesh]]
+  layout = _pieces.build(tuple(meshes), todo, nproc)
+  return leaves, tuple(meshes), layout
+
+
+@st.composite
+def _record_manifests(draw):
+  """A valid format-2 :class:`_records.Manifest`, built as records: leaves from leaf_record
+  (under ['a'] and ['t']), arrays inline, stored (codecs, hashes, in a base's data), packed (in this
+  save's packs or a base's, with a hash or not) or pieced (under ['p']); perprocess leaves."""
+  nproc = draw(st.integers(1, 4))
+  bases = tuple(draw(st.lists(st.builds(_records.Base, _rels, _data_names), unique=True,
+                              max_size=2)) if draw(st.booleans()) else ())
+  leaves, used = [], {}                   # used: pack -> bytes so far
+  turn = draw(st.integers(0, 2))          # storages in turn: every manifest mixes them
+  tree = {"a": draw(st.lists(_arrays, max_size=4)), "t": draw(_trees)}
+  for i, (path, value) in enumerate(_tree.flatten(tree)[0]):
+    leaf, data = _leaves.leaf_record(i, path, value)
+    if data is not None:
+      raw = _leaves.to_little_endian(np.asarray(data)).tobytes()
+      how = ("inline", "store", "pack")[(turn + i) % 3]
+      if how == "inline":
+        leaf = replace(leaf, inline=raw)
+      elif how == "store":
+        leaf = _stored_leaf(draw, leaf, bases)
+      else:
+        k = draw(st.integers(0, 2))
+        offset = used.get(k, 0) + draw(st.integers(0, 3))
+        used[k] = offset + len(raw)
+        leaf = replace(leaf, packed=_records.Packed(k, offset, len(raw)),
+                       hash=draw(st.none() | st.binary(min_size=32, max_size=32)))
+    elif draw(st.integers(0, 9)) == 0:
+      leaf = _records.Leaf(i, leaf.path, "perprocess")
+    leaves.append(leaf)
+  packs = []
+  for k in range(max(used, default=-1) + 1):
+    d, b = _under(draw, bases, f"p/{k}")
+    packs.append(_pack_record(draw, d, used.get(k, 0), b))
+  meshes, layout = (), None
+  if draw(st.booleans()):
+    pieced, meshes, layout = draw(_pieced_leaves(len(leaves), nproc))
+    leaves += pieced
+    for p in np.flatnonzero(layout.region).tolist():
+      start = draw(st.integers(0, 3))
+      packs.append(_pack_record(draw, f"{DATA}/p/{p}", start + int(layout.region[p]),
+                                process=p, pieces=start))
+  return _records.Manifest(
+      2, draw(st.floats(0, 1e10)), nproc, dict(VERSIONS), draw(_data), tuple(leaves), DATA,
+      tuple(packs), bases, draw(st.none() | st.builds(_records.Fork, _rels,
+                                                      st.integers(0, 1 << 62))),
+      meshes, layout)
+
+
 # --- round trips -------------------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)
@@ -218,13 +353,35 @@ def test_property_encode_decode_round_trip(manifest):
     st.floats(allow_nan=True),
     st.sampled_from(_NP_SCALARS + [np.float64("nan")])))
 def test_property_leaf_values_survive_the_manifest(value):
-  rec, data = _leaves.encode_leaf((("dict", "v"),), value)
+  rec, data = _leaves.leaf_record(0, (("dict", "v"),), value)
   assert data is None  # values go inline, no array data
+  rec = _records.encode(rec)
   back = _manifest.decode(_manifest.pack(_manifest_dict([rec])), LOC).leaves[0]
   assert isinstance(back, _records.Leaf) and back.path == (("dict", "v"),)
   restored = _leaves.decode_value(back)
   assert type(restored) is type(value)
   assert _bits(restored) == _bits(value)  # bit-exact: -0.0, NaN payloads, numpy dtypes
+
+
+@settings(max_examples=300, deadline=None)
+@given(_record_manifests())
+def test_property_records_encode_then_parse_to_themselves(m):
+  """What the writer builds, encoded, is what a reader parses: every field of every record."""
+  wire = _records.encode(m)
+  back = _manifest.decode(_manifest.pack(wire), LOC)   # through msgpack bytes
+  assert back == m
+  assert [a.tolist() for a in back.meshes] == [a.tolist() for a in m.meshes]  # compare=False
+  assert (back.layout is None) == (m.layout is None)
+  assert _manifest.pack(_records.encode(back)) == _manifest.pack(wire)  # bit-exact, key order
+
+
+def test_encode_refuses_format_1():
+  with open(os.path.join(os.path.dirname(__file__), "fixtures", "format1",
+                         "manifest.msgpack"), "rb") as f:
+    m = _manifest.decode(f.read(), LOC)
+  assert m.version == 1
+  with pytest.raises(ValueError, match="format 1 records are read-only: fnckpt writes format 2"):
+    _records.encode(m)
 
 
 def _bits(v):
@@ -239,7 +396,7 @@ def test_numpy_generators_survive_the_manifest():
   for name in sorted(_records.BIT_GENERATORS):
     gen = np.random.Generator(getattr(np.random, name)(7))
     gen.random(3)  # a state past the seed
-    rec, _ = _leaves.encode_leaf((("seq", 0),), gen)
+    rec = _records.encode(_leaves.leaf_record(0, (("seq", 0),), gen)[0])
     back = _manifest.decode(_manifest.pack(_manifest_dict([rec])), LOC).leaves[0]
     restored = _leaves.decode_value(back)
     assert type(restored.bit_generator).__name__ == name

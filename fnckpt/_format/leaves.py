@@ -1,12 +1,14 @@
 """Leaf kinds: what a pytree leaf becomes in the manifest, and back.
 
-Each kind is one branch of :func:`encode_leaf` and one of :func:`decode_value`. Arrays are
+Each kind is one branch of :func:`leaf_record` and one of :func:`decode_value`. Arrays are
 described here (dtype, shape, saved sharding) and their bytes go either inline into the
 manifest (small ones) or to a zarr3 array (``fnckpt._io.arrays``).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import jax
@@ -18,7 +20,7 @@ from . import records as _records
 from .manifest import check_msgpackable
 from .tree import keystr
 
-__all__ = ["encode_leaf", "decode_value", "sharding_record", "dtype_of", "is_key_array",
+__all__ = ["leaf_record", "decode_value", "sharding_record", "dtype_of", "is_key_array",
            "host_value", "to_little_endian"]
 
 _SCALARS = (bool, int, float, complex, str, bytes)
@@ -32,18 +34,14 @@ def dtype_of(name: str) -> np.dtype:
     raise CheckpointError(f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
 
 
-def _storable(dtype: np.dtype) -> bool:
-  """Numeric and bool dtypes fnckpt stores (ml_dtypes' bfloat16, int4, float8_* included);
-  not strings, objects, dates, void, structured dtypes or ``longdouble``."""
-  return dtype.fields is None and dtype.name in _records.DTYPES
-
-
 def is_key_array(x: Any) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def sharding_record(sharding: Any) -> dict[str, Any] | None:
-  """A saved sharding without device ids: mesh axis names and sizes plus the PartitionSpec."""
+@functools.lru_cache(maxsize=256)
+def sharding_record(sharding: Any) -> _records.Sharding | None:
+  """A saved sharding without device ids: mesh axis names and sizes plus the PartitionSpec
+  (once per sharding: records are immutable, so leaves of one sharding share it)."""
   if sharding is None:
     return None
   if isinstance(sharding, jax.sharding.NamedSharding):
@@ -52,15 +50,30 @@ def sharding_record(sharding: Any) -> dict[str, Any] | None:
       if entry is None or isinstance(entry, str):
         spec.append(entry)
       elif isinstance(entry, tuple):
-        spec.append([str(e) for e in entry])
+        spec.append(tuple(str(e) for e in entry))
       else:  # P.UNCONSTRAINED and future markers
         spec.append(str(entry))
     mesh = sharding.mesh
-    return {"type": "named", "axes": [str(a) for a in mesh.axis_names],
-            "sizes": [int(mesh.shape[a]) for a in mesh.axis_names], "spec": spec}
+    sizes = tuple(int(mesh.shape[a]) for a in mesh.axis_names)
+    return _records.Sharding("named", tuple(str(a) for a in mesh.axis_names), sizes,
+                             tuple(spec), math.prod(sizes))
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return {"type": "single"}
-  return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
+    return _records.Sharding("single")
+  return _records.Sharding(type(sharding).__name__, devices=len(sharding.device_set))
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+  """``dtype.name``, cached: numpy computes it anew on every access (about 2 us, on the path
+  of every saved leaf)."""
+  return dtype.name
+
+
+def _stored_name(dtype: np.dtype) -> str | None:
+  """The name of a dtype fnckpt stores (numeric and bool, ml_dtypes' bfloat16, int4, float8_*
+  included), else None (strings, objects, dates, void, structured dtypes, ``longdouble``)."""
+  name = _dtype_name(dtype)
+  return name if dtype.fields is None and name in _records.DTYPES else None
 
 
 def to_little_endian(a: np.ndarray) -> np.ndarray:
@@ -170,63 +183,58 @@ def _unsupported(path, leaf) -> CheckpointError:
       "register_pytree_with_keys); otherwise convert it to one of these before saving." + code)
 
 
-def encode_leaf(path, leaf: Any) -> tuple[dict[str, Any], Any]:
-  """One leaf -> (its manifest record, the array whose bytes must be stored or None).
+def leaf_record(index: int, path: Any, leaf: Any) -> tuple[_records.Leaf, Any]:
+  """One leaf -> (its record, the array whose bytes must be stored or None).
 
-  The record has ``path`` and ``kind``; array kinds also ``dtype``, ``shape``, ``source`` and
-  ``sharding``; small values carry ``value`` inline.
+  Array kinds get ``dtype``, ``shape``, ``source`` and ``sharding``, and no storage yet (the
+  caller decides it: ``inline``, ``stored``, ``packed`` or ``pieces``); small values carry
+  ``value`` (:func:`fnckpt._format.records.encode` gives the manifest's map).
 
-  >>> encode_leaf((("dict", "step"),), 3)[0]
-  {'path': [['dict', 'step']], 'kind': 'scalar', 'type': 'int', 'value': 3}
+  >>> leaf_record(0, (("dict", "step"),), 3)[0].value
+  3
   """
-  rec: dict[str, Any] = {"path": [list(e) for e in path]}
+  path = tuple(path)
   if leaf is None or (isinstance(leaf, (dict, list, tuple)) and len(leaf) == 0):
     t = "none" if leaf is None else type(leaf).__name__
-    rec.update(kind="empty", type=t if t in ("none", "dict", "list", "tuple") else "tuple",
-               name=f"{type(leaf).__module__}.{type(leaf).__qualname__}")
-    return rec, None
+    return _records.Leaf(index, path, "empty", type=t if t in ("none", "dict", "list",
+                                                               "tuple") else "tuple",
+                         name=f"{type(leaf).__module__}.{type(leaf).__qualname__}"), None
   if isinstance(leaf, jax.Array):
+    kind, impl, data = "array", None, leaf
     if is_key_array(leaf):
-      data = jax.random.key_data(leaf)
-      rec.update(kind="key", impl=str(jax.random.key_impl(leaf)))
-    else:
-      data = leaf
-      rec.update(kind="array")
-    rec.update(source="jax", dtype=np.dtype(data.dtype).name, shape=list(data.shape),
-               sharding=sharding_record(leaf.sharding))
-    return rec, data
+      kind, impl, data = "key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+    return _records.Leaf(index, path, kind, _dtype_name(np.dtype(data.dtype)),
+                         tuple(data.shape), "jax", sharding_record(leaf.sharding), impl), data
   if isinstance(leaf, np.ndarray):
-    if not _storable(leaf.dtype):
+    name = _stored_name(leaf.dtype)
+    if name is None:
       raise CheckpointError(
           f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only bool, integer, "
           "float16/32/64, complex64/128 and ml_dtypes' types (bfloat16, int4, float8_*) are "
           "stored. Convert it before saving (e.g. longdouble with .astype(np.float64), strings "
           "to a list of str).")
-    rec.update(kind="array", source="numpy", dtype=leaf.dtype.name, shape=list(leaf.shape),
-               sharding=None)
-    return rec, leaf
+    return _records.Leaf(index, path, "array", name, leaf.shape, "numpy"), leaf
+  return _value_record(index, path, leaf), None
+
+
+def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
+  """A leaf that is not an array: its value goes into the record."""
   if isinstance(leaf, np.generic):
-    if not _storable(leaf.dtype):
+    if _stored_name(leaf.dtype) is None:
       raise _unsupported(path, leaf)
     a = to_little_endian(np.asarray(leaf))
-    rec.update(kind="npscalar", dtype=a.dtype.name, value=a.tobytes())
-    return rec, None
+    return _records.Leaf(index, path, "npscalar", a.dtype.name, value=a.tobytes())
   if isinstance(leaf, _SCALARS):
     if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(1 << 63) <= leaf < (1 << 64):
-      rec.update(kind="bigint", value=str(leaf))
-      return rec, None
+      return _records.Leaf(index, path, "bigint", value=int(leaf))
     t = type(leaf)
     base = next(b for b in _SCALARS if isinstance(leaf, b))
-    value = [leaf.real, leaf.imag] if base is complex else base(leaf)
-    rec.update(kind="scalar", type=base.__name__, value=value)
-    if t is not base:
-      rec["subtype"] = f"{t.__module__}.{t.__qualname__}"
-    return rec, None
+    return _records.Leaf(index, path, "scalar", type=base.__name__, value=base(leaf),
+                         subtype=None if t is base else f"{t.__module__}.{t.__qualname__}")
   if isinstance(leaf, np.random.Generator):
     state = _plain(leaf.bit_generator.state)
     check_msgpackable(state, keystr(path))
-    rec.update(kind="npgen", value=state)
-    return rec, None
+    return _records.Leaf(index, path, "npgen", value=state)
   raise _unsupported(path, leaf)
 
 

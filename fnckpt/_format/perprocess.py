@@ -51,29 +51,28 @@ def encode(items: Sequence[tuple[_tree.Path, PerProcess]]) -> bytes:
   for path, pp in items:
     for sub, leaf in _tree.flatten(pp.value)[0]:
       try:
-        records.append(_record(path + sub, leaf))
+        records.append(_record(len(records), path + sub, leaf))
       except CheckpointError as e:
         problems.append(str(e))
   if problems:
     raise CheckpointError("\n  ".join(problems))
-  payload = msgpack.packb({"leaves": records}, use_bin_type=True)
+  payload = msgpack.packb({"leaves": [_records.encode(r) for r in records]}, use_bin_type=True)
   return msgpack.packb({"sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
                        use_bin_type=True)
 
 
-def _record(where: _tree.Path, leaf: Any) -> dict[str, Any]:
+def _record(index: int, where: _tree.Path, leaf: Any) -> _records.Leaf:
   if isinstance(leaf, PerProcess):
     raise CheckpointError(f"fnckpt.PerProcess at {_tree.keystr(where)} is inside another "
                           "PerProcess; wrap only the outer value.")
-  rec, data = _leaves.encode_leaf(where, leaf)
-  if data is not None:
-    if isinstance(data, jax.Array) and not (data.is_fully_addressable
-                                            or data.is_fully_replicated):
-      raise CheckpointError(
-          f"The array at {_tree.keystr(where)} is inside fnckpt.PerProcess but spans several "
-          "processes; a per-process value must be held whole by its process.")
-    rec["inline"] = _leaves.host_bytes(data)
-  return rec
+  rec, data = _leaves.leaf_record(index, where, leaf)
+  if data is None:
+    return rec
+  if isinstance(data, jax.Array) and not (data.is_fully_addressable or data.is_fully_replicated):
+    raise CheckpointError(
+        f"The array at {_tree.keystr(where)} is inside fnckpt.PerProcess but spans several "
+        "processes; a per-process value must be held whole by its process.")
+  return dataclasses.replace(rec, inline=_leaves.host_bytes(data))
 
 
 def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:

@@ -24,7 +24,7 @@ import tensorstore as ts
 
 from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
 from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
-                       refs as _refs, tree as _tree)
+                       records as _records, refs as _refs, tree as _tree)
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from . import delta as _delta, pieces as _pieces_save
@@ -268,7 +268,8 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
       per_process.append((path, leaf))
       continue
     try:
-      rec, data = _leaves.encode_leaf(path, leaf)
+      rec, data = _leaves.leaf_record(len(records), path, leaf)
+      rec = _records.encode(rec)
     except CheckpointError as e:
       problems.append(str(e))
       continue
