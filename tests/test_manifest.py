@@ -405,7 +405,10 @@ def test_numpy_generators_survive_the_manifest():
 
 def test_manifest_bytes_are_plain_msgpack():
   manifest = _manifest_dict([_scalar("a", 1)])
-  assert msgpack.unpackb(_manifest.pack(manifest), raw=False) == manifest
+  m = _manifest.decode(_manifest.pack(manifest), LOC)
+  assert msgpack.unpackb(_manifest.encode(m), raw=False) == manifest
+  with pytest.raises(TypeError, match=r"takes a records\.Manifest, not dict \(manifest\.pack"):
+    _manifest.encode(manifest)
 
 
 def test_constants_name_the_files():

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._format import manifest as _manifest
+from fnckpt._format import manifest as _manifest, records as _records
 from fnckpt._io import arrays as _store, paths as _paths
 from fnckpt._save import save as _save
 from fnckpt._errors import DamagedError
@@ -298,9 +298,8 @@ def test_a_stored_bool_array_with_a_byte_other_than_0_and_1_is_corrupt(tmp_path,
   path, shape = str(tmp_path / "c"), (64, 96)
   fnckpt.save({"mask": np.ones(shape, np.bool_)}, path, inline_bytes=0, pack_bytes=0).wait()
   leaf = fnckpt.metadata(path).tree["mask"]
-  spec = _store.zarr_spec({"driver": "file", "path": path + "/"}, {
-      "dir": leaf.stored, "chunks": list(shape), "inner": list(shape), "zstd": None},
-      "uint8", shape)
+  spec = _store.zarr_spec({"driver": "file", "path": path + "/"},
+                          _records.Stored(leaf.stored, shape, shape, None), "uint8", shape)
   arr = _store.open_array(spec, __import__("tensorstore").Context(), mode="write").result()
   arr[3:4, 7:8].write(np.array([[2]], np.uint8)).result()   # checksummed by TensorStore
   devices = np.asarray(jax.devices()[:6], dtype=object)

@@ -64,15 +64,17 @@ def check_msgpackable(value: Any, where: str) -> None:
       "None, bool, int, float, str, bytes, lists and dicts of these.")
 
 
-def encode(manifest: dict[str, Any]) -> bytes:
-  """Manifest dict -> bytes.
+def encode(manifest: _records.Manifest) -> bytes:
+  """A manifest record (format 2) -> its bytes (:func:`records.encode`, msgpack).
 
-  >>> m = {"format": "fnckpt", "version": 2, "created": 0.0, "process_count": 1,
-  ...      "versions": {}, "metadata": None, "data": "data-0", "packs": [], "leaves": []}
-  >>> decode(encode(m), "x").version
-  2
+  >>> m = _records.Manifest(2, 0.0, 1, {}, None, (), "data-0")
+  >>> decode(encode(m), "x") == m
+  True
   """
-  return pack(manifest)
+  if not isinstance(manifest, _records.Manifest):
+    raise TypeError(f"manifest.encode takes a records.Manifest, not {type(manifest).__name__} "
+                    "(manifest.pack writes plain data)")
+  return pack(_records.encode(manifest))
 
 
 def decode(data: bytes, location: str) -> _records.Manifest:

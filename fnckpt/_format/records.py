@@ -30,7 +30,7 @@ from .codecs import BLOSC, BLOSC_CNAMES, BLOSC_SHUFFLES
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
-           "parse_values", "encode", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
+           "parse_values", "encode", "evolve", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
            "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
@@ -283,6 +283,27 @@ class Manifest:
       got = {p.process: k for k, p in enumerate(self.packs) if p.process is not None}
       object.__setattr__(self, "_pack_index_cache", got)
     return got
+
+
+def evolve(r: Any, **changes: Any) -> Any:
+  """``dataclasses.replace(r, **changes)`` at a fifth of its cost (1 us, not 5), for the
+  writer's path: ``save`` plans every leaf before it returns, and sets the storage of most
+  records after building them. The fields are not re-checked (no ``__init__`` runs; the
+  records have no checks of their own); cached state (attributes that are not fields, as
+  ``Manifest``'s pack index) is dropped.
+
+  >>> evolve(Packed(0, 8, 4), offset=16)
+  Packed(pack=0, offset=16, nbytes=4)
+  """
+  names = r.__dataclass_fields__
+  if not changes.keys() <= names.keys():
+    raise TypeError(f"{type(r).__name__} has no field {sorted(changes.keys() - names.keys())[0]!r}")
+  out = object.__new__(type(r))
+  state = r.__dict__
+  out.__dict__.update(state if len(state) == len(names) else
+                      {k: v for k, v in state.items() if k in names})
+  out.__dict__.update(changes)
+  return out
 
 
 _TOP_V1 = ("format", "version", "created", "process_count", "versions", "metadata", "leaves")

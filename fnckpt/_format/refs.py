@@ -176,43 +176,39 @@ def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
   return _records.Base(relative(target, start), base.data if k is None else base.bases[k].data)
 
 
-def candidates(records: Sequence[dict[str, Any]], base: _records.Manifest,
+def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
                base_loc: Location, new_loc: Location
                ) -> tuple[dict[int, StoredCand], dict[int, PackCand]]:
-  """Per new leaf record (planned: ``store`` set for a zarr array, ``pack`` not yet set for
-  one that may be packed), the base data it may reuse. Equal key path, kind, dtype and shape;
-  for stored arrays also chunks, inner chunks and codecs; the base must have recorded hashes."""
+  """Per new leaf record (planned: ``stored`` set for a zarr array, no storage yet for one
+  that may be packed), the base data it may reuse. Equal key path, kind, dtype and shape; for
+  stored arrays also chunks, inner chunks and codecs; the base must have recorded hashes."""
   if base.version < 2:
     return {}, {}
-  by_path = {tuple(tuple(e) for e in l.path): l for l in base.leaves}
+  by_path = {l.path: l for l in base.leaves}
   stored, packed = {}, {}
   for i, rec in enumerate(records):
-    old = by_path.get(tuple(tuple(e) for e in rec.get("path", ())))
-    if old is None or old.kind != rec["kind"] or not old.is_array or old.hash is None:
+    old = by_path.get(rec.path)
+    if old is None or old.kind != rec.kind or not old.is_array or old.hash is None:
       continue
-    if old.dtype != rec["dtype"] or list(old.shape) != list(rec["shape"]):
+    if old.dtype != rec.dtype or old.shape != rec.shape:
       continue
-    if old.kind == "key" and old.impl != rec.get("impl"):
+    if old.kind == "key" and old.impl != rec.impl:
       continue
-    s = rec.get("store")
+    s = rec.stored
     if s is not None and old.stored is not None and old.chunk_hashes is not None and (
-        list(old.stored.chunks), list(old.stored.inner), old.stored.zstd, old.stored.blosc) == (
-            list(s["chunks"]), list(s["inner"]), s["zstd"], _blosc_items(s.get("blosc"))):
+        old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc) == (
+            s.chunks, s.inner, s.zstd, s.blosc):
       where = _rebased(base, base_loc, new_loc, old.stored.base)
       if where is not None:
         stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes, old.chunk_fps)
-    elif s is None and "inline" not in rec and old.packed is not None:
+    elif (s is None and rec.inline is None and rec.pieces is None
+          and old.packed is not None):
       pack = base.packs[old.packed.pack]
       where = _rebased(base, base_loc, new_loc, pack.base)
       if where is not None:
         packed[i] = PackCand(where, dataclasses.replace(pack, base=None), old.packed.offset,
                              old.hash)
   return stored, packed
-
-
-def _blosc_items(blosc: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
-  """A planned store record's ``blosc`` as the records hold it (sorted items)."""
-  return tuple(sorted(blosc.items())) if blosc else None
 
 
 # --- the final records ----------------------------------------------------------------------
@@ -287,14 +283,14 @@ def changed_leaves(reports: Iterable[Report], stored: Mapping[int, StoredCand]) 
   return out & set(stored)
 
 
-def finalize(records: list[dict[str, Any]], packs: list[dict[str, Any]],
+def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
              reports: Sequence[Report], stored: Mapping[int, StoredCand],
              packed: Mapping[int, PackCand], changed: set[int], location: str
-             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+             ) -> tuple[tuple[_records.Leaf, ...], tuple[_records.Pack, ...],
+                        tuple[_records.Base, ...]]:
   """(leaf records, packs, bases) of the manifest: hashes added, reused leaves referring to
   their base's data, candidate packed leaves placed in their segment or the base's pack."""
-  records = [dict(r) for r in records]
-  packs = [dict(p) for p in packs]
+  records, packs = list(records), list(packs)
   bases = _Bases()
   chunks: dict[int, dict[int, bytes]] = {}
   for proc, r in enumerate(reports):
@@ -305,47 +301,50 @@ def finalize(records: list[dict[str, Any]], packs: list[dict[str, Any]],
                               f"leaf #{i} (process {proc} among them); nothing was committed.")
       mine.update(hashes)
     for i, h in r.packed.items():
-      records[i]["hash"] = h
+      records[i] = dataclasses.replace(records[i], hash=h)
   for i, hashes in chunks.items():
     rec = records[i]
-    grid = [-(-n // c) for n, c in zip(rec["shape"], rec["store"]["chunks"])]
-    n = int(np.prod(grid)) if all(rec["shape"]) else 0
+    grid = [-(-n // c) for n, c in zip(rec.shape, rec.stored.chunks)]
+    n = int(np.prod(grid)) if all(rec.shape) else 0
     if sorted(hashes) != list(range(n)):
       raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf #{i} are "
                             f"incomplete ({len(hashes)} of {n}); nothing was committed.")
-    rec["chunk_hashes"] = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
-    rec["chunk_fps"] = b"".join(hashes[p][_records.HASH_BYTES:] for p in range(n))
-    rec["hash"] = digest(rec["chunk_hashes"])
+    chunk_hashes = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
+    where = rec.stored
     if i in stored and i not in changed:
-      cand = stored[i]
-      rec["store"] = {**rec["store"], "dir": cand.dir, "base": bases.index(cand.base)}
+      where = dataclasses.replace(where, dir=stored[i].dir, base=bases.index(stored[i].base))
+    records[i] = dataclasses.replace(
+        rec, stored=where, chunk_hashes=chunk_hashes, hash=digest(chunk_hashes),
+        chunk_fps=b"".join(hashes[p][_records.HASH_BYTES:] for p in range(n)))
   _place_packed(records, packs, reports, packed, bases)
-  return records, packs, [{"dir": b.dir, "data": b.data} for b in bases.items]
+  return tuple(records), tuple(packs), tuple(bases.items)
 
 
-def _place_packed(records, packs, reports: Sequence[Report], packed: Mapping[int, PackCand],
+def _place_packed(records: list[_records.Leaf], packs: list[_records.Pack],
+                  reports: Sequence[Report], packed: Mapping[int, PackCand],
                   bases: _Bases) -> None:
   seg_index: dict[tuple[int, int], int] = {}
   ref_index: dict[tuple[int, str], int] = {}
   for proc, r in enumerate(reports):
     for k, (d, nbytes, chunk, inner) in enumerate(r.segments):
       seg_index[(proc, k)] = len(packs)
-      packs.append({"dir": d, "nbytes": nbytes, "chunk": chunk, "inner": inner})
+      packs.append(_records.Pack(d, nbytes, chunk, inner))
   for proc, r in enumerate(reports):
     for i, (h, seg, offset) in sorted(r.maybe.items()):
-      records[i]["hash"] = h
+      rec = records[i]
       if seg >= 0:
-        records[i]["pack"] = {"index": seg_index[(proc, seg)], "offset": offset}
+        records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(
+            seg_index[(proc, seg)], offset, rec.nbytes))
         continue
       cand = packed[i]
       b = bases.index(cand.base)
       key = (b, cand.pack.dir)
       if key not in ref_index:
         ref_index[key] = len(packs)
-        p = cand.pack
-        packs.append({"dir": p.dir, "nbytes": p.nbytes, "chunk": p.chunk, "inner": p.inner,
-                      "base": b})
-      records[i]["pack"] = {"index": ref_index[key], "offset": cand.offset}
+        p = cand.pack  # ('process' and 'pieces' name this save's writers of pieces: none)
+        packs.append(_records.Pack(p.dir, p.nbytes, p.chunk, p.inner, b))
+      records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(
+          ref_index[key], cand.offset, rec.nbytes))
 
 
 # --- reading ------------------------------------------------------------------------------------

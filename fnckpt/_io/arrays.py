@@ -21,19 +21,24 @@ from .._errors import CheckpointError
 from .._layout.chunks import Index
 from .._format.codecs import BLOSC
 from .._format.leaves import dtype_of
+from .._format.records import Stored
 
-__all__ = ["zarr_spec", "pack_spec", "store_record", "open_array", "write_chunk", "read_slice",
+__all__ = ["zarr_spec", "pack_spec", "compression_options", "Codecs", "open_array", "write_chunk", "read_slice",
            "storage_dtype", "from_storage", "ByteBudget"]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
 
 
-def compression_options(compression: Any, zstd: Any) -> dict[str, Any]:
-  """``save(compression=..., zstd=...)`` -> the store record's codec fields.
+Codecs = tuple[int | None, tuple[tuple[str, Any], ...] | None]   # Stored's (zstd, blosc)
 
-  >>> compression_options("blosc", None)["blosc"]["cname"], compression_options("zstd:3", None)
-  ('lz4', {'zstd': 3})
+
+def compression_options(compression: Any, zstd: Any) -> Codecs:
+  """``save(compression=..., zstd=...)`` -> the ``zstd`` level and ``blosc`` configuration
+  (sorted items) of the arrays' :class:`~fnckpt._format.records.Stored` records.
+
+  >>> compression_options("blosc", None)[1][1], compression_options("zstd:3", None)
+  (('cname', 'lz4'), (3, None))
   """
   if zstd is not None:
     if compression is not None:
@@ -41,24 +46,17 @@ def compression_options(compression: Any, zstd: Any) -> dict[str, Any]:
                        "(zstd=N is short for compression='zstd:N').")
     compression = f"zstd:{zstd}" if isinstance(zstd, int) and not isinstance(zstd, bool) else zstd
   if compression is None:
-    return {"zstd": None}
+    return None, None
   if compression == "blosc":
-    return {"zstd": None, "blosc": dict(BLOSC)}
+    return None, tuple(sorted(BLOSC.items()))
   name, _, level = str(compression).partition(":")
   if name == "zstd" and (not level or level.lstrip("-").isdigit()):
     n = int(level) if level else 1
     if -131072 <= n <= 22 and n != 0:
-      return {"zstd": n}
+      return n, None
   raise ValueError(f"save(compression={compression!r}): expected None, 'blosc' (lz4 with bit "
                    "shuffling: the best ratio per CPU second measured on training state), "
                    "'zstd' or 'zstd:<level>' (level 1..22, or negative for faster).")
-
-
-def store_record(dir_name: str, chunks: Sequence[int], inner: Sequence[int],
-                 codecs: dict[str, Any]) -> dict[str, Any]:
-  """What the manifest records about an array's storage (enough to open it without I/O);
-  ``codecs``: :func:`compression_options`."""
-  return {"dir": dir_name, "chunks": list(chunks), "inner": list(inner), **codecs}
 
 
 # The data types zarr3 in TensorStore knows. Any other dtype JAX has (uint2, uint4,
@@ -96,17 +94,18 @@ def _fill_value(dtype: str) -> Any:
   return 0
 
 
-def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
+def zarr_spec(kv: dict[str, Any], stored: Stored, dtype: str,
               shape: Sequence[int]) -> dict[str, Any]:
-  """The zarr3 TensorStore spec of one array leaf under the checkpoint kvstore ``kv``."""
+  """The zarr3 TensorStore spec of one array leaf (its ``stored`` record) under the
+  checkpoint kvstore ``kv`` (the kvstore of the data's checkpoint: ``stored.base``'s)."""
   inner_codecs: list[dict[str, Any]] = [_BYTES]
-  if store.get("zstd"):
-    inner_codecs.append({"name": "zstd", "configuration": {"level": int(store["zstd"])}})
-  if store.get("blosc"):
-    inner_codecs.append({"name": "blosc", "configuration": dict(store["blosc"])})
+  if stored.zstd:
+    inner_codecs.append({"name": "zstd", "configuration": {"level": int(stored.zstd)}})
+  if stored.blosc:
+    inner_codecs.append({"name": "blosc", "configuration": dict(stored.blosc)})
   inner_codecs.append(_CRC)
   sub = dict(kv)
-  sub["path"] = kv.get("path", "") + store["dir"].strip("/") + "/"
+  sub["path"] = kv.get("path", "") + stored.dir.strip("/") + "/"
   return {
       "driver": "zarr3",
       "kvstore": sub,
@@ -114,11 +113,11 @@ def zarr_spec(kv: dict[str, Any], store: dict[str, Any], dtype: str,
           "shape": list(shape),
           "data_type": storage_dtype(dtype),
           "chunk_grid": {"name": "regular",
-                         "configuration": {"chunk_shape": list(store["chunks"])}},
+                         "configuration": {"chunk_shape": list(stored.chunks)}},
           "chunk_key_encoding": {"name": "default"},
           "fill_value": _fill_value(storage_dtype(dtype)),
           "codecs": [{"name": "sharding_indexed", "configuration": {
-              "chunk_shape": list(store["inner"]),
+              "chunk_shape": list(stored.inner),
               "codecs": inner_codecs,
               "index_codecs": [_BYTES, _CRC],
               "index_location": "end"}}],
@@ -134,8 +133,7 @@ def pack_spec(kv: dict[str, Any], dir_name: str, nbytes: int, chunk: int,
   >>> pack_spec({"driver": "memory", "path": "c/"}, "data-0/p/0", 8, 8, 4)["kvstore"]["path"]
   'c/data-0/p/0/'
   """
-  return zarr_spec(kv, store_record(dir_name, [chunk], [inner], {"zstd": None}),
-                   "uint8", [nbytes])
+  return zarr_spec(kv, Stored(dir_name, (chunk,), (inner,), None), "uint8", [nbytes])
 
 
 def open_array(spec: dict[str, Any], ctx: ts.Context, *, mode: str) -> ts.Future:

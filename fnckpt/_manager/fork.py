@@ -221,7 +221,7 @@ def fork_step(root: str, step: int, directory: str,
       {"format": _manifest.FORMAT_NAME, **m["fork"]})).result()
   out = _paths.open_kvstore(dst_path, storage_options)
   _copy_per_process(kv, out, manifest, m["data"])
-  body = _manifest.encode(m)
+  body = _manifest.pack(m)
   _manifest.decode(body, dst_path)  # what we write must read back
   out.write(_manifest.MANIFEST, body).result()
   _check_parent_unchanged(kv, src_path, commit, forks, name)

@@ -561,7 +561,7 @@ class _Stream:
     kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
                               self.src.location)
     array = _store.open_array(  # no I/O: the manifest says everything
-        _store.zarr_spec(kv_spec, dataclasses.asdict(rec.stored), rec.dtype, rec.shape),
+        _store.zarr_spec(kv_spec, rec.stored, rec.dtype, rec.shape),
         self.src.ctx, mode="read").result()
     chunks = rec.stored.chunks
 

@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._layout import packing as _packing
-from .._format import manifest as _manifest, refs as _refs
+from .._format import manifest as _manifest, records as _records, refs as _refs
 from .._io import collective as _collective, arrays as _store
 from .._errors import CheckpointError
 
@@ -45,15 +45,16 @@ class PackLeaf:
 @dataclasses.dataclass
 class Plan:
   """What concluding a save needs from its plan (see ``fnckpt._save.save``)."""
-  records: list[dict[str, Any]]
-  packs: list[dict[str, Any]]
+  records: tuple[_records.Leaf, ...]
+  packs: tuple[_records.Pack, ...]
   stored: dict[int, _refs.StoredCand]
   packed: dict[int, _refs.PackCand]
   store_specs: dict[int, dict[str, Any]]      # leaf -> its zarr spec (candidates)
   store_dirs: dict[int, str]                  # leaf -> its own store dir (candidates)
   kv_spec: dict[str, Any]
   data_dir: str
-  build: Callable[[list, list, list], bytes] | None   # process 0: records, packs, bases -> bytes
+  build: Callable[[tuple, tuple, tuple], bytes] | None  # process 0: records, packs, bases
+  #                                                          (finalized) -> manifest bytes
   check_base: Callable[[], None] | None = None        # raises if the base is gone
 
 
@@ -308,7 +309,7 @@ def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
       root = _refs.resolve(loc, cand.base.dir, "the base")
       if root not in sources:
         sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
-      key = _refs.chunk_key(pos, rec["store"]["chunks"], rec["shape"])
+      key = _refs.chunk_key(pos, rec.stored.chunks, rec.shape)
       if len(pending) >= COPY_WINDOW:
         out.append(_copy_one(plan, delta, kv, pending.popleft()))
       if not _fits(delta.budget, n):
@@ -339,7 +340,7 @@ def _copy_one(plan: Plan, delta: Delta, kv: ts.KvStore, item: tuple) -> ts.Futur
     got = read.result()
     if got.state != "value":
       raise CheckpointError(
-          f"The base's chunk {src_key} of leaf {plan.records[i]['path']} is missing: the base "
+          f"The base's chunk {src_key} of leaf {plan.records[i].where} is missing: the base "
           "checkpoint was deleted or damaged during this save. Save again (without base=).")
     fut = kv.write(f"{plan.store_dirs[i]}/{key}", got.value)
   except BaseException:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .._layout import chunks as _layout, pieces as _pieces
+from .._format import records as _records
 from .._errors import CheckpointError
 from .staged import Staged
 
@@ -31,13 +32,16 @@ class PackPart:
 
 @functools.lru_cache(maxsize=16)
 def mesh_processes(mesh: Any) -> np.ndarray:
-  """The process of every device of ``mesh``, C order over mesh positions (once per mesh).
+  """The process of every device of ``mesh``, C order over mesh positions (once per mesh;
+  read-only, as the manifest's ``meshes`` records hold it).
 
   >>> mesh_processes(jax.make_mesh((1,), ("a",))).tolist()
   [0]
   """
-  return np.fromiter((d.process_index for d in mesh.devices.flat), np.int64,
-                     count=mesh.devices.size)
+  procs = np.fromiter((d.process_index for d in mesh.devices.flat), np.int64,
+                      count=mesh.devices.size)
+  procs.flags.writeable = False
+  return procs
 
 
 @dataclasses.dataclass
@@ -51,48 +55,47 @@ class _Leaf:
 class Planner:
   """Collects a save's pieced leaves (:meth:`consider`, in leaf order), then lays them out
   (:meth:`finish`). ``piece_bytes``: the largest shard stored as pieces (0: none).
+  ``meshes``: per mesh of the pieced leaves, the process of each position (the manifest's).
 
   >>> p = Planner(piece_bytes=0)
-  >>> p.consider(0, {"kind": "array"}, None), p.finish(), p.meshes
-  (False, {}, [])
+  >>> p.consider(0, _records.Leaf(0, (), "array"), None), p.finish(), p.meshes
+  (None, {}, [])
   """
 
   def __init__(self, piece_bytes: int = _pieces.PIECE_BYTES):
     self.piece_bytes = piece_bytes
     self.leaves: list[_Leaf] = []
-    self.meshes: list[list[int]] = []
-    self._mesh_arrays: list[np.ndarray] = []
+    self.meshes: list[np.ndarray] = []
     self._mesh_index: dict[bytes, int] = {}
     self._mesh_of: dict[Any, int] = {}       # per mesh object (each mapped once)
     self.layout: _pieces.Layout | None = None
 
-  def consider(self, i: int, rec: dict[str, Any], data: Any) -> bool:
-    """Piece record ``i`` if it qualifies (a jax array with a NamedSharding whose shard is
-    non-empty and at most ``piece_bytes``): sets its ``pieces`` and ``sharding.mesh``."""
-    if not self.piece_bytes or rec.get("kind") != "array" or not isinstance(data, jax.Array):
-      return False
+  def consider(self, i: int, rec: _records.Leaf, data: Any) -> _records.Leaf | None:
+    """Record ``i`` stored as pieces, if it qualifies (a jax array with a NamedSharding whose
+    shard is non-empty and at most ``piece_bytes``): with ``pieces`` and ``sharding.mesh``."""
+    if not self.piece_bytes or rec.kind != "array" or not isinstance(data, jax.Array):
+      return None
     sharding = data.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
-      return False
+      return None
     info = _layout.sharding_info(sharding)
     shape, itemsize = tuple(data.shape), np.dtype(data.dtype).itemsize
     if info is None or len(info.dim_axes) > len(shape):
-      return False
+      return None
     try:
       shard = _layout.shard_shape_of(info, shape)
     except CheckpointError:
-      return False
+      return None
     n = _layout.nbytes(shard, itemsize)
     if not 0 < n <= self.piece_bytes:
-      return False
+      return None
     m = self._mesh(sharding.mesh)
     dim_axes = info.dim_axes + ((),) * (len(shape) - len(info.dim_axes))
     spec = _pieces.PieceLeaf(i, m, info.axis_sizes, dim_axes,
                              _pieces.shift_of(i, info.axis_sizes, dim_axes), shard, n)
-    rec["sharding"] = {**rec["sharding"], "mesh": m}
-    rec["pieces"] = {"chunks": list(shard)}
     self.leaves.append(_Leaf(i, data, info, spec))
-    return True
+    return dataclasses.replace(rec, sharding=dataclasses.replace(rec.sharding, mesh=m),
+                               pieces=_records.Pieces(tuple(shard), m))
 
   def _mesh(self, mesh: Any) -> int:
     if mesh in self._mesh_of:
@@ -101,8 +104,7 @@ class Planner:
     key = procs.tobytes()
     if key not in self._mesh_index:
       self._mesh_index[key] = len(self.meshes)
-      self.meshes.append(procs.tolist())
-      self._mesh_arrays.append(procs)
+      self.meshes.append(procs)
     self._mesh_of[mesh] = self._mesh_index[key]
     return self._mesh_index[key]
 
@@ -110,7 +112,7 @@ class Planner:
     """Lay the pieced leaves out; returns each writing process's region bytes."""
     if not self.leaves:
       return {}
-    self.layout = _pieces.build(self._mesh_arrays, [l.spec for l in self.leaves],
+    self.layout = _pieces.build(self.meshes, [l.spec for l in self.leaves],
                                 jax.process_count())
     return {int(p): int(self.layout.region[p]) for p in np.flatnonzero(self.layout.region)}
 

@@ -193,7 +193,7 @@ def _finish_at_exit() -> None:
 @dataclasses.dataclass
 class _Array:
   index: int
-  rec: dict[str, Any]
+  rec: _records.Leaf             # with ``stored``
   data: Any                      # jax.Array or np.ndarray holding the bytes
   spec: dict[str, Any]
   units: list[_layout.WriteUnit]
@@ -201,11 +201,15 @@ class _Array:
 
 @dataclasses.dataclass
 class _Plan:
-  records: list[dict[str, Any]]
+  """A save as planned: the manifest's leaf records (every one with its storage, but for the
+  candidate packed leaves of a save with a base, placed when concluding; hashes are added
+  then) and what this process writes. On processes other than 0 an inline leaf's ``inline``
+  is ``b""`` (process 0 writes the manifest): their records serve the agreement only."""
+  records: tuple[_records.Leaf, ...]
   arrays: list[_Array]           # zarr arrays (this process writes ``units`` of each)
   packed: list[tuple[int, Any]]  # (record index, data) this process packs
-  packs: list[dict[str, Any]]    # every process's pack, for the manifest
-  my_pack: dict[str, Any] | None
+  packs: tuple[_records.Pack, ...]   # every process's pack, for the manifest
+  my_pack: _records.Pack | None
   data_dir: str
   values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
   holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
@@ -213,7 +217,8 @@ class _Plan:
   packed_c: dict[int, _refs.PackCand] = dataclasses.field(default_factory=dict)
   maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
   pieces: list[_pieces_save.PackPart] = dataclasses.field(default_factory=list)  # mine
-  meshes: list[list[int]] = dataclasses.field(default_factory=list)
+  meshes: tuple[np.ndarray, ...] = ()   # the pieced leaves' meshes and layout (the manifest's)
+  layout: _pieces.Layout | None = None
 
 
 def _holders(data: Any) -> str:
@@ -255,21 +260,22 @@ class _Base:
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
-          codecs: dict[str, Any], base: _Base | None = None, pieces: bool = False) -> _Plan:
+          codecs: _store.Codecs, base: _Base | None = None, pieces: bool = False) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
-  queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces")."""
+  queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces").
+  A record gets its storage as it is decided (packed ones: once the packs are laid out)."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
   me, nproc = jax.process_index(), jax.process_count()
   pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if pieces else 0)
   for path, leaf in leaves:
+    i = len(records)
     if isinstance(leaf, _perprocess.PerProcess):
-      records.append({"path": [list(e) for e in path], "kind": "perprocess"})
+      records.append(_records.Leaf(i, path, "perprocess"))
       holders.append(None)
       per_process.append((path, leaf))
       continue
     try:
-      rec, data = _leaves.leaf_record(len(records), path, leaf)
-      rec = _records.encode(rec)
+      rec, data = _leaves.leaf_record(i, path, leaf)
     except CheckpointError as e:
       problems.append(str(e))
       continue
@@ -281,19 +287,18 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
       problems.append(f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
                       "save the state before the step that donates it.")
       continue
-    dtype, shape = np.dtype(data.dtype), tuple(data.shape)
-    size = _layout.nbytes(shape, dtype.itemsize)
+    size = _layout.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
     whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
     if size <= inline_bytes and whole:
-      rec["inline"] = _leaves.host_bytes(data) if me == 0 else b""
+      records[i] = _records.evolve(rec, inline=_leaves.host_bytes(data) if me == 0 else b"")
     elif size <= pack_bytes and whole:
-      candidates.append((len(records) - 1, data, _packing.PackItem(
-          len(records) - 1, size, None if holders[-1] == "all" and nproc > 1 else 0)))
-    elif (holders[-1] != "local" or nproc == 1) and pieced.consider(len(records) - 1, rec,
-                                                                    data):
-      continue
+      candidates.append((i, data, _packing.PackItem(
+          i, size, None if holders[-1] == "all" and nproc > 1 else 0)))
+    elif (holders[-1] != "local" or nproc == 1) and (got := pieced.consider(i, rec, data)):
+      records[i] = got
     else:
-      arrays.append(_zarr_array(len(records) - 1, rec, data, kv_spec, data_dir, codecs))
+      arrays.append(_zarr_array(i, rec, data, kv_spec, data_dir, codecs))
+      records[i] = arrays[-1].rec
       if holders[-1] == "local" and me != 0:
         arrays[-1].units = []  # a non-global array: process 0's value, written by it alone
   values = None
@@ -309,38 +314,42 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
   owners = _packing.assign([c[2] for c in maybe], nproc).where
   packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
                                 data_dir, nproc, me, pieced.finish())
-  mine = [p for p in packs if p["dir"] == f"{data_dir}/p/{me}"]
-  parts = pieced.parts(mine[0]["pieces"], me) if pieced.leaves and mine else []
-  return _Plan(records, arrays, packed, packs, mine[0] if mine else None, data_dir, values,
-               holders, stored_c, packed_c,
-               [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts, pieced.meshes)
+  mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
+  parts = pieced.parts(mine[0].pieces, me) if pieced.leaves and mine else []
+  return _Plan(tuple(records), arrays, packed, packs, mine[0] if mine else None, data_dir,
+               values, holders, stored_c, packed_c,
+               [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts,
+               tuple(pieced.meshes), pieced.layout)
 
 
-def _assign_packs(records, candidates, data_dir: str, nproc: int, me: int,
-                  regions: dict[int, int]):
-  """Every process's pack (for the manifest; each leaf's ``pack`` record set) and the
-  (record index, data) this process packs. ``regions``: each process's pieces bytes."""
+def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc: int, me: int,
+                  regions: dict[int, int]) -> tuple[tuple[_records.Pack, ...], list]:
+  """Every process's pack (for the manifest; each candidate's record in ``records`` replaced
+  by one with its ``packed``) and the (record index, data) this process packs. ``regions``:
+  each process's pieces bytes."""
   plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions,
                          chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
                          _packing.PACK_CHUNK_BYTES)
   packs, index_of = [], {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
     index_of[p] = len(packs)
-    packs.append({"dir": f"{data_dir}/p/{p}", "nbytes": nbytes, "chunk": chunk, "inner": inner,
-                  **({"process": p, "pieces": plan.pieces[p]} if regions else {})})
+    packs.append(_records.Pack(f"{data_dir}/p/{p}", nbytes, chunk, inner, None,
+                               *((p, plan.pieces[p]) if regions else (None, None))))
   packed = []
-  for i, data, _ in candidates:
+  for i, data, item in candidates:
     p, offset = plan.where[i]
-    records[i]["pack"] = {"index": index_of[p], "offset": offset}
+    records[i] = _records.evolve(records[i], packed=_records.Packed(index_of[p], offset,
+                                                                     item.nbytes))
     if p == me:
       packed.append((i, data))
-  return packs, packed
+  return tuple(packs), packed
 
 
-def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any]) -> _Array:
-  """A large leaf's zarr array and the chunks this process writes: planned from the
-  sharding's structure (O(local devices), cached), ``salt=i`` spreading replicated leaves'
-  writes over processes."""
+def _zarr_array(i: int, rec: _records.Leaf, data, kv_spec, data_dir: str,
+                codecs: _store.Codecs) -> _Array:
+  """A large leaf's zarr array (its record with ``stored``) and the chunks this process
+  writes: planned from the sharding's structure (O(local devices), cached), ``salt=i``
+  spreading replicated leaves' writes over processes."""
   dtype, shape = np.dtype(data.dtype), tuple(data.shape)
   if isinstance(data, np.ndarray):
     whole = tuple((0, n) for n in shape)
@@ -349,9 +358,11 @@ def _zarr_array(i: int, rec, data, kv_spec, data_dir: str, codecs: dict[str, Any
   else:
     chunks, units = _layout.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
   inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
-  rec["store"] = _store.store_record(f"{data_dir}/a/{i}", chunks, inner, codecs)
+  stored = _records.Stored(f"{data_dir}/a/{i}", tuple(int(c) for c in chunks),
+                           tuple(int(c) for c in inner), *codecs)
   units = units if _layout.nbytes(shape, 1) else []
-  return _Array(i, rec, data, _store.zarr_spec(kv_spec, rec["store"], rec["dtype"], shape), units)
+  return _Array(i, _records.evolve(rec, stored=stored), data,
+                _store.zarr_spec(kv_spec, stored, rec.dtype, shape), units)
 
 
 def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
@@ -492,7 +503,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
                  based, pieces=pack_bytes > 0 and not (hashes or based is not None or
-                                                       codecs.get("zstd") or codecs.get("blosc")))
+                                                       any(codecs)))
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -547,7 +558,7 @@ def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
                             f"the default is {default}.")
 
 
-def _codecs(compression: Any, zstd: Any) -> dict[str, Any]:
+def _codecs(compression: Any, zstd: Any) -> _store.Codecs:
   try:
     return _store.compression_options(compression, zstd)
   except ValueError as e:
@@ -593,7 +604,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
     try:
       staged = _charge(budget, CHUNK_COST * n, writer, lambda: Staged.of(data))
     except BaseException as e:
-      raise _at(e, plan.records[i]["path"])
+      raise _at(e, plan.records[i].path)
     writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.packed_c[i].hash))
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
@@ -601,9 +612,9 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   dplan = _delta.Plan(
       plan.records, plan.packs, plan.stored_c, plan.packed_c,
       {a.index: a.spec for a in plan.arrays if a.index in plan.stored_c},
-      {a.index: a.rec["store"]["dir"] for a in plan.arrays if a.index in plan.stored_c},
+      {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.stored_c},
       kv_spec, plan.data_dir,
-      (lambda records, packs, bases: _manifest.encode(_manifest_dict(
+      (lambda records, packs, bases: _manifest.encode(_manifest_record(
           plan, metadata, records, packs, bases))) if is_main else None,
       based.check if based is not None else None)
   return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
@@ -617,14 +628,14 @@ def _stage_array(a: _Array, fut, cand: _refs.StoredCand | None, writer: Writer, 
   shard_data = ({s.device: s.data for s in a.data.addressable_shards}
                 if isinstance(a.data, jax.Array) and a.units else {})
   itemsize = np.dtype(a.data.dtype).itemsize
-  chunks, shape = a.rec["store"]["chunks"], a.rec["shape"]
+  chunks, shape = a.rec.stored.chunks, a.rec.shape
   for unit in a.units:
     n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
     try:
       host = _charge(budget, CHUNK_COST * n, writer,
                      lambda: _stage(a.data, unit, shard_data.get(unit.device)))
     except BaseException as e:
-      raise _at(e, a.rec["path"])
+      raise _at(e, a.rec.path)
     pos = _refs.chunk_pos(unit.index, chunks, shape)
     writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
                      cand.expect(pos) if cand is not None else None, n,
@@ -662,11 +673,11 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
   writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
   it does not need."""
   pack = plan.my_pack
-  spec = _store.pack_spec(kv_spec, pack["dir"], pack["nbytes"], pack["chunk"], pack["inner"])
+  spec = _store.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
   fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
-  todo = sorted([_pieces_save.PackPart(plan.records[i]["pack"]["offset"], _nbytes(data), i,
+  todo = sorted([_pieces_save.PackPart(plan.records[i].packed.offset, _nbytes(data), i,
                                         functools.partial(Staged.of, data))
                   for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
   staged: dict[int, Staged] = {}  # by position in todo
@@ -683,13 +694,13 @@ def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveH
       try:
         leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
       except BaseException as e:
-        raise _at(e, plan.records[part.leaf]["path"])
+        raise _at(e, plan.records[part.leaf].path)
       lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
       out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
     return out
 
-  for start in range(0, pack["nbytes"], pack["chunk"]):
-    end = min(start + pack["chunk"], pack["nbytes"])
+  for start in range(0, pack.nbytes, pack.chunk):
+    end = min(start + pack.chunk, pack.nbytes)
     cost = CHUNK_COST * (end - start)
     got = _charge(budget, cost, writer, lambda: parts(start, end))
     writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, got, writer.delta.hash_piece),
@@ -722,15 +733,17 @@ class _Assemble:
     return buf
 
 
-def _skeleton(rec: dict[str, Any]) -> bytes:
+def _skeleton(rec: _records.Leaf) -> bytes:
   """What every process must agree on for one leaf: the record without its values."""
-  keep = {k: v for k, v in rec.items() if k not in ("inline", "value", "pack", "subtype")}
-  if "inline" in rec:
+  keep = _records.encode(rec)
+  for k in ("value", "pack", "subtype"):
+    keep.pop(k, None)
+  if "inline" in keep:
     keep["inline"] = True
   return msgpack.packb(keep, use_bin_type=True)
 
 
-def _agree(session: _collective.Session, records: list[dict[str, Any]],
+def _agree(session: _collective.Session, records: tuple[_records.Leaf, ...],
            holders: list[str | None]) -> None:
   """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
   inline): compare each leaf's digest with process 0's; a difference fails every process,
@@ -738,7 +751,7 @@ def _agree(session: _collective.Session, records: list[dict[str, Any]],
   'agreed' barrier)."""
   if not session.multi:
     return
-  mine = [(_tree.keystr(r["path"]),
+  mine = [(r.where,
            hashlib.sha256(_skeleton(r) + str(h).encode()).hexdigest()[:16],
            _brief(r) + (f" ({_HELD[h]})" if h else ""))
           for r, h in zip(records, holders)]
@@ -753,19 +766,18 @@ _HELD = {"host": "numpy", "local": "on this process only", "all": "on every proc
          "some": "on some processes"}
 
 
-def _brief(rec: dict[str, Any]) -> str:
+def _brief(rec: _records.Leaf) -> str:
   """A leaf as a disagreement shows it, e.g. ``jax float32[64, 128] P('x', None) on mesh
   {'x': 2, 'y': 4}``."""
-  parts = [rec.get("source", rec["kind"])] + ([rec["type"]] if "type" in rec else [])
-  if "dtype" in rec:
-    parts.append(f"{rec['dtype']}{list(rec['shape'])}" if "shape" in rec else rec["dtype"])
-  sharding = rec.get("sharding")
-  if isinstance(sharding, dict) and sharding.get("type") == "named":
-    spec = ", ".join(repr(tuple(e)) if isinstance(e, list) else repr(e)
-                     for e in sharding["spec"])
-    parts.append(f"P({spec}) on mesh {dict(zip(sharding['axes'], sharding['sizes']))}")
-  elif isinstance(sharding, dict):
-    parts.append(f"{sharding['type']} sharding")
+  parts = [rec.source or rec.kind] + ([rec.type] if rec.type is not None else [])
+  if rec.dtype is not None:
+    parts.append(f"{rec.dtype}{list(rec.shape)}" if rec.shape is not None else rec.dtype)
+  sharding = rec.sharding
+  if sharding is not None and sharding.type == "named":
+    spec = ", ".join(repr(e) for e in sharding.spec)
+    parts.append(f"P({spec}) on mesh {dict(zip(sharding.axes, sharding.sizes))}")
+  elif sharding is not None:
+    parts.append(f"{sharding.type} sharding")
   return " ".join(map(str, parts))
 
 
@@ -797,19 +809,19 @@ def _disagreement(location: str, mine, theirs) -> str:
           "checkpoints are intact.")
 
 
-def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, Any]:
+def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
+                     packs: tuple[_records.Pack, ...], bases: tuple[_records.Base, ...]
+                     ) -> _records.Manifest:
+  """The manifest of a save: its final leaf records, packs and bases (``_refs.finalize``)."""
   from importlib import metadata as importlib_metadata
   try:
     ts_version = importlib_metadata.version("tensorstore")
   except importlib_metadata.PackageNotFoundError:
     ts_version = "unknown"
-  return {"format": _manifest.FORMAT_NAME, "version": _manifest.FORMAT_VERSION,
-          "created": time.time(), "process_count": jax.process_count(),
-          "versions": {"fnckpt": __version__, "jax": jax.__version__,
-                       "tensorstore": ts_version},
-          "metadata": metadata, "data": plan.data_dir, "packs": packs,
-          "leaves": records, **({"bases": bases} if bases else {}),
-          **({"meshes": plan.meshes} if plan.meshes else {})}
+  return _records.Manifest(
+      _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
+      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": ts_version}, metadata,
+      records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout)
 
 
 def _is_ours(key: str) -> bool:

@@ -107,7 +107,7 @@ class _Reader:
         return self.pieced[1](index)
       if self.stored[0] != leaf.index:  # (a reused leaf: in the checkpoint its base names)
         self.stored = (leaf.index, _store.open_array(_store.zarr_spec(
-            self._spec_of(leaf.stored.base), dataclasses.asdict(leaf.stored), leaf.dtype,
+            self._spec_of(leaf.stored.base), leaf.stored, leaf.dtype,
             leaf.shape), self.src.ctx, mode="read").result())
       return _store.read_slice(self.stored[1], index)
     except Exception as e:  # TensorStore refused the spec or the read

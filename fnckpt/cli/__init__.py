@@ -181,7 +181,7 @@ def _spec(src: _source.Source, rec: _records.Leaf | int) -> dict[str, Any]:
     pack = src.manifest.packs[rec]
     return _store.pack_spec(_base_spec(src, pack.base), pack.dir, pack.nbytes, pack.chunk,
                             pack.inner)
-  return _store.zarr_spec(_base_spec(src, rec.stored.base), dataclasses.asdict(rec.stored),
+  return _store.zarr_spec(_base_spec(src, rec.stored.base), rec.stored,
                           rec.dtype, rec.shape)
 
 
