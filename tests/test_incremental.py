@@ -643,6 +643,29 @@ FileIncrementalMachine.TestCase.settings = settings(
 TestFileIncrementalMachine = FileIncrementalMachine.TestCase
 
 
+def test_a_format_1_step_is_not_forked_and_nothing_is_written(tmp_path):
+  """A format-1 step (fnckpt 0.1) has no data directory a fork could refer to: the fork is
+  refused before anything is written (it used to write the fork record and LINEAGE, then fail
+  on the manifest it had made)."""
+  run, fork = tmp_path / "run", tmp_path / "fork"
+  shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "format1"), run / "7")
+  mgr = fnckpt.CheckpointManager(str(run))
+  assert mgr.all_steps() == [7]
+  with pytest.raises(fnckpt.CheckpointError, match=(
+      r"Cannot fork .*/run/7': it is a format-1 checkpoint \(fnckpt 0\.1\), whose data no "
+      r"other checkpoint can refer to\. Restore it and save it again with this fnckpt "
+      r"\(e\.g\. mgr\.save\(7, mgr\.restore\(7\), force=True\)\), then fork it\.")):
+    mgr.fork(7, str(fork))
+  assert not os.path.exists(run / "forks") or not os.listdir(run / "forks")
+  assert not os.path.exists(fork)
+  mgr.save(7, mgr.restore(7), force=True)   # as the error says: then it forks
+  mgr.wait()
+  child = mgr.fork(7, str(fork))
+  assert child.restore(7)["name"] == "fixture" and os.path.exists(fork / "LINEAGE")
+  mgr.close()
+  child.close()
+
+
 def test_fork_keeps_per_process_values(tmp_path):
   mgr = fnckpt.CheckpointManager(str(tmp_path / "a"))
   mgr.save(1, {"w": np.arange(10000.0), "pos": fnckpt.PerProcess({"i": 7})})

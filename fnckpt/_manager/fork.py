@@ -10,6 +10,7 @@ stay (``<run>/<step>/REFERENCED`` says so) until nothing refers to them.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import secrets
 import threading
@@ -188,7 +189,12 @@ def fork_step(root: str, step: int, directory: str,
   fork record's key."""
   src_path, dst_path = _paths.join(root, str(step)), _paths.join(directory, str(step))
   kv = _paths.open_kvstore(src_path, storage_options)
-  manifest, raw, commit = _commit.read_header(kv, src_path)
+  manifest, _, commit = _commit.read_header(kv, src_path)
+  if manifest.version < 2:  # its d/ is no data-<hex> directory a Base can name
+    raise CheckpointError(
+        f"Cannot fork {src_path!r}: it is a format-1 checkpoint (fnckpt 0.1), whose data no "
+        "other checkpoint can refer to. Restore it and save it again with this fnckpt (e.g. "
+        f"mgr.save({step}, mgr.restore({step}), force=True)), then fork it.")
   src_loc = _refs.locate(_paths.kvstore_spec(src_path, storage_options))
   dst_loc = _refs.locate(_paths.kvstore_spec(dst_path, storage_options))
   run_loc = _refs.locate(_paths.kvstore_spec(root, storage_options))
@@ -199,15 +205,17 @@ def fork_step(root: str, step: int, directory: str,
   if fork_run == run_loc.path or fork_run.startswith(run_loc.path + "/"):
     raise CheckpointError(f"Cannot fork into {directory!r}: it is (inside) the run "
                           f"{root!r} itself. Fork into a directory beside it.")
-  m = _manifest.unpack(raw)
-  new_bases = _rebase(m, manifest, src_loc, dst_loc)
-  own = _records.Base(_refs.relative(src_loc.path, fork_run), manifest.data)
+  new_bases = _rebase(manifest, src_loc, dst_loc)
+  packs, leaves = manifest.packs, manifest.leaves
   if _owns_data(manifest):  # (the parent step's own data, if it has any)
-    new_bases.append(own)
-    _point_at(m, len(new_bases) - 1, new_bases, manifest)
-  m["bases"] = [{"dir": b.dir, "data": b.data} for b in new_bases]
-  m["fork"] = {"run": _refs.relative(run_loc.path, fork_run), "step": step}
-  m["data"] = f"{_manifest.DATA_PREFIX}{secrets.token_hex(16)}"
+    new_bases.append(_records.Base(_refs.relative(src_loc.path, fork_run), manifest.data))
+    packs, leaves = _point_at(manifest, len(new_bases) - 1)
+  fork = _records.Fork(_refs.relative(run_loc.path, fork_run), step)
+  forked = dataclasses.replace(
+      manifest, bases=tuple(new_bases), fork=fork, packs=packs, leaves=leaves,
+      data=f"{_manifest.DATA_PREFIX}{secrets.token_hex(16)}")
+  body = _manifest.encode(forked)
+  _manifest.decode(body, dst_path)  # what we write must read back (checked before writing)
   data = sorted({f"{posixpath.basename(_refs.resolve(dst_loc, b.dir, dst_path))}/{b.data}"
                  for b in new_bases if posixpath.dirname(_refs.resolve(dst_loc, b.dir, dst_path))
                  == run_loc.path})
@@ -218,11 +226,9 @@ def fork_step(root: str, step: int, directory: str,
   forks = _paths.open_kvstore(_paths.join(root, FORKS), storage_options)
   forks.write(name, record).result()
   _paths.open_kvstore(directory, storage_options).write(LINEAGE, msgpack.packb(
-      {"format": _manifest.FORMAT_NAME, **m["fork"]})).result()
+      {"format": _manifest.FORMAT_NAME, "run": fork.run, "step": fork.step})).result()
   out = _paths.open_kvstore(dst_path, storage_options)
-  _copy_per_process(kv, out, manifest, m["data"])
-  body = _manifest.pack(m)
-  _manifest.decode(body, dst_path)  # what we write must read back
+  _copy_per_process(kv, out, manifest, forked.data)
   out.write(_manifest.MANIFEST, body).result()
   _check_parent_unchanged(kv, src_path, commit, forks, name)
   _commit.write_commit(out, body)
@@ -242,8 +248,9 @@ def _check_parent_unchanged(kv: ts.KvStore, src_path: str, commit: bytes, forks:
       "manager.all_steps()).")
 
 
-def _rebase(m: dict, manifest: _records.Manifest, src_loc: _refs.Location,
+def _rebase(manifest: _records.Manifest, src_loc: _refs.Location,
             dst_loc: _refs.Location) -> list[_records.Base]:
+  """The parent's bases, as references from the fork's step directory."""
   start = posixpath.dirname(dst_loc.path)
   return [_records.Base(_refs.relative(_refs.resolve(src_loc, b.dir, "fork"), start), b.data)
           for b in manifest.bases]
@@ -254,14 +261,16 @@ def _owns_data(manifest: _records.Manifest) -> bool:
       l.stored is not None and l.stored.base is None for l in manifest.leaves)
 
 
-def _point_at(m: dict, k: int, bases: list[_records.Base], manifest: _records.Manifest) -> None:
-  """Records of the parent's own data now refer to base ``k`` (the parent step)."""
-  for p in m.get("packs", []):
-    if "base" not in p:
-      p["base"] = k
-  for rec in m["leaves"]:
-    if isinstance(rec.get("store"), dict) and "base" not in rec["store"]:
-      rec["store"]["base"] = k
+def _point_at(manifest: _records.Manifest, k: int
+              ) -> tuple[tuple[_records.Pack, ...], tuple[_records.Leaf, ...]]:
+  """The parent's packs and leaf records, those of its own data referring to base ``k`` (the
+  parent step) instead."""
+  packs = tuple(p if p.base is not None else dataclasses.replace(p, base=k)
+                for p in manifest.packs)
+  leaves = tuple(l if l.stored is None or l.stored.base is not None else
+                 dataclasses.replace(l, stored=dataclasses.replace(l.stored, base=k))
+                 for l in manifest.leaves)
+  return packs, leaves
 
 
 def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manifest,
