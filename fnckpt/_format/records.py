@@ -30,8 +30,8 @@ from .codecs import BLOSC, BLOSC_CNAMES, BLOSC_SHUFFLES
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork", "parse",
-           "parse_values", "encode", "evolve", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
-           "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
+           "parse_values", "encode", "evolve", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS",
+           "itemsize", "np_dtype", "check_dir", "check_rel", "MAX_DIMS", "HASH_BYTES"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
 DTYPES = frozenset((

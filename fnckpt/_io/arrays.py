@@ -23,8 +23,8 @@ from .._format.codecs import BLOSC
 from .._format.leaves import dtype_of
 from .._format.records import Stored
 
-__all__ = ["zarr_spec", "pack_spec", "compression_options", "Codecs", "open_array", "write_chunk", "read_slice",
-           "storage_dtype", "from_storage", "ByteBudget"]
+__all__ = ["zarr_spec", "pack_spec", "compression_options", "Codecs", "open_array", "write_chunk",
+           "read_slice", "storage_dtype", "from_storage", "ByteBudget"]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
