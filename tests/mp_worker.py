@@ -111,8 +111,10 @@ def make_mesh(shape, axes):
 def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None:
   """Stop the save at ``phase``: ``kill`` (SIGKILL itself), ``hang`` (print ``PHASE name``
   then sleep until killed from outside), ``raise`` (the save fails there), ``sleep`` (delay
-  the save by one second there). ``phase="midwrite"``: SIGKILL while staging chunk number
-  ``after_chunks + 1``, once the earlier chunks are durable on storage."""
+  the save by one second there), ``delete:<path>`` (delete the checkpoint at ``path``, e.g.
+  the save's base, there). ``phase="midwrite"``: SIGKILL while staging chunk number
+  ``after_chunks + 1``, once the earlier chunks are durable on storage. ``phase="marker"``:
+  after the commit marker, as this process arrives at the last barrier."""
   import signal
   from fnckpt._save import save as save_mod
   from fnckpt._io import arrays as store_mod
@@ -128,6 +130,9 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
       raise RuntimeError(f"injected failure at {name}")
     elif action == "sleep":
       time.sleep(1.0)
+    elif action.startswith("delete:"):
+      import shutil
+      shutil.rmtree(action[len("delete:"):])
 
   if phase == "midwrite":
     real = store_mod.write_chunk
@@ -143,6 +148,18 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
       return fut
 
     store_mod.write_chunk = write_chunk
+    return
+  if phase == "marker":  # (as this process arrives at the last barrier, 'committed')
+    from fnckpt._io import collective as collective_mod
+    real_barrier = collective_mod.Session.barrier
+
+    def barrier(session, name):
+      if name == "committed":
+        collective_mod.Session.barrier = real_barrier  # (this attempt only)
+        act("marker")
+      return real_barrier(session, name)
+
+    collective_mod.Session.barrier = barrier
     return
 
   def hook(name: str) -> None:
@@ -453,7 +470,10 @@ def _outcome(fn) -> dict[str, Any]:
   try:
     return {"ok": fn()}
   except Exception as e:
-    return {"error": type(e).__name__, "message": str(e)}
+    outcome = getattr(e, "outcome", None)  # (fnckpt._errors.SaveOutcome: what the save left)
+    return {"error": type(e).__name__, "message": str(e),
+            "committed": outcome.committed if outcome is not None else "n/a",
+            "replaced": outcome.replaced if outcome is not None else "n/a"}
 
 
 def mode_attempts(cfg):

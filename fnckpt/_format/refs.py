@@ -302,7 +302,7 @@ def finalize(records: list[dict[str, Any]], packs: list[dict[str, Any]],
       mine = chunks.setdefault(i, {})
       if set(mine) & set(hashes):
         raise CheckpointError(f"Saving to {location!r}: two processes wrote one chunk of "
-                              f"leaf #{i} (process {proc} among them); nothing was committed.")
+                              f"leaf #{i} (process {proc} among them).")
       mine.update(hashes)
     for i, h in r.packed.items():
       records[i]["hash"] = h
@@ -312,7 +312,7 @@ def finalize(records: list[dict[str, Any]], packs: list[dict[str, Any]],
     n = int(np.prod(grid)) if all(rec["shape"]) else 0
     if sorted(hashes) != list(range(n)):
       raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf #{i} are "
-                            f"incomplete ({len(hashes)} of {n}); nothing was committed.")
+                            f"incomplete ({len(hashes)} of {n}).")
     rec["chunk_hashes"] = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
     rec["chunk_fps"] = b"".join(hashes[p][_records.HASH_BYTES:] for p in range(n))
     rec["hash"] = digest(rec["chunk_hashes"])

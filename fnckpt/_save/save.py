@@ -28,7 +28,7 @@ from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from . import delta as _delta, pieces as _pieces_save
-from .._errors import CheckpointError
+from .._errors import CheckpointError, SaveOutcome
 from .._version import __version__
 from .errors import wrap
 from .staged import Staged
@@ -126,9 +126,16 @@ class SaveHandle:
       raise self._error
     return self.stats
 
-  def _finish(self, error: BaseException | None, reported: bool = False) -> None:
-    if error is not None and self.replaced:
-      error = _after_replace(error)
+  def _finish(self, error: BaseException | None, committed: bool | None = False,
+              reported: bool = False) -> None:
+    """The save ended: ``error`` (None: committed). Its ``outcome`` is decided here, the one
+    place that knows both what the writer did (``committed``: whether this process wrote the
+    commit marker, or cannot tell) and whether the save removed an old checkpoint first
+    (``replaced``); a PeerFailedError may carry the word of the process that decides."""
+    if isinstance(error, CheckpointError):
+      known = error.outcome if isinstance(error, _collective.PeerFailedError) else None
+      error.outcome = (dataclasses.replace(known, replaced=self.replaced) if known is not None
+                       else SaveOutcome(committed, self.replaced))
     self._error = error
     with _pending_lock:
       if error is None or reported:
@@ -251,7 +258,7 @@ class _Base:
       raise CheckpointError(
           f"The base {src.location!r} was deleted or replaced while this save was writing; "
           "the new checkpoint would refer to its data, so it is not committed. Save again "
-          "(with a committed base, or without base=). Earlier checkpoints are intact.")
+          "(with a committed base, or without base=).")
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
@@ -514,8 +521,10 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
       if session is not None:
         session.fail(err)
         _walk_in_background(session)
-    handle._finish(err, reported=True)
-    raise handle._error from (e if handle._error is not e else None)
+    handle._finish(err, committed=False, reported=True)
+    if err is e:
+      raise  # (its traceback and cause as they are)
+    raise err from e
   writer.close(commit)
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
@@ -572,7 +581,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
   handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks
   handle.stats.total_s = time.perf_counter() - t0
-  handle._finish(error)
+  handle._finish(error, writer.committed)
 
 
 def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
@@ -792,8 +801,7 @@ def _disagreement(location: str, mine, theirs) -> str:
   return (f"Saving to {location!r}: processes {me} and 0 passed different trees: {what}. "
           "Every process must pass the same tree structure, shapes, dtypes and shardings to "
           "save (values of non-global leaves may differ; process 0's are kept; wrap "
-          "per-process values in fnckpt.PerProcess). Nothing was written or committed; earlier "
-          "checkpoints are intact.")
+          "per-process values in fnckpt.PerProcess). Nothing was written.")
 
 
 def _manifest_dict(plan: _Plan, metadata, records, packs, bases) -> dict[str, Any]:
@@ -845,16 +853,3 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
     _paths.clear(kv, first=(_manifest.COMMIT,))
   session.barrier("cleared")
 
-
-def _after_replace(err: BaseException) -> BaseException:
-  """A failed overwrite: the old checkpoint at the location is gone (marker first), so
-  "earlier checkpoints are intact" must not be said of it."""
-  text = str(err)
-  if not isinstance(err, CheckpointError) or "earlier checkpoints are intact" not in text:
-    return err
-  text = text.replace("earlier checkpoints are intact", "the checkpoint that was at this "
-                      "path was removed first (overwrite=True); other checkpoints are intact")
-  try:
-    return type(err)(text)
-  except TypeError:
-    return err

@@ -18,7 +18,6 @@ import tensorstore as ts
 from .._format import manifest as _manifest
 from .._io import collective as _collective, commit as _commit, arrays as _store
 from . import delta as _delta
-from .._errors import CheckpointError
 from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -53,7 +52,8 @@ _END = object()
 
 class Writer:
   """``put`` staged chunks, then ``close()`` (or ``abort(error)``); ``on_done(error)`` is called
-  once, from the thread, with the save's error or ``None`` when committed.
+  once, from the thread, with the save's error or ``None`` when committed (``committed`` says
+  then whether the commit marker was written: the error's outcome, decided by the handle).
 
   The thread starts writing once staging is done or when the budget fills (``drain``), so it
   does not compete with the caller's copies; after any failure it keeps draining the queue so
@@ -184,11 +184,9 @@ class Writer:
     finally:
       if error is not None or self.aborted:
         err = error or self.abort_error or self.error
-        if err is not None and not isinstance(err, CheckpointError):
-          err = wrap(err, self.location, self.phase, self.committed)
-        elif err is not None and self.committed is not False:
-          err = _with_commit_state(err, self.committed)
-        self.session.fail(err)
+        if err is not None:
+          err = wrap(err, self.location, self.phase)
+          self.session.fail(err, self.committed)
         self.session.abort()
         error = err
       self.session.close()
@@ -206,31 +204,15 @@ class Writer:
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
     self.session.barrier("written")
+    if self.session.multi and not c.write_marker:
+      self.committed = None  # from here on process 0 may write the marker
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
       _commit.write_commit(c.kv, manifest)
       self.committed = True
-    elif self.session.multi:
-      self.committed = None  # process 0 may have written the marker
     self.phase = "waiting for the commit"
     self.session.barrier("committed")
     self.commit_s = time.perf_counter() - t0
     self._reached("committed")
 
-
-def _with_commit_state(err: CheckpointError, committed: bool | None) -> CheckpointError:
-  """A late failure (e.g. a timeout at the last barrier) must not hide that the marker was
-  (or may have been) written."""
-  text = str(err)
-  if "is committed" in text or "may have committed" in text:
-    return err
-  text = text.replace(" Nothing was committed; earlier checkpoints are intact.", "")
-  after = (" The checkpoint itself is committed (its marker was written); only this last step "
-           "failed." if committed else " Process 0 may have committed the checkpoint; check "
-           "with fnckpt.metadata or `fnckpt ls`.")
-  try:
-    return type(err)(text + after)
-  except TypeError:  # a subclass with another constructor: keep it, add a note
-    err.add_note(after.strip())
-    return err
