@@ -21,7 +21,7 @@ from .._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
            "delete_prefix", "clear", "io_error", "io_hint", "location_of",
-           "redact", "error_text", "read_failure"]
+           "redact", "error_text", "status_code", "read_failure"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
@@ -170,6 +170,20 @@ def error_text(e: BaseException) -> str:
   return redact(_TS_SPEC.sub("", str(e)).strip())
 
 
+def status_code(e: BaseException) -> str:
+  """The status code of a failed TensorStore operation (its ``ValueError``'s first word:
+  ``"OUT_OF_RANGE"``, ``"NOT_FOUND"``, ...), or ``""``. The one place TensorStore's status is
+  read (it has no field for it).
+
+  >>> status_code(ValueError("OUT_OF_RANGE: Requested byte range [10, 11) is not valid"))
+  'OUT_OF_RANGE'
+  >>> status_code(OSError("OUT_OF_RANGE: not TensorStore's"))
+  ''
+  """
+  code = str(e).partition(":")[0] if isinstance(e, ValueError) else ""
+  return code if re.fullmatch(r"[A-Z][A-Z_]+", code) else ""
+
+
 def read_failure(e: BaseException) -> str:
   """What a failed TensorStore open or read means: ``"checksum"`` (crc32c mismatch),
   ``"missing"``, ``"corrupt"`` (cannot be decoded), ``"metadata"`` (zarr.json differs from
@@ -179,9 +193,8 @@ def read_failure(e: BaseException) -> str:
   >>> read_failure(ValueError('NOT_FOUND: "gs://crc-bucket/c" ...'))
   'missing'
   """
-  text = error_text(e)
-  code = text.partition(":")[0] if isinstance(e, ValueError) else ""
-  words = _QUOTED.sub('""', text).lower()
+  code = status_code(e)
+  words = _QUOTED.sub('""', error_text(e)).lower()
   if "digest mismatch" in words:  # the crc32c codec's check
     return "checksum"
   if "invalid bool value" in words:  # a bool byte other than 0/1 (checksums cannot tell)
