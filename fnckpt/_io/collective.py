@@ -20,7 +20,6 @@ attempt k-1 by the time it reaches attempt k's first barrier.
 
 from __future__ import annotations
 
-import collections
 import json
 import secrets
 import threading
@@ -28,6 +27,7 @@ import time
 
 import jax
 
+from .. import _state
 from . import commit as _commit
 from .._errors import BarrierTimeoutError, CheckpointError, SaveOutcome
 
@@ -41,23 +41,19 @@ _POLL_S = 0.5
 # The most characters of an error published to the other processes.
 _MAX_ERROR_CHARS = 4000
 
-_attempts_lock = threading.Lock()
-# The k-th attempt per location (hash); bounded, and evicted alike on every process (which all
-# make the same sequence of saves), so it never grows without limit.
-_attempts: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-_MAX_LOCATIONS = 4096
-
-
 class PeerFailedError(CheckpointError):
   """Another process failed during the same collective save."""
 
 
 def _next_attempt(key: str) -> int:
-  with _attempts_lock:
-    k = _attempts.pop(key, -1) + 1
-    _attempts[key] = k
-    while len(_attempts) > _MAX_LOCATIONS:
-      _attempts.popitem(last=False)
+  """The k-th attempt at a location (hash) on this process (``_state.sessions``): bounded, and
+  evicted alike on every process (which all make the same sequence of saves)."""
+  sessions = _state.sessions
+  with sessions.lock:
+    k = sessions.attempts.pop(key, -1) + 1
+    sessions.attempts[key] = k
+    while len(sessions.attempts) > _state.MAX_LOCATIONS:
+      sessions.attempts.popitem(last=False)
     return k
 
 

@@ -4,19 +4,20 @@ A location is a string: a local path, ``file://...``, ``memory://...``, ``gs://b
 ``s3://bucket/...``. Every function here works on the kvstore of the *directory* (a spec whose
 path ends in ``/``), so the same code lists, reads, writes and deletes on every backend.
 
-The only shared state is the TensorStore context holding the ``memory://`` store: by design its
-contents live as long as the process (that is what an in-memory checkpoint is).
+The only shared state is the TensorStore context holding the ``memory://`` store (kept in
+``fnckpt._state.storage``): by design its contents live as long as the process (that is what an
+in-memory checkpoint is).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import threading
 from typing import Any
 
 import tensorstore as ts
 
+from .. import _state
 from .._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
@@ -25,17 +26,13 @@ __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "contex
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
-_root_lock = threading.Lock()
-_root_context: ts.Context | None = None
-
-
 def _root() -> ts.Context:
   """The parent context: holds only the process-wide ``memory://`` key-value store."""
-  global _root_context
-  with _root_lock:
-    if _root_context is None:
-      _root_context = ts.Context({"memory_key_value_store": {}})
-    return _root_context
+  storage = _state.storage
+  with storage.lock:
+    if storage.root is None:
+      storage.root = ts.Context({"memory_key_value_store": {}})
+    return storage.root
 
 
 def context(*, concurrency: int | None = None,
