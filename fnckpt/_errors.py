@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
-           "DamagedError", "NoCheckpointError", "SaveOutcome"]
+           "DamagedError", "NoCheckpointError", "SavesFailedError", "SaveOutcome"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,15 @@ class NoCheckpointError(CheckpointError):
 
 class BarrierTimeoutError(CheckpointError, TimeoutError):
   """Some processes did not reach a save/restore barrier before its deadline."""
+
+
+class SavesFailedError(CheckpointError):
+  """Several saves failed (``fnckpt.wait()``): ``errors``, each save's, in the order the saves
+  began (each with its own ``outcome``); the message lists their first lines."""
+
+  def __init__(self, message: str, errors: tuple[BaseException, ...] | list = ()):
+    super().__init__(message)
+    self.errors = tuple(errors)
 
 
 class DamagedError(CheckpointError):

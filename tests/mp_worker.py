@@ -116,7 +116,7 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
   ``after_chunks + 1``, once the earlier chunks are durable on storage. ``phase="marker"``:
   after the commit marker, as this process arrives at the last barrier."""
   import signal
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   from fnckpt._io import arrays as store_mod
 
   def act(name: str) -> None:
@@ -166,7 +166,7 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
     if name == phase:
       act(name)
 
-  save_mod._phase = hook
+  _state.hooks.on_phase = hook
 
 
 # --- modes ------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def mode_memory_budget(cfg):
   import threading
   import jax
   import fnckpt
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   mesh = make_mesh([cfg["devices"]], ["a"])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
   shape = tuple(cfg["shape"])
@@ -298,7 +298,7 @@ def mode_memory_budget(cfg):
 
   def sample():  # also sample, in case VmHWM cannot be reset on this kernel
     while not stop.is_set():
-      b = save_mod._budget
+      b = _state.saves.budget
       samples.append((_rss() - base, b.held if b else 0))
       time.sleep(0.001)
 
@@ -367,9 +367,9 @@ def mode_memory_growth(cfg):
       samples.append(sample())
   handles.pop(0).wait()
   gc.collect()
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   result({"blocks": [s[0] for s in samples], "rss": [s[1] for s in samples],
-          "handles_alive": sum(r() is not None for r in refs), "pending": len(save_mod._pending),
+          "handles_alive": sum(r() is not None for r in refs), "pending": len(_state.saves.pending),
           "left": sorted(os.listdir(root))})
 
 
@@ -486,6 +486,7 @@ def mode_attempts(cfg):
   for waited attempts ``left``: the directory's entries right after the attempt."""
   import jax
   import fnckpt
+  from fnckpt import _state
   from fnckpt._save import save as save_mod
   mesh = make_mesh(*cfg["mesh"])
   outcomes: list[Any] = []
@@ -498,7 +499,7 @@ def mode_attempts(cfg):
 
   for i, attempt in enumerate(cfg["attempts"]):
     state = _attempt_state(cfg, attempt, mesh)
-    real_phase, fault = save_mod._phase, attempt.get("fault")
+    real_phase, fault = _state.hooks.on_phase, attempt.get("fault")
     if fault and fault["process"] == jax.process_index():
       install_fault(fault["phase"], fault["action"])
     kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes", "base", "hashes")
@@ -513,7 +514,7 @@ def mode_attempts(cfg):
       outcomes.append(None)
     else:
       outcomes.append(_outcome(lambda: stats_of(started["ok"])) if "ok" in started else started)
-    save_mod._phase = real_phase
+    _state.hooks.on_phase = real_phase
     if outcomes[-1] is not None and jax.process_index() == 0:
       outcomes[-1]["left"] = _listing(attempt["path"])
   for i, h in pending:

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fnckpt
 from fnckpt._format import manifest as _manifest
 from fnckpt._io import arrays as _store, paths as _paths
-from fnckpt._save import save as _save
+from fnckpt import _state
 from fnckpt._errors import DamagedError, SaveOutcome
 
 
@@ -142,11 +142,11 @@ def _failing_save(tmp_path, name):
 
 
 def _fail_at(monkeypatch, phase, error):
-  """Make every save fail with ``error`` as it passes ``phase`` (``_save._phase`` hook)."""
+  """Make every save fail with ``error`` as it passes ``phase`` (``_state.hooks.on_phase``)."""
   def hook(name):
     if name == phase:
       raise error
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
 
 
 def _break_writes(monkeypatch):
@@ -161,10 +161,14 @@ def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
   h1 = fnckpt.save(tree(1.0), str(tmp_path / "one"))
   h2 = fnckpt.save(tree(2.0), str(tmp_path / "two"))
   with pytest.raises(fnckpt.CheckpointError, match=r"2 saves failed:\n  - Saving to .*one.* "
-                     r"failed while writing the arrays: OSError: injected write failure"):
+                     r"failed while writing the arrays: OSError: injected write failure") as e:
     fnckpt.wait()
-  with pytest.raises(fnckpt.CheckpointError, match="injected write failure"):
+  one, two = e.value.errors   # each save's error, in order, each with what it left
+  assert "one" in one.core and "two" in two.core and e.value.__cause__ is one
+  assert one.outcome == two.outcome == SaveOutcome(committed=False)
+  with pytest.raises(fnckpt.CheckpointError, match="injected write failure") as first:
     h1.wait()   # a handle still raises its own error
+  assert first.value is one
   fnckpt.wait()  # reported once: nothing left
 
 
@@ -181,10 +185,10 @@ def test_a_failure_after_the_marker_says_the_checkpoint_is_committed(tmp_path, m
 def test_unreported_failure_makes_the_exit_status_nonzero(tmp_path):
   code = (
       "import numpy as np, fnckpt\n"
-      "from fnckpt._save import save as _save\n"
+      "from fnckpt import _state\n"
       "def hook(p):\n"
       "  if p == 'written': raise OSError('injected')\n"
-      "_save._phase = hook\n"
+      "_state.hooks.on_phase = hook\n"
       f"fnckpt.save({{'x': np.zeros(10000)}}, {str(tmp_path / 'c')!r})\n"
       "print('script done')\n")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -229,7 +233,7 @@ def test_a_failed_save_gives_back_its_budget_and_the_next_save_runs(tmp_path, mo
   state = {f"l{i}": np.full((256, 1024), i, np.float32) for i in range(6)}  # 1 MiB each
   with pytest.raises(fnckpt.CheckpointError, match="disk on fire"):
     fnckpt.save(state, tmp_path / "a", pack_bytes=0, budget_bytes=3 << 20).wait()
-  assert _save._budget.held == 0
+  assert _state.saves.budget.held == 0
   monkeypatch.undo()
   fnckpt.save(state, tmp_path / "b", pack_bytes=0, budget_bytes=3 << 20).wait(timeout=120)
   assert fnckpt.restore(tmp_path / "b")["l5"][0, 0] == 5
@@ -329,7 +333,7 @@ def test_a_base_deleted_during_an_overwrite_does_not_say_the_old_checkpoint_is_i
   def delete_the_base(name):
     if name == "staging":
       shutil.rmtree(a)
-  monkeypatch.setattr(_save, "_phase", delete_the_base)
+  monkeypatch.setattr(_state.hooks, "on_phase", delete_the_base)
   with pytest.raises(fnckpt.CheckpointError, match="was deleted or replaced while this save") \
       as e:
     fnckpt.save(state, p, base=a, overwrite=True).wait()
