@@ -56,7 +56,7 @@ class CheckpointError(Exception):
   >>> e = CheckpointError("Saving to 'x' failed while writing the arrays: OSError: disk full.")
   >>> e.outcome = SaveOutcome(committed=False)
   >>> print(e)
-  Saving to 'x' failed ...: OSError: disk full. Nothing was committed; earlier checkpoints ... intact.
+  Saving to 'x' failed ...: OSError: disk full. Nothing was committed; earlier ... intact.
   >>> e.core
   "Saving to 'x' failed while writing the arrays: OSError: disk full."
   """

@@ -11,8 +11,8 @@ credentials, an unreachable endpoint) are parametrised over the backends where t
 with the local-files analogue beside them.
 
 Nothing is mocked: the servers are real processes (tests/servers.py); the only patched names are
-fnckpt's own test hook ``fnckpt._state.hooks.on_phase`` and, to hold a restore open mid-read, a wrapper
-around ``fnckpt._restore.restore._read_all`` that waits before calling the real one.
+fnckpt's own test hook ``fnckpt._state.hooks.on_phase`` and, to hold a restore open mid-read, a
+wrapper around ``fnckpt._restore.restore._read_all`` that waits before calling the real one.
 """
 
 from __future__ import annotations

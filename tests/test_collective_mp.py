@@ -94,7 +94,8 @@ def test_different_trees_fail_every_process_naming_the_first_differing_key_path(
     failed(p1[i], "CheckpointError", f"Saving to {path!r}: processes 1 and 0 passed "
            "different trees", *texts)
     failed(p0[i], "PeerFailedError", f"Saving to {path!r} failed on process 1 (process 0 "
-           "learned of it at barrier 'agreed')", *texts, "Nothing was written. " + NOTHING_COMMITTED)
+           "learned of it at barrier 'agreed')", *texts,
+           "Nothing was written. " + NOTHING_COMMITTED)
     assert not p0[i]["left"], p0[i]  # nothing written, not even a directory entry
   assert "ok" in p0[3] and "ok" in p1[3], (p0[3], p1[3])
   assert p0[3]["checked_shards"] == p1[3]["checked_shards"] == 1 + 2 + 2 + 2  # e, a, b, f

@@ -116,7 +116,8 @@ def test_no_module_but_state_keeps_process_wide_state():
 def test_state_imports_nothing_of_fnckpt_but_errors():
   tree = ast.parse((ROOT / STATE).read_text())
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fnckpt")):
+    if isinstance(node, ast.ImportFrom) and (node.level or
+                                             (node.module or "").startswith("fnckpt")):
       assert node.level == 1 and node.module == "_errors", ast.unparse(node)
     if isinstance(node, ast.Import):
       assert not any(a.name.startswith("fnckpt") for a in node.names), ast.unparse(node)

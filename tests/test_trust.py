@@ -270,6 +270,27 @@ def test_a_committed_barrier_timeout_says_the_checkpoint_is_committed(tmp_path, 
   assert repr(e.value) == "BarrierTimeoutError(\"Barrier 'committed' of the save to 'x' failed.\")"
 
 
+def test_a_process_past_the_last_data_barrier_cannot_say_nothing_was_committed():
+  """A process other than 0 that learns of another's failure right after every process
+  arrived at 'written' cannot tell: process 0 may not have seen that failure before writing
+  the marker. Its writer says so (committed None: "may have committed")."""
+  from fnckpt._io.collective import PeerFailedError
+  from fnckpt._save.writer import Commit, Writer
+
+  class Session:   # process 1 of 2; process 2's failure is read after the barrier
+    multi, passed = True, []
+
+    def barrier(self, phase):
+      self.passed.append(phase)
+      raise PeerFailedError("Saving to 'x' failed on process 2: boom.")
+
+  writer = Writer("x", Session(), _store.ByteBudget(1 << 20), lambda p: None, lambda e: None)
+  writer._commit = Commit(None, lambda: None, [], write_marker=False)
+  with pytest.raises(PeerFailedError):
+    writer._finish(None)
+  assert writer.committed is None
+
+
 @pytest.mark.parametrize("outcome, says, never", [
     (SaveOutcome(False), "Nothing was committed; earlier checkpoints are intact.", "removed"),
     (SaveOutcome(False, replaced=True), "Nothing was committed; the checkpoint that was at this "

@@ -74,7 +74,7 @@ class Writer:
     self.aborted = False
     self.abort_error: BaseException | None = None
     self.phase = "staging"
-    self.committed: bool | None = False   # whether the commit marker was written
+    self.committed: bool | None = False   # the marker was written (None: process 0 may have)
     self.write_s = 0.0
     self.commit_s = 0.0
     self.delta: _delta.Delta | None = None   # set before start()
@@ -203,9 +203,11 @@ class Writer:
       c.kv.write(_manifest.MANIFEST, manifest).result()
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
-    self.session.barrier("written")
-    if self.session.multi and not c.write_marker:
-      self.committed = None  # from here on process 0 may write the marker
+    try:
+      self.session.barrier("written")
+    finally:  # (also when a failure is read right after it: process 0 may not have seen it)
+      if self.session.multi and not c.write_marker and "written" in self.session.passed:
+        self.committed = None  # every process arrived: process 0 may write the marker now
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
