@@ -52,8 +52,9 @@ _END = object()
 
 class Writer:
   """``put`` staged chunks, then ``close()`` (or ``abort(error)``); ``on_done(error)`` is called
-  once, from the thread, with the save's error or ``None`` when committed (``committed`` says
-  then whether the commit marker was written: the error's outcome, decided by the handle).
+  once, from the thread, with the save's error or ``None`` when committed; ``committed`` then
+  says whether this process wrote the commit marker (``None``: process 0 may have), which the
+  handle makes the error's ``outcome``.
 
   The thread starts writing once staging is done or when the budget fills (``drain``), so it
   does not compete with the caller's copies; after any failure it keeps draining the queue so
