@@ -19,10 +19,10 @@ from ._restore.restore import CheckpointMetadata as CheckpointMetadata
 from ._restore.restore import SavedSharding as SavedSharding
 from ._restore.restore import metadata as metadata
 from ._restore.restore import restore as restore
-from ._save.save import SaveHandle as SaveHandle
-from ._save.save import SaveStats as SaveStats
+from ._save.handle import SaveHandle as SaveHandle
+from ._save.handle import SaveStats as SaveStats
+from ._save.handle import wait as wait
 from ._save.save import save as save
-from ._save.save import wait as wait
 from ._restore.target import target_from_metadata as target_from_metadata
 
 __all__ = [

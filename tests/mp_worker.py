@@ -111,10 +111,12 @@ def make_mesh(shape, axes):
 def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None:
   """Stop the save at ``phase``: ``kill`` (SIGKILL itself), ``hang`` (print ``PHASE name``
   then sleep until killed from outside), ``raise`` (the save fails there), ``sleep`` (delay
-  the save by one second there). ``phase="midwrite"``: SIGKILL while staging chunk number
-  ``after_chunks + 1``, once the earlier chunks are durable on storage."""
+  the save by one second there), ``delete:<path>`` (delete the checkpoint at ``path``, e.g.
+  the save's base, there). ``phase="midwrite"``: SIGKILL while staging chunk number
+  ``after_chunks + 1``, once the earlier chunks are durable on storage. ``phase="marker"``:
+  after the commit marker, as this process arrives at the last barrier."""
   import signal
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   from fnckpt._io import arrays as store_mod
 
   def act(name: str) -> None:
@@ -128,6 +130,9 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
       raise RuntimeError(f"injected failure at {name}")
     elif action == "sleep":
       time.sleep(1.0)
+    elif action.startswith("delete:"):
+      import shutil
+      shutil.rmtree(action[len("delete:"):])
 
   if phase == "midwrite":
     real = store_mod.write_chunk
@@ -144,12 +149,24 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
 
     store_mod.write_chunk = write_chunk
     return
+  if phase == "marker":  # (as this process arrives at the last barrier, 'committed')
+    from fnckpt._io import collective as collective_mod
+    real_barrier = collective_mod.Session.barrier
+
+    def barrier(session, name):
+      if name == "committed":
+        collective_mod.Session.barrier = real_barrier  # (this attempt only)
+        act("marker")
+      return real_barrier(session, name)
+
+    collective_mod.Session.barrier = barrier
+    return
 
   def hook(name: str) -> None:
     if name == phase:
       act(name)
 
-  save_mod._phase = hook
+  _state.hooks.on_phase = hook
 
 
 # --- modes ------------------------------------------------------------------------------
@@ -258,7 +275,7 @@ def mode_memory_budget(cfg):
   import threading
   import jax
   import fnckpt
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   mesh = make_mesh([cfg["devices"]], ["a"])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
   shape = tuple(cfg["shape"])
@@ -281,7 +298,7 @@ def mode_memory_budget(cfg):
 
   def sample():  # also sample, in case VmHWM cannot be reset on this kernel
     while not stop.is_set():
-      b = save_mod._budget
+      b = _state.saves.budget
       samples.append((_rss() - base, b.held if b else 0))
       time.sleep(0.001)
 
@@ -350,9 +367,9 @@ def mode_memory_growth(cfg):
       samples.append(sample())
   handles.pop(0).wait()
   gc.collect()
-  from fnckpt._save import save as save_mod
+  from fnckpt import _state
   result({"blocks": [s[0] for s in samples], "rss": [s[1] for s in samples],
-          "handles_alive": sum(r() is not None for r in refs), "pending": len(save_mod._pending),
+          "handles_alive": sum(r() is not None for r in refs), "pending": len(_state.saves.pending),
           "left": sorted(os.listdir(root))})
 
 
@@ -453,7 +470,10 @@ def _outcome(fn) -> dict[str, Any]:
   try:
     return {"ok": fn()}
   except Exception as e:
-    return {"error": type(e).__name__, "message": str(e)}
+    outcome = getattr(e, "outcome", None)  # (fnckpt._errors.SaveOutcome: what the save left)
+    return {"error": type(e).__name__, "message": str(e),
+            "committed": outcome.committed if outcome is not None else "n/a",
+            "replaced": outcome.replaced if outcome is not None else "n/a"}
 
 
 def mode_attempts(cfg):
@@ -466,6 +486,7 @@ def mode_attempts(cfg):
   for waited attempts ``left``: the directory's entries right after the attempt."""
   import jax
   import fnckpt
+  from fnckpt import _state
   from fnckpt._save import save as save_mod
   mesh = make_mesh(*cfg["mesh"])
   outcomes: list[Any] = []
@@ -478,7 +499,7 @@ def mode_attempts(cfg):
 
   for i, attempt in enumerate(cfg["attempts"]):
     state = _attempt_state(cfg, attempt, mesh)
-    real_phase, fault = save_mod._phase, attempt.get("fault")
+    real_phase, fault = _state.hooks.on_phase, attempt.get("fault")
     if fault and fault["process"] == jax.process_index():
       install_fault(fault["phase"], fault["action"])
     kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes", "base", "hashes")
@@ -493,7 +514,7 @@ def mode_attempts(cfg):
       outcomes.append(None)
     else:
       outcomes.append(_outcome(lambda: stats_of(started["ok"])) if "ok" in started else started)
-    save_mod._phase = real_phase
+    _state.hooks.on_phase = real_phase
     if outcomes[-1] is not None and jax.process_index() == 0:
       outcomes[-1]["left"] = _listing(attempt["path"])
   for i, h in pending:

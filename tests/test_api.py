@@ -82,11 +82,11 @@ def test_import_has_no_side_effects():
       "import threading, sys\n"
       "before = threading.active_count()\n"
       "import fnckpt\n"
-      "from fnckpt._io import paths as _paths\n"
-      "from fnckpt._save import save as _save\n"
+      "from fnckpt import _state\n"
       "assert threading.active_count() == before, 'threads started at import'\n"
-      "assert _paths._root_context is None, 'a TensorStore context was created at import'\n"
-      "assert _save._budget is None and not _save._pending\n"
+      "assert _state.storage.root is None, 'a TensorStore context was created at import'\n"
+      "assert _state.saves.budget is None and not _state.saves.pending\n"
+      "assert not _state.saves.exit_registered, 'an exit handler was registered at import'\n"
       "print('ok')\n")
   here = os.path.dirname(os.path.dirname(fnckpt.__file__))  # the fnckpt under test
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

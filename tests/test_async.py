@@ -3,7 +3,7 @@ donate, delete or mutate right away), writing and commit go on in the background
 reports errors, pending saves survive interpreter exit, host memory stays under the budget,
 and nothing grows across saves.
 
-Deterministic gates (a replaced ``fnckpt._save.save._phase`` hook,
+Deterministic gates (a replaced ``fnckpt._state.hooks.on_phase`` hook,
 ``fnckpt._io.arrays.write_chunk`` or the writer's pack assembly) hold the background writer at a
 chosen point, so each test knows which side of the race it is on; no test depends on timing
 thresholds.
@@ -22,7 +22,8 @@ import tensorstore as ts
 import fnckpt
 from fnckpt._layout import packing as _packing
 from fnckpt._io import arrays as _store
-from fnckpt._save import save as _save
+from fnckpt import _state
+from fnckpt._save import staging as _staging
 import helpers_proc as hp
 import mp_worker
 
@@ -87,7 +88,7 @@ class GatedWrites:
   is set (``hold_issue``), or is issued at once but reported durable only then.
 
   With ``hold_issue`` the writer thread's assembly of pack chunks from their staged pieces
-  (``_save._Assemble``, which runs before ``write_chunk``) waits for the gate too: until
+  (``_staging.Assemble``, which runs before ``write_chunk``) waits for the gate too: until
   then the background writer has read no byte of any leaf."""
 
   def __init__(self, monkeypatch, hold_issue: bool):
@@ -98,13 +99,13 @@ class GatedWrites:
     self.real = _store.write_chunk
     monkeypatch.setattr(_store, "write_chunk", self)
     if hold_issue:
-      assemble = _save._Assemble.__call__
+      assemble = _staging.Assemble.__call__
 
       def gated_assemble(chunk):
         assert self.gate.wait(60)
         self.assembled.append(chunk.nbytes)
         return assemble(chunk)
-      monkeypatch.setattr(_save._Assemble, "__call__", gated_assemble)
+      monkeypatch.setattr(_staging.Assemble, "__call__", gated_assemble)
 
   def __call__(self, store, index, data):
     if self.hold_issue:
@@ -190,7 +191,7 @@ def _hook(monkeypatch, at, action):
   def hook(name):
     if name == at:
       action(name, threading.current_thread().name.removeprefix("fnckpt-save:"))
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
 
 
 def test_not_visible_until_committed_and_wait_blocks(tmp_path, monkeypatch):
@@ -292,7 +293,7 @@ def test_stats(tmp_path, layout):
   assert s.chunks_written == want["chunks"]
   assert s.blocking_s > 0 and s.write_s > 0 and s.commit_s > 0
   assert s.total_s >= max(s.blocking_s, s.write_s, s.commit_s)
-  assert 0 < s.peak_staged_bytes <= _save.CHUNK_COST * want["bytes"]
+  assert 0 < s.peak_staged_bytes <= _staging.CHUNK_COST * want["bytes"]
 
 
 def test_save_waits_for_the_writer_when_the_budget_is_full(tmp_path, monkeypatch):
@@ -301,7 +302,7 @@ def test_save_waits_for_the_writer_when_the_budget_is_full(tmp_path, monkeypatch
   gated = GatedWrites(monkeypatch, hold_issue=False)
   v = mp_worker.expected("w", (512, 1024))
   state = {"w": sharded(v, ("x", "y"))}  # 8 chunks of 128 KiB (pack_bytes=0: not packed)
-  cost = _save.CHUNK_COST * v.nbytes // 8
+  cost = _staging.CHUNK_COST * v.nbytes // 8
   budget = 3 * cost
   out = {}
   t = threading.Thread(target=lambda: out.setdefault(
@@ -313,7 +314,7 @@ def test_save_waits_for_the_writer_when_the_budget_is_full(tmp_path, monkeypatch
   t.join(0.5)
   assert t.is_alive(), "save() went on staging with the budget full"
   assert len(gated.issued) == 3
-  assert _save._budget.held == budget
+  assert _state.saves.budget.held == budget
   gated.gate.set()
   t.join(60)
   s = out["h"].wait()
@@ -409,7 +410,7 @@ def test_pack_chunks_stay_under_budget(tmp_path, numpy):
   charged for: the peak stays within the budget (+ TOLERANCE), not a chunk above it.
   (Measured: 129 MiB; 193 MiB while the staged pieces lived on as the chunk was written.)"""
   pack_chunk = _packing.PACK_CHUNK_BYTES
-  out, peak = _memory_run(tmp_path, _save.CHUNK_COST * pack_chunk // MiB, numpy=numpy,
+  out, peak = _memory_run(tmp_path, _staging.CHUNK_COST * pack_chunk // MiB, numpy=numpy,
                           shape=[1024, 1024], leaves=64)
   assert out["bytes_written"] == out["state_bytes"] == 256 * MiB
   assert out["chunks_written"] == 256 * MiB // pack_chunk

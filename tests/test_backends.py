@@ -11,8 +11,8 @@ credentials, an unreachable endpoint) are parametrised over the backends where t
 with the local-files analogue beside them.
 
 Nothing is mocked: the servers are real processes (tests/servers.py); the only patched names are
-fnckpt's own test hook ``fnckpt._save.save._phase`` and, to hold a restore open mid-read, a wrapper
-around ``fnckpt._restore.restore._read_all`` that waits before calling the real one.
+fnckpt's own test hook ``fnckpt._state.hooks.on_phase`` and, to hold a restore open mid-read, a
+wrapper around ``fnckpt._restore.restore._read_all`` that waits before calling the real one.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import fnckpt
 from fnckpt._format import records as _records
 from fnckpt._io import commit as _commit, paths as _paths
 from fnckpt._restore import restore as _restore
-from fnckpt._save import save as _save
+from fnckpt import _state
 
 import servers
 from tree_utils import assert_placed, assert_trees_all_equal
@@ -201,7 +201,7 @@ def sds_of(x, sharding=None) -> jax.ShapeDtypeStruct:
 @pytest.fixture
 def phase(monkeypatch):
   """``phase(location, name, fn)``: run ``fn()`` when the save to ``location`` reaches phase
-  ``name`` in its writer thread (through fnckpt's own test hook ``_save._phase``)."""
+  ``name`` in its writer thread (through fnckpt's own test hook ``_state.hooks.on_phase``)."""
   hooks: dict[tuple[str, str], Any] = {}
 
   def hook(name):
@@ -210,7 +210,7 @@ def phase(monkeypatch):
       if when == name and thread == f"fnckpt-save:{location}":
         fn()
 
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
 
   def add(location, name, fn):
     """Install the hook; returns a function that removes it."""

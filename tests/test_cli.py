@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._save import save as _save
+from fnckpt import _state
 
 ENV = {**os.environ, "JAX_PLATFORMS": "no_such_platform"}
 
@@ -51,17 +51,17 @@ def run(tmp_path_factory):
     mgr.save(10, train_state(10), metrics={"loss": 0.75})
   with fnckpt.CheckpointManager(str(root), save_options={"pack_bytes": 0}) as mgr:
     mgr.save(20, train_state(20), metrics={"loss": 0.25})
-  original = _save._phase
+  original = _state.hooks.on_phase
 
   def crash(name):
     if name == "committing":
       raise RuntimeError("simulated crash")
-  _save._phase = crash
+  _state.hooks.on_phase = crash
   try:
     with pytest.raises(fnckpt.CheckpointError):
       fnckpt.save(train_state(30), str(root / "30")).wait()
   finally:
-    _save._phase = original
+    _state.hooks.on_phase = original
   return root
 
 

@@ -53,10 +53,16 @@ def check_restores(path, leaves=LEAVES, seed=0):
   assert got["step"] == 7
 
 
-def failed(outcome, error, *texts):
+def failed(outcome, error, *texts, committed="any"):
+  """``outcome`` is ``error`` with each of ``texts``, said once, and (unless "any") its
+  ``outcome.committed`` is ``committed``."""
   assert outcome.get("error") == error, outcome
   for text in texts:
     assert text in outcome["message"], (text, outcome["message"])
+  for sentence in ("Nothing was committed", "is committed", "may have committed"):
+    assert outcome["message"].count(sentence) <= 1, outcome["message"]
+  if committed != "any":
+    assert outcome["committed"] is committed, outcome
 
 
 def manifest(path):
@@ -88,7 +94,8 @@ def test_different_trees_fail_every_process_naming_the_first_differing_key_path(
     failed(p1[i], "CheckpointError", f"Saving to {path!r}: processes 1 and 0 passed "
            "different trees", *texts)
     failed(p0[i], "PeerFailedError", f"Saving to {path!r} failed on process 1 (process 0 "
-           "learned of it at barrier 'agreed')", *texts, "Nothing was written or committed")
+           "learned of it at barrier 'agreed')", *texts,
+           "Nothing was written. " + NOTHING_COMMITTED)
     assert not p0[i]["left"], p0[i]  # nothing written, not even a directory entry
   assert "ok" in p0[3] and "ok" in p1[3], (p0[3], p1[3])
   assert p0[3]["checked_shards"] == p1[3]["checked_shards"] == 1 + 2 + 2 + 2  # e, a, b, f
@@ -114,23 +121,23 @@ def test_a_failing_process_fails_every_process_and_a_retry_succeeds(tmp_path):
   ])
   x, y, z = (str(tmp_path / n) for n in "xyz")
   unsupported = "Unsupported leaf at ['e']: builtins.object"
-  failed(p1[0], "CheckpointError", unsupported)
+  failed(p1[0], "CheckpointError", unsupported, committed=False)
   failed(p0[0], "PeerFailedError", f"Saving to {x!r} failed on process 1", unsupported,
-         NOTHING_COMMITTED)
+         NOTHING_COMMITTED, committed=False)
   assert not p0[0]["left"], p0[0]
 
   staging = "RuntimeError: injected failure at staging"
-  failed(p1[1], "CheckpointError", staging, NOTHING_COMMITTED)
+  failed(p1[1], "CheckpointError", staging, NOTHING_COMMITTED, committed=False)
   failed(p0[1], "PeerFailedError", f"Saving to {y!r} failed on process 1 (process 0 learned "
-         "of it at barrier 'hashed')", staging, NOTHING_COMMITTED)
+         "of it at barrier 'hashed')", staging, NOTHING_COMMITTED, committed=False)
   assert "COMMIT" not in p0[1]["left"], p0[1]
   failed_data = [d for d in p0[1]["left"] if d.startswith("data-")]
   assert len(failed_data) == 1, p0[1]  # process 0 wrote its share before learning
 
   manifest_error = "RuntimeError: injected failure at manifest"
-  failed(p0[2], "CheckpointError", manifest_error, NOTHING_COMMITTED)
+  failed(p0[2], "CheckpointError", manifest_error, NOTHING_COMMITTED, committed=False)
   failed(p1[2], "PeerFailedError", f"Saving to {z!r} failed on process 0", manifest_error,
-         NOTHING_COMMITTED)
+         NOTHING_COMMITTED, committed=False)
   assert "COMMIT" not in p0[2]["left"], p0[2]
   with pytest.raises(fnckpt.NotCommittedError):
     fnckpt.restore(z)
@@ -145,17 +152,57 @@ def test_a_failing_process_fails_every_process_and_a_retry_succeeds(tmp_path):
   check_restores(x)
 
   w = str(tmp_path / "w")
-  failed(p1[5], "CheckpointError", "injected failure at committing")
+  # process 1 failed past 'written': process 0 may have written the marker (it did), so
+  # process 1 cannot say "nothing was committed"; process 0 knows
+  failed(p1[5], "CheckpointError", "injected failure at committing",
+         "Process 0 may have committed the checkpoint", committed=None)
   failed(p0[5], "PeerFailedError", f"Saving to {w!r} failed on process 1",
-         "The checkpoint itself is committed")
+         "The checkpoint itself is committed", committed=True)
   check_restores(w)
 
   # process 0 fails before sharing its tree: process 1 is not left waiting for it
   v = str(tmp_path / "v")
-  failed(p0[6], "CheckpointError", unsupported)
+  failed(p0[6], "CheckpointError", unsupported, committed=False)
   failed(p1[6], "PeerFailedError", f"Saving to {v!r} failed on process 0 (process 1 learned of "
-         "it while waiting for process 0's 'tree')", unsupported, NOTHING_COMMITTED)
+         "it while waiting for process 0's 'tree')", unsupported, NOTHING_COMMITTED,
+         committed=False)
   assert not p0[6]["left"], p0[6]
+
+
+def test_what_a_failed_save_left_is_said_once_on_every_process(tmp_path):
+  """Process 0 fails right after writing the commit marker: both processes say the checkpoint
+  is committed (process 1 used to add "Nothing was committed" to process 0's word). A base
+  deleted (on process 0) during save(base=, overwrite=True): both processes say, once, that
+  nothing was committed and that the checkpoint at the path was removed first (the base check
+  said "Earlier checkpoints are intact.", and process 1 added its own sentence)."""
+  base, marker = str(tmp_path / "b0"), "injected failure at marker"
+  p0, p1 = run(tmp_path, [
+      {"path": "m", "fault": {"process": 0, "phase": "marker", "action": "raise"}},
+      {"path": "b0"},
+      {"path": "b1"},
+      {"path": "b1", "base": base, "overwrite": True,
+       "fault": {"process": 0, "phase": "staging", "action": f"delete:{base}"}},
+  ])
+  m = str(tmp_path / "m")
+  committed = "The checkpoint itself is committed (its marker was written); only this last step"
+  failed(p0[0], "CheckpointError", f"Saving to {m!r} failed while waiting for the commit",
+         marker, committed, committed=True)
+  failed(p1[0], "PeerFailedError", f"Saving to {m!r} failed on process 0 (process 1 learned "
+         "of it at barrier 'committed')", marker, committed, committed=True)
+  for p in (p0[0], p1[0]):
+    assert "Nothing was committed" not in p["message"], p["message"]
+  check_restores(m)
+
+  removed = ("Save again (with a committed base, or without base=). Nothing was committed; the "
+             "checkpoint that was at this path was removed first (overwrite=True); other "
+             "checkpoints are intact.")
+  failed(p0[3], "CheckpointError", "was deleted or replaced while this save", removed,
+         committed=False)
+  failed(p1[3], "PeerFailedError", f"Saving to {str(tmp_path / 'b1')!r} failed on process 0",
+         removed, committed=False)
+  for p in (p0[3], p1[3]):
+    assert p["message"].endswith(removed) and p["replaced"] is True, p
+    assert "earlier checkpoints are intact" not in p["message"].lower(), p["message"]
 
 
 @pytest.mark.slow

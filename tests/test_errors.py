@@ -198,6 +198,20 @@ def test_no_checkpoint_at_the_path(tmp_path):
     fnckpt.metadata(missing)
 
 
+def test_nothing_at_the_path_is_its_own_kind_and_names_every_format_tried(tmp_path):
+  """An empty directory is none of the formats read: a NoCheckpointError (decided by its type,
+  not its text) that says so once."""
+  from fnckpt._errors import NoCheckpointError
+  (tmp_path / "empty").mkdir()
+  for path in (tmp_path / "empty", tmp_path / "nope"):
+    with pytest.raises(NoCheckpointError, match=(
+        rf"^No checkpoint at {_loc(path)} \(no COMMIT marker, .*\. Nor is it an Orbax "
+        r"checkpoint \(_METADATA, _CHECKPOINT_METADATA\) or safetensors \(\*\.safetensors, "
+        r"model\.safetensors\.index\.json\)\.$")) as e:
+      fnckpt.restore(path)
+    assert e.value.outcome is None and str(e.value).count("No checkpoint at") == 1
+
+
 def test_a_directory_that_is_not_a_checkpoint(tmp_path):
   (tmp_path / "notes.txt").write_text("hello")
   with pytest.raises(CheckpointError, match=rf"No checkpoint at {_loc(tmp_path)}"):

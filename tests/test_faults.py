@@ -3,7 +3,7 @@ destination and a deleted chunk never make a partial checkpoint visible, and nev
 earlier one.
 
 The kills happen in child processes (``mp_worker.py``) at exact instants, through the
-``fnckpt._save.save._phase`` hook (replaced in the child) or, for "midwrite", a wrapper of
+``fnckpt._state.hooks.on_phase`` hook (replaced in the child) or, for "midwrite", a wrapper of
 ``fnckpt._io.arrays.write_chunk`` that kills once two chunks are durable and others are not.
 """
 

@@ -17,7 +17,7 @@ import pytest
 
 import fnckpt
 from fnckpt._io import paths as _paths
-from fnckpt._save import save as _save
+from fnckpt import _state
 from fnckpt._manager import health as _health, starts as _starts
 
 
@@ -196,7 +196,7 @@ def test_auto_interval_skips_saves_while_one_is_writing(tmp_path, monkeypatch):
   def phase(name):  # hold step 0's save in its background thread until released
     if threading.current_thread().name.endswith("/0") and name == "committing":
       release.wait(60)
-  monkeypatch.setattr(_save, "_phase", phase)
+  monkeypatch.setattr(_state.hooks, "on_phase", phase)
   mgr = fnckpt.CheckpointManager(root, save_interval_steps="auto", mtbf_s=3600.0)
   assert mgr.should_save(0)
   first = mgr.save(0, state_of(0))

@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fnckpt
 from fnckpt._format import manifest as _manifest, records as _records
 from fnckpt._io import paths as _paths
+from fnckpt import _state
 from fnckpt._save import save as _save
+from fnckpt._save import staging as _staging
 from fnckpt.cli import main as cli_main
 
 import helpers_proc as hp
@@ -570,19 +572,19 @@ class IncrementalMachine(RuleBasedStateMachine):
   def crash(self, r, phase):
     mgr, model = self.runs[r % len(self.runs)]
     step = self._next_step(model)
-    original = _save._phase
+    original = _state.hooks.on_phase
 
     def fail(name):
       if name == phase:
         raise OSError(f"injected failure at {name}")
 
-    _save._phase = fail
+    _state.hooks.on_phase = fail
     try:
       with pytest.raises(fnckpt.CheckpointError, match="injected failure"):
         mgr.save(step, machine_tree(step))
         mgr.wait()
     finally:
-      _save._phase = original
+      _state.hooks.on_phase = original
 
   @precondition(lambda self: len(self.runs) < 3)
   @rule(r=st.integers(0, 3), data=st.data())
@@ -690,7 +692,7 @@ def test_a_base_deleted_during_the_save_fails_it(tmp_path, monkeypatch):
     if name == "staging":
       shutil.rmtree(a)
 
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
   with pytest.raises(fnckpt.CheckpointError, match="was deleted or replaced while this save "
                      "was writing; the new checkpoint would refer to its data, so it is not "
                      "committed"):
@@ -789,7 +791,7 @@ def _pause_save_of(monkeypatch, path: str):
       paused.set()
       gate.wait(60)
 
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
   return paused, gate
 
 
@@ -976,7 +978,7 @@ def test_stats_of_a_leaf_written_whole_and_copies_under_a_small_budget(tmp_path,
   held, real_copy = [], _delta._copy_one
 
   def copy_one(plan, delta, kv, item):   # what the save's budget holds as each copy is written
-    held.append((_save._budget.held, item[3], _save._budget.limit))
+    held.append((_state.saves.budget.held, item[3], _state.saves.budget.limit))
     return real_copy(plan, delta, kv, item)
 
   monkeypatch.setattr(_delta, "_copy_one", copy_one)
@@ -999,8 +1001,8 @@ def test_packed_candidates_are_copied_off_the_devices_up_front(tmp_path, monkeyp
   """save(base=): the packed leaves that may reuse the base's are among the device data whose
   host copies start at once (on accelerators), like every other leaf."""
   seen = []
-  real = _save._to_copy
-  monkeypatch.setattr(_save, "_to_copy", lambda plan: seen.append(real(plan)) or seen[-1])
+  real = _staging.to_copy
+  monkeypatch.setattr(_staging, "to_copy", lambda plan: seen.append(real(plan)) or seen[-1])
   t = {f"m{i}": jax.numpy.full((8192,), i, jax.numpy.float32) for i in range(20)}
   hashed_save(t, str(tmp_path / "1")).wait()
   fnckpt.save(t, str(tmp_path / "2"), base=str(tmp_path / "1")).wait()

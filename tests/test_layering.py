@@ -25,6 +25,7 @@ ROOT = pathlib.Path(fnckpt.__file__).parent
 # Package (or top-level module) -> layer, bottom to top.
 LAYERS = {
     "_errors": 0, "_version": 0,
+    "_state": 0,       # everything kept per process (imports nothing of fnckpt but _errors)
     "_layout": 1,      # pure layout rules
     "_format": 2,      # the checkpoint format: records, manifest, leaves, key paths
     "_io": 3,          # storage, TensorStore, commit marker, processes

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt._io import paths as _paths
-from fnckpt._save import save as _save
+from fnckpt import _state
 
 
 def state_of(step, n=5000):
@@ -46,7 +46,7 @@ def phase_hook(monkeypatch):
       if thread.endswith(f"/{step}") or (thread == "MainThread" and hooks.get("main") == step):
         fn(name)
 
-  monkeypatch.setattr(_save, "_phase", phase)
+  monkeypatch.setattr(_state.hooks, "on_phase", phase)
   return hooks
 
 

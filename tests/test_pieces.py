@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fnckpt
 from fnckpt._layout import chunks as _layout, pieces as _pieces
 from fnckpt._format import manifest as _manifest
-from fnckpt._sources import pieces as _pieces_read
+from fnckpt import _state
 from fnckpt._errors import DamagedError
 
 MiB = 1 << 20
@@ -125,16 +125,16 @@ def test_small_shards_are_pieces_in_one_pack(saved):
 
 def test_restore_host_same_mesh_reads_exactly_what_is_needed(saved):
   path, t = saved
-  before = _pieces_read.stats.bytes_read
+  before = _state.reads.bytes_read
   got = fnckpt.restore(path)
-  assert _pieces_read.stats.bytes_read - before == sum(nb(t[k]) for k in t if k != "small")
+  assert _state.reads.bytes_read - before == sum(nb(t[k]) for k in t if k != "small")
   for k in t:
     same(got[k], t[k])
-  before = _pieces_read.stats.bytes_read
+  before = _state.reads.bytes_read
   got = fnckpt.restore(path, {k: v.sharding for k, v in t.items()})
   needed = sum(_needed(v.sharding, v.shape, v.dtype.itemsize) for k, v in t.items()
                if k != "small")
-  assert _pieces_read.stats.bytes_read - before == needed
+  assert _state.reads.bytes_read - before == needed
   for k in t:
     assert got[k].sharding == t[k].sharding
     same(got[k], t[k])
@@ -164,10 +164,10 @@ def test_restore_onto_another_mesh_reads_only_the_rows_it_needs(saved, spec, row
   mesh = _mesh((4, 2), ("p", "q"))
   target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, spec))
             for k, v in t.items() if k != "small"}
-  before = _pieces_read.stats.bytes_read
+  before = _state.reads.bytes_read
   got = fnckpt.restore(path, target, partial=True)
   needed = sum(_needed(v.sharding, v.shape, v.dtype.itemsize) for v in target.values())
-  read = _pieces_read.stats.bytes_read - before
+  read = _state.reads.bytes_read - before
   if rows_only:
     assert read == needed
   else:
@@ -188,9 +188,9 @@ def test_large_runs_are_read_alone(tmp_path):
   fnckpt.save({"v": v}, path).wait()
   sharding = NamedSharding(_mesh((4, 2), ("p", "q")), P(None, "q"))
   target = {"v": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)}
-  before = _pieces_read.stats.bytes_read
+  before = _state.reads.bytes_read
   got = fnckpt.restore(path, target)
-  assert _pieces_read.stats.bytes_read - before == _needed(sharding, v.shape, 4)
+  assert _state.reads.bytes_read - before == _needed(sharding, v.shape, 4)
   same(got["v"], v)
 
 

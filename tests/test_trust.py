@@ -3,6 +3,7 @@ restores that overlap an overwrite, hostile manifests, no lost errors, and the s
 defects found by the same review. Every error text is asserted."""
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fnckpt
 from fnckpt._format import manifest as _manifest, records as _records
 from fnckpt._io import arrays as _store, paths as _paths
-from fnckpt._save import save as _save
-from fnckpt._errors import DamagedError
+from fnckpt import _state
+from fnckpt._errors import DamagedError, SaveOutcome
 
 
 def tree(v):
@@ -141,11 +142,11 @@ def _failing_save(tmp_path, name):
 
 
 def _fail_at(monkeypatch, phase, error):
-  """Make every save fail with ``error`` as it passes ``phase`` (``_save._phase`` hook)."""
+  """Make every save fail with ``error`` as it passes ``phase`` (``_state.hooks.on_phase``)."""
   def hook(name):
     if name == phase:
       raise error
-  monkeypatch.setattr(_save, "_phase", hook)
+  monkeypatch.setattr(_state.hooks, "on_phase", hook)
 
 
 def _break_writes(monkeypatch):
@@ -160,28 +161,34 @@ def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
   h1 = fnckpt.save(tree(1.0), str(tmp_path / "one"))
   h2 = fnckpt.save(tree(2.0), str(tmp_path / "two"))
   with pytest.raises(fnckpt.CheckpointError, match=r"2 saves failed:\n  - Saving to .*one.* "
-                     r"failed while writing the arrays: OSError: injected write failure"):
+                     r"failed while writing the arrays: OSError: injected write failure") as e:
     fnckpt.wait()
-  with pytest.raises(fnckpt.CheckpointError, match="injected write failure"):
+  one, two = e.value.errors   # each save's error, in order, each with what it left
+  assert "one" in one.core and "two" in two.core and e.value.__cause__ is one
+  assert one.outcome == two.outcome == SaveOutcome(committed=False)
+  with pytest.raises(fnckpt.CheckpointError, match="injected write failure") as first:
     h1.wait()   # a handle still raises its own error
+  assert first.value is one
   fnckpt.wait()  # reported once: nothing left
 
 
 def test_a_failure_after_the_marker_says_the_checkpoint_is_committed(tmp_path, monkeypatch):
   _fail_at(monkeypatch, "committed", OSError("injected late failure"))
   h = fnckpt.save(tree(1.0), str(tmp_path / "c"))
-  with pytest.raises(fnckpt.CheckpointError, match="The checkpoint itself is committed"):
+  with pytest.raises(fnckpt.CheckpointError, match="The checkpoint itself is committed") as e:
     h.wait()
+  assert e.value.outcome == SaveOutcome(committed=True, replaced=False)
+  assert "Nothing was committed" not in str(e.value)
   assert values_of(fnckpt.restore(str(tmp_path / "c"))) == {1.0}
 
 
 def test_unreported_failure_makes_the_exit_status_nonzero(tmp_path):
   code = (
       "import numpy as np, fnckpt\n"
-      "from fnckpt._save import save as _save\n"
+      "from fnckpt import _state\n"
       "def hook(p):\n"
       "  if p == 'written': raise OSError('injected')\n"
-      "_save._phase = hook\n"
+      "_state.hooks.on_phase = hook\n"
       f"fnckpt.save({{'x': np.zeros(10000)}}, {str(tmp_path / 'c')!r})\n"
       "print('script done')\n")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -226,7 +233,7 @@ def test_a_failed_save_gives_back_its_budget_and_the_next_save_runs(tmp_path, mo
   state = {f"l{i}": np.full((256, 1024), i, np.float32) for i in range(6)}  # 1 MiB each
   with pytest.raises(fnckpt.CheckpointError, match="disk on fire"):
     fnckpt.save(state, tmp_path / "a", pack_bytes=0, budget_bytes=3 << 20).wait()
-  assert _save._budget.held == 0
+  assert _state.saves.budget.held == 0
   monkeypatch.undo()
   fnckpt.save(state, tmp_path / "b", pack_bytes=0, budget_bytes=3 << 20).wait(timeout=120)
   assert fnckpt.restore(tmp_path / "b")["l5"][0, 0] == 5
@@ -247,18 +254,60 @@ def test_a_packed_leaf_larger_than_memory_is_refused_not_allocated(tmp_path):
     fnckpt.restore(path)
 
 
-def test_a_committed_barrier_timeout_says_the_checkpoint_is_committed():
+def test_a_committed_barrier_timeout_says_the_checkpoint_is_committed(tmp_path, monkeypatch):
   """A failure after the marker was written (here: the last barrier's deadline, as a
-  CheckpointError) keeps its type and says the checkpoint is committed."""
-  from fnckpt._save import writer as _writer
-  err = _writer._with_commit_state(fnckpt.BarrierTimeoutError(
-      "Barrier 'committed' of the save to 'x' failed. Nothing was committed; earlier "
-      "checkpoints are intact."), True)
-  assert isinstance(err, fnckpt.BarrierTimeoutError)
-  assert "Nothing was committed" not in str(err)
-  assert "The checkpoint itself is committed (its marker was written)" in str(err)
-  maybe = _writer._with_commit_state(fnckpt.CheckpointError("Barrier failed."), None)
-  assert "Process 0 may have committed the checkpoint" in str(maybe)
+  CheckpointError) keeps its type, and its object: the same exception, with its cause, says
+  the checkpoint is committed (and nothing else about what was committed)."""
+  timeout = fnckpt.BarrierTimeoutError("Barrier 'committed' of the save to 'x' failed.")
+  timeout.__cause__ = OSError("the coordination service is gone")
+  _fail_at(monkeypatch, "committed", timeout)
+  with pytest.raises(fnckpt.BarrierTimeoutError) as e:
+    fnckpt.save(tree(1.0), str(tmp_path / "c")).wait()
+  assert e.value is timeout and isinstance(e.value.__cause__, OSError)
+  assert e.value.outcome.committed is True
+  assert str(e.value) == ("Barrier 'committed' of the save to 'x' failed. The checkpoint itself "
+                          "is committed (its marker was written); only this last step failed.")
+  assert repr(e.value) == "BarrierTimeoutError(\"Barrier 'committed' of the save to 'x' failed.\")"
+
+
+def test_a_process_past_the_last_data_barrier_cannot_say_nothing_was_committed():
+  """A process other than 0 that learns of another's failure right after every process
+  arrived at 'written' cannot tell: process 0 may not have seen that failure before writing
+  the marker. Its writer says so (committed None: "may have committed")."""
+  from fnckpt._io.collective import PeerFailedError
+  from fnckpt._save.writer import Commit, Writer
+
+  class Session:   # process 1 of 2; process 2's failure is read after the barrier
+    multi, passed = True, []
+
+    def barrier(self, phase):
+      self.passed.append(phase)
+      raise PeerFailedError("Saving to 'x' failed on process 2: boom.")
+
+  writer = Writer("x", Session(), _store.ByteBudget(1 << 20), lambda p: None, lambda e: None)
+  writer._commit = Commit(None, lambda: None, [], write_marker=False)
+  with pytest.raises(PeerFailedError):
+    writer._finish(None)
+  assert writer.committed is None
+
+
+@pytest.mark.parametrize("outcome, says, never", [
+    (SaveOutcome(False), "Nothing was committed; earlier checkpoints are intact.", "removed"),
+    (SaveOutcome(False, replaced=True), "Nothing was committed; the checkpoint that was at this "
+     "path was removed first (overwrite=True); other checkpoints are intact.", "earlier"),
+    (SaveOutcome(True, replaced=True), "The checkpoint itself is committed (its marker was "
+     "written); only this last step failed.", "Nothing"),
+    (SaveOutcome(None), "Process 0 may have committed the checkpoint; check with "
+     "fnckpt.metadata or `fnckpt ls`.", "Nothing"),
+])
+def test_the_last_sentence_of_a_save_error_is_its_outcome(outcome, says, never):
+  """Composed from the fields (never parsed from the text): once, whatever the type."""
+  for kind in (fnckpt.CheckpointError, fnckpt.BarrierTimeoutError, fnckpt.TreeMismatchError):
+    err = kind("Saving to 'x' failed while writing the arrays: OSError: disk full.")
+    assert str(err).endswith("disk full.")
+    err.outcome = outcome
+    assert str(err).endswith(says) and str(err).count(says) == 1 and never not in str(err)
+    assert err.core == "Saving to 'x' failed while writing the arrays: OSError: disk full."
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -281,6 +330,7 @@ def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, 
   with pytest.raises(fnckpt.CheckpointError) as e:
     fnckpt.save(state, tmp_path / "c", pack_bytes=0, overwrite=True).wait()
   assert "disk on fire" in str(e.value)
+  assert e.value.outcome == SaveOutcome(committed=False, replaced=True)
   assert ("Nothing was committed; the checkpoint that was at this path was removed first "
           "(overwrite=True); other checkpoints are intact.") in str(e.value)
   with pytest.raises(fnckpt.CheckpointError):
@@ -288,6 +338,34 @@ def test_a_failed_overwrite_does_not_say_the_old_checkpoint_is_intact(tmp_path, 
   with pytest.raises(fnckpt.CheckpointError) as fresh:  # nothing was there: no such words
     fnckpt.save(state, tmp_path / "new", pack_bytes=0).wait()
   assert "Nothing was committed; earlier checkpoints are intact." in str(fresh.value)
+  assert fresh.value.outcome == SaveOutcome(committed=False, replaced=False)
+
+
+def test_a_base_deleted_during_an_overwrite_does_not_say_the_old_checkpoint_is_intact(
+    tmp_path, monkeypatch):
+  """save(base=A, overwrite=True) where A is deleted while the save writes: the new
+  checkpoint is not committed, and the one that was at its path was removed first. The error
+  says so once (it said "Earlier checkpoints are intact." here)."""
+  state = {"w": np.arange(1 << 16, dtype=np.float32)}
+  a, p = str(tmp_path / "a"), str(tmp_path / "p")
+  fnckpt.save(state, a).wait()
+  fnckpt.save(state, p).wait()
+
+  def delete_the_base(name):
+    if name == "staging":
+      shutil.rmtree(a)
+  monkeypatch.setattr(_state.hooks, "on_phase", delete_the_base)
+  with pytest.raises(fnckpt.CheckpointError, match="was deleted or replaced while this save") \
+      as e:
+    fnckpt.save(state, p, base=a, overwrite=True).wait()
+  assert str(e.value).endswith(
+      "Save again (with a committed base, or without base=). Nothing was committed; the "
+      "checkpoint that was at this path was removed first (overwrite=True); other checkpoints "
+      "are intact."), str(e.value)
+  assert "intact" not in str(e.value).lower().replace("other checkpoints are intact", "")
+  assert e.value.outcome == SaveOutcome(committed=False, replaced=True)
+  with pytest.raises(fnckpt.CheckpointError):
+    fnckpt.restore(p)
 
 
 @pytest.mark.parametrize("target", ["host", "whole", "rows", "columns"])

@@ -7,7 +7,6 @@ manifest (small ones) or to a zarr3 array (``fnckpt._io.arrays``).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _state
 from .._errors import CheckpointError
 from . import records as _records
 from .manifest import check_msgpackable
@@ -38,7 +38,7 @@ def is_key_array(x: Any) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def sharding_record(sharding: Any) -> _records.Sharding | None:
   """A saved sharding without device ids: mesh axis names and sizes plus the PartitionSpec
   (once per sharding: records are immutable, so leaves of one sharding share it)."""
@@ -62,7 +62,7 @@ def sharding_record(sharding: Any) -> _records.Sharding | None:
   return _records.Sharding(type(sharding).__name__, devices=len(sharding.device_set))
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _dtype_name(dtype: np.dtype) -> str:
   """``dtype.name``, cached: numpy computes it anew on every access (about 2 us, on the path
   of every saved leaf)."""

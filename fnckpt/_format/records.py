@@ -69,14 +69,20 @@ def itemsize(name: str) -> int:
 
 
 class _Bad(Exception):
-  """A field is invalid: raised inside parsing, turned into a CheckpointError naming the leaf."""
+  """A field is invalid: raised inside parsing, turned into a CheckpointError naming the leaf.
+  ``whole``: the message is about the record itself ("it lacks 'data'"), not one of its
+  fields ("'created' must be ...", which the manifest's error words "its 'created' ...")."""
+
+  def __init__(self, message: str, whole: bool = False):
+    super().__init__(message)
+    self.whole = whole
 
 
-def _req(cond: bool, what: str | Callable[[], str]) -> None:
+def _req(cond: bool, what: str | Callable[[], str], whole: bool = False) -> None:
   """Raise ``_Bad(what)`` unless ``cond``; a callable ``what`` is only formatted on failure
   (messages quote the offending value: formatting them eagerly cost more than parsing)."""
   if not cond:
-    raise _Bad(what() if callable(what) else what)
+    raise _Bad(what() if callable(what) else what, whole)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
@@ -97,12 +103,15 @@ def _short(v: Any) -> str:
 
 
 def _keys(d: Any, what: str, required: Sequence[str], optional: Sequence[str] = ()) -> dict:
-  _req(isinstance(d, dict), lambda: f"{what} must be a map, found {_short(d)}")
+  """``d`` is a map with the ``required`` keys and no others than ``optional``. ``what``
+  names it in the message: ``"it"`` for the record itself (its errors are ``whole``)."""
+  whole = what == "it"
+  _req(isinstance(d, dict), lambda: f"{what} must be a map, found {_short(d)}", whole)
   missing = [k for k in required if k not in d]
-  _req(not missing, f"{what} lacks {missing[0]!r}" if missing else "")
+  _req(not missing, f"{what} lacks {missing[0]!r}" if missing else "", whole)
   unknown = [k for k in d if k not in required and k not in optional]
   _req(not unknown, lambda: f"{what} has an unknown field {_short(unknown[0]) if unknown else ''} "
-       "(written by a newer fnckpt?)")
+       "(written by a newer fnckpt?)", whole)
   return d
 
 
@@ -337,7 +346,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     meshes = _meshes(top.get("meshes", []), nproc)
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
-    raise _error(location, str(e) if str(e).startswith("it ") else f"its {e}") from None
+    raise _error(location, str(e) if e.whole else f"its {e}") from None
   leaves = []
   for i, rec in enumerate(raw):
     try:

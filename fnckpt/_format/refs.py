@@ -298,7 +298,7 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
       mine = chunks.setdefault(i, {})
       if set(mine) & set(hashes):
         raise CheckpointError(f"Saving to {location!r}: two processes wrote one chunk of "
-                              f"leaf #{i} (process {proc} among them); nothing was committed.")
+                              f"leaf #{i} (process {proc} among them).")
       mine.update(hashes)
     for i, h in r.packed.items():
       records[i] = dataclasses.replace(records[i], hash=h)
@@ -308,7 +308,7 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
     n = int(np.prod(grid)) if all(rec.shape) else 0
     if sorted(hashes) != list(range(n)):
       raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf #{i} are "
-                            f"incomplete ({len(hashes)} of {n}); nothing was committed.")
+                            f"incomplete ({len(hashes)} of {n}).")
     chunk_hashes = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
     where = rec.stored
     if i in stored and i not in changed:

@@ -20,15 +20,16 @@ attempt k-1 by the time it reaches attempt k's first barrier.
 
 from __future__ import annotations
 
-import collections
+import json
 import secrets
 import threading
 import time
 
 import jax
 
+from .. import _state
 from . import commit as _commit
-from .._errors import BarrierTimeoutError, CheckpointError
+from .._errors import BarrierTimeoutError, CheckpointError, SaveOutcome
 
 __all__ = ["Session", "PHASES", "PeerFailedError"]
 
@@ -40,23 +41,19 @@ _POLL_S = 0.5
 # The most characters of an error published to the other processes.
 _MAX_ERROR_CHARS = 4000
 
-_attempts_lock = threading.Lock()
-# The k-th attempt per location (hash); bounded, and evicted alike on every process (which all
-# make the same sequence of saves), so it never grows without limit.
-_attempts: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-_MAX_LOCATIONS = 4096
-
-
 class PeerFailedError(CheckpointError):
   """Another process failed during the same collective save."""
 
 
 def _next_attempt(key: str) -> int:
-  with _attempts_lock:
-    k = _attempts.pop(key, -1) + 1
-    _attempts[key] = k
-    while len(_attempts) > _MAX_LOCATIONS:
-      _attempts.popitem(last=False)
+  """The k-th attempt at a location (hash) on this process (``_state.sessions``): bounded, and
+  evicted alike on every process (which all make the same sequence of saves)."""
+  sessions = _state.sessions
+  with sessions.lock:
+    k = sessions.attempts.pop(key, -1) + 1
+    sessions.attempts[key] = k
+    while len(sessions.attempts) > _state.MAX_LOCATIONS:
+      sessions.attempts.popitem(last=False)
     return k
 
 
@@ -175,8 +172,9 @@ class Session:
       except Exception:  # tidiness only
         pass
 
-  def peer_error(self, strict: bool = True) -> tuple[int, str] | None:
-    """The first published error of another process, as (process, text) (None if none).
+  def peer_error(self, strict: bool = True) -> tuple[int, str, bool | None] | None:
+    """The first published error of another process, as (process, text, committed: whether
+    that process had written the commit marker, see :meth:`fail`); None if none.
     ``strict``: a list that cannot be read is an error (fail closed: not knowing is not "no
     error"); else it reads as none (when a failure is being raised anyway)."""
     if not self.multi:
@@ -194,37 +192,43 @@ class Session:
     me = jax.process_index()
     found = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries
                    if k.rsplit("/", 1)[-1].isdigit() and int(k.rsplit("/", 1)[-1]) != me)
-    return found[0] if found else None
+    return (found[0][0], *_unpublish(found[0][1])) if found else None
 
   def raise_peer_error(self, when: str, phase: str | None = None,
                        strict: bool = True) -> None:
     """Raise :class:`PeerFailedError` if another process published a failure (``when``: what
-    this process was doing; ``phase``: the barrier it just passed)."""
+    this process was doing; ``phase``: the barrier it just passed). Its ``outcome`` is the
+    other process's word where that decides: process 0's (it writes the commit marker), or
+    committed when another process failed past the last barrier (process 0 wrote the marker
+    after every process had made its data durable); else none (this process's own state
+    decides, when the save finishes)."""
     found = self.peer_error(strict)
     if found is None:
       return
-    who, text = found
-    if phase == PHASES[-1] and who != 0:  # (an error from before 'written' was seen there)
-      after = (" The checkpoint itself is committed: process 0 wrote its commit marker after "
-               "every process had made its data durable; only this last step failed.")
-    else:
-      after = "" if "earlier checkpoints are intact" in text else (
-          " Nothing was committed; earlier checkpoints are intact.")
-    raise PeerFailedError(
+    who, text, committed = found
+    err = PeerFailedError(
         f"Saving to {self.location!r} failed on process {who} (process "
-        f"{jax.process_index()} learned of it {when}): {text.rstrip()}{after}")
+        f"{jax.process_index()} learned of it {when}): {text.rstrip()}")
+    if who == 0:
+      err.outcome = SaveOutcome(committed)
+    elif phase == PHASES[-1]:  # (an error from before 'written' was seen there)
+      err.outcome = SaveOutcome(True)
+    raise err
 
-  def fail(self, error: BaseException) -> None:
-    """Publish this process's failure (before arriving at the remaining barriers)."""
+  def fail(self, error: BaseException, committed: bool | None = False) -> None:
+    """Publish this process's failure (before arriving at the remaining barriers) and whether
+    it had written the commit marker (``committed``: the writer's)."""
     if not self.multi or isinstance(error, PeerFailedError):
       return
-    text = str(error) or type(error).__name__
+    text = error.core if isinstance(error, CheckpointError) else str(error)
+    text = text or type(error).__name__
     if not isinstance(error, CheckpointError):
       text = f"{type(error).__name__}: {text}"
+    published = json.dumps({"text": text[:_MAX_ERROR_CHARS], "committed": committed})
     for _ in range(3):
       try:
         self.client.key_value_set(f"{self.prefix}/{self.nonce}/error/{jax.process_index()}",
-                                  text[:_MAX_ERROR_CHARS], allow_overwrite=True)
+                                  published, allow_overwrite=True)
         return
       except Exception:
         time.sleep(0.2)
@@ -253,3 +257,12 @@ class Session:
     errors stay until the next attempt to this location drops them.)"""
     if self.multi:
       _commit.forget(self.location)
+
+
+def _unpublish(value: str) -> tuple[str, bool | None]:
+  """(text, committed) of an error :meth:`Session.fail` published."""
+  try:
+    got = json.loads(value)
+    return str(got["text"]), got["committed"] if got["committed"] in (True, False) else None
+  except (ValueError, TypeError, KeyError):  # (not ours: its text, and no word on the marker)
+    return value, None

@@ -20,7 +20,8 @@ import tensorstore as ts
 
 from .._format import manifest as _manifest, records as _records
 from . import paths as _paths
-from .._errors import BarrierTimeoutError, CheckpointError, DamagedError, NotCommittedError
+from .._errors import (BarrierTimeoutError, CheckpointError, DamagedError, NoCheckpointError,
+                       NotCommittedError)
 
 __all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit",
            "is_committed", "unchanged", "changed_error"]
@@ -143,7 +144,7 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
           f"{location!r} holds an interrupted save: its data is (partly) there but it has no "
           f"commit marker, so it is not a checkpoint. Restore an earlier step, or delete "
           f"{location!r} and save again.")
-    raise CheckpointError(
+    raise NoCheckpointError(
         f"No checkpoint at {location!r} (no {_manifest.COMMIT} marker, no {_manifest.MANIFEST}). "
         "Check the path; a checkpoint directory holds manifest.msgpack and COMMIT.")
   commit = _manifest.decode_commit(bytes(commit_raw.value), location)

@@ -4,38 +4,35 @@ A location is a string: a local path, ``file://...``, ``memory://...``, ``gs://b
 ``s3://bucket/...``. Every function here works on the kvstore of the *directory* (a spec whose
 path ends in ``/``), so the same code lists, reads, writes and deletes on every backend.
 
-The only shared state is the TensorStore context holding the ``memory://`` store: by design its
-contents live as long as the process (that is what an in-memory checkpoint is).
+The only shared state is the TensorStore context holding the ``memory://`` store (kept in
+``fnckpt._state.storage``): by design its contents live as long as the process (that is what an
+in-memory checkpoint is).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import threading
 from typing import Any
 
 import tensorstore as ts
 
+from .. import _state
 from .._errors import CheckpointError
 
 __all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
            "delete_prefix", "clear", "io_error", "io_hint", "location_of",
-           "redact", "error_text", "read_failure"]
+           "redact", "error_text", "status_code", "read_failure"]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
 
-_root_lock = threading.Lock()
-_root_context: ts.Context | None = None
-
-
 def _root() -> ts.Context:
   """The parent context: holds only the process-wide ``memory://`` key-value store."""
-  global _root_context
-  with _root_lock:
-    if _root_context is None:
-      _root_context = ts.Context({"memory_key_value_store": {}})
-    return _root_context
+  storage = _state.storage
+  with storage.lock:
+    if storage.root is None:
+      storage.root = ts.Context({"memory_key_value_store": {}})
+    return storage.root
 
 
 def context(*, concurrency: int | None = None,
@@ -170,6 +167,20 @@ def error_text(e: BaseException) -> str:
   return redact(_TS_SPEC.sub("", str(e)).strip())
 
 
+def status_code(e: BaseException) -> str:
+  """The status code of a failed TensorStore operation (its ``ValueError``'s first word:
+  ``"OUT_OF_RANGE"``, ``"NOT_FOUND"``, ...), or ``""``. The one place TensorStore's status is
+  read (it has no field for it).
+
+  >>> status_code(ValueError("OUT_OF_RANGE: Requested byte range [10, 11) is not valid"))
+  'OUT_OF_RANGE'
+  >>> status_code(OSError("OUT_OF_RANGE: not TensorStore's"))
+  ''
+  """
+  code = str(e).partition(":")[0] if isinstance(e, ValueError) else ""
+  return code if re.fullmatch(r"[A-Z][A-Z_]+", code) else ""
+
+
 def read_failure(e: BaseException) -> str:
   """What a failed TensorStore open or read means: ``"checksum"`` (crc32c mismatch),
   ``"missing"``, ``"corrupt"`` (cannot be decoded), ``"metadata"`` (zarr.json differs from
@@ -179,9 +190,8 @@ def read_failure(e: BaseException) -> str:
   >>> read_failure(ValueError('NOT_FOUND: "gs://crc-bucket/c" ...'))
   'missing'
   """
-  text = error_text(e)
-  code = text.partition(":")[0] if isinstance(e, ValueError) else ""
-  words = _QUOTED.sub('""', text).lower()
+  code = status_code(e)
+  words = _QUOTED.sub('""', error_text(e)).lower()
   if "digest mismatch" in words:  # the crc32c codec's check
     return "checksum"
   if "invalid bool value" in words:  # a bool byte other than 0/1 (checksums cannot tell)

@@ -29,13 +29,13 @@ Indices are tuples of ``(start, stop)`` pairs, one per dimension.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .. import _state
 from .._errors import CheckpointError
 
 __all__ = ["Index", "WriteUnit", "ShardingInfo", "LocalShard", "WriteLayout",
@@ -308,7 +308,7 @@ def _write_chunk(shard_shape: Sequence[int], replicas: int, itemsize: int,
   return chunk_shape(shard_shape, replicas if math.prod(shape) else 1, itemsize, *split)
 
 
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+@_state.memo(PLAN_CACHE_SIZE)
 def _cached_write_layout(info: ShardingInfo, shape: tuple[int, ...], itemsize: int,
                          split: tuple[int, int]) -> WriteLayout:
   chunk = _write_chunk(shard_shape_of(info, shape), info.replicas, itemsize, shape, split)
@@ -461,7 +461,7 @@ def local_reads(info: ShardingInfo, shape: Sequence[int]) -> dict[Index, list[Ha
 
 # --- the adapter from JAX shardings (the only code here that looks at JAX objects) ---------
 
-@functools.lru_cache(maxsize=16)
+@_state.memo(16)
 def _local_positions(mesh: Any) -> tuple[tuple[Hashable, ...], tuple[tuple[int, ...], ...]]:
   """This process's devices of ``mesh`` and their coordinates, in mesh order (once per mesh:
   it is the one O(all devices) step, done with numpy)."""
@@ -471,7 +471,7 @@ def _local_positions(mesh: Any) -> tuple[tuple[Hashable, ...], tuple[tuple[int, 
   return devices, tuple(tuple(int(x) for x in c) for c in where)
 
 
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+@_state.memo(PLAN_CACHE_SIZE)
 def _named_info(sharding: Any) -> ShardingInfo | None:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -511,7 +511,7 @@ def _about(sharding: Any, shape: tuple[int, ...], e: CheckpointError) -> Checkpo
   return CheckpointError(f"{e} (sharding {sharding}, shape {shape})")
 
 
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+@_state.memo(PLAN_CACHE_SIZE)
 def _generic_layout(sharding: Any, shape: tuple[int, ...], itemsize: int) -> WriteLayout:
   shards = {d: normalize_index(idx, shape)
             for d, idx in sharding.devices_indices_map(shape).items()}
@@ -519,7 +519,7 @@ def _generic_layout(sharding: Any, shape: tuple[int, ...], itemsize: int) -> Wri
                               sharding.shard_shape(shape), itemsize)
 
 
-@functools.lru_cache(maxsize=LEAF_PLAN_CACHE_SIZE)
+@_state.memo(LEAF_PLAN_CACHE_SIZE)
 def _cached_plan_write(sharding: Any, shape: tuple[int, ...], itemsize: int, salt: int
                        ) -> tuple[tuple[int, ...], tuple[WriteUnit, ...]]:
   info = sharding_info(sharding)
@@ -551,7 +551,7 @@ def plan_write(sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
   return chunk, list(units)
 
 
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+@_state.memo(PLAN_CACHE_SIZE)
 def _read_groups(sharding: Any, shape: tuple[int, ...]
                  ) -> tuple[tuple[Index, tuple[Hashable, ...]], ...]:
   info = sharding_info(sharding)

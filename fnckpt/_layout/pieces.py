@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import _state
 from .chunks import _spread
 
 __all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of",
@@ -175,9 +176,6 @@ class Layout:
     return self._mine[key], start
 
 
-_last: list = [None]  # (key, layout) of the latest build (a training loop's saves)
-
-
 def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
           ) -> Layout:
   """The layout of ``leaves`` (in leaf order) over ``meshes`` (each: the process of every
@@ -190,11 +188,11 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
   [32, 32]
   """
   key = (tuple(leaves), tuple(m.tobytes() for m in meshes), processes)
-  last = _last[0]  # one tuple, read and replaced whole: concurrent saves and restores on other
-  if last is not None and last[0] == key:  # threads never see another key's layout
-    return last[1]
+  last = _state.pieces.last  # (key, layout) of the latest build (a training loop's saves): one
+  if last is not None and last[0] == key:  # tuple, read and replaced whole: concurrent saves
+    return last[1]                         # and restores never see another key's layout
   layout = _build(meshes, leaves, processes)
-  _last[0] = (key, layout)
+  _state.pieces.last = (key, layout)
   return layout
 
 

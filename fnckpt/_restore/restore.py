@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import os
 from typing import Any, Sequence
 
@@ -23,6 +22,7 @@ from .._format import (leaves as _leaves, perprocess as _perprocess, records as 
 from .._io import commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from .._sources.source import Source
+from .. import _state
 from .._errors import CheckpointError, DamagedError
 from . import shardings as _shardings
 
@@ -46,7 +46,7 @@ class SavedSharding:
     return jax.sharding.NamedSharding(mesh, self.spec)
 
 
-@functools.lru_cache(maxsize=None)  # one entry per PRNG implementation name
+@_state.memo(None)  # one entry per PRNG implementation name
 def _key_data_ndim(impl: str) -> int:
   """How many trailing dimensions a key of ``impl`` adds to its key data (abstract: no device
   work, no backend started)."""

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .._layout import chunks as _layout, pieces as _pieces
+from .. import _state
 from .._format import records as _records
 from .._errors import CheckpointError
 from .staged import Staged
@@ -30,7 +31,7 @@ class PackPart:
   shard: Any = dataclasses.field(default=None, compare=False)  # the device buffer (pieces)
 
 
-@functools.lru_cache(maxsize=16)
+@_state.memo(16)
 def mesh_processes(mesh: Any) -> np.ndarray:
   """The process of every device of ``mesh``, C order over mesh positions (once per mesh;
   read-only, as the manifest's ``meshes`` records hold it).

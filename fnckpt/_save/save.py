@@ -1,17 +1,13 @@
-"""save(): plan -> agree across processes -> stage off the devices (under a host-memory budget)
--> background write (``writer``) -> barrier -> manifest -> barrier -> commit marker. The
-handle; waiting for pending saves; no error is lost."""
+"""save(): plan -> agree across processes -> stage off the devices (under a host-memory budget,
+``staging``) -> background write (``writer``) -> barrier -> manifest -> barrier -> commit
+marker. The caller's handle, ``fnckpt.wait()`` and the pending saves are ``handle``'s."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import functools
 import hashlib
-import itertools
 import os
 import re
-import sys
 import threading
 import time
 import zlib
@@ -28,21 +24,21 @@ from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from . import delta as _delta, pieces as _pieces_save
+from .. import _state
 from .._errors import CheckpointError
 from .._version import __version__
 from .errors import wrap
+from .handle import SaveHandle, begin
 from .staged import Staged
-from .writer import Chunk, Commit, Writer
+from .staging import (CHUNK_COST, at_leaf as _at, charge as _charge, leaf_nbytes as _nbytes,
+                      stage_array as _stage_array, stage_pack as _stage_pack,
+                      start_copies as _start_copies)
+from .writer import Commit, Writer
 
-__all__ = ["save", "wait", "SaveHandle", "SaveStats"]
+__all__ = ["save", "start"]
 
 # Arrays of at most this many bytes are stored inside the manifest (no files of their own).
 INLINE_BYTES = 16 << 10
-
-# Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
-# staged buffer, which the writer drops once TensorStore has copied it into its transaction,
-# then that copy plus the encoded chunk being written (measured: about 2n at the peak).
-CHUNK_COST = 2
 
 
 def default_budget_bytes() -> int:
@@ -56,138 +52,21 @@ def default_budget_bytes() -> int:
   return max(256 << 20, available // 4)
 
 
-def _phase(name: str) -> None:
-  """Called as a save passes each phase ("staging", "staged", "written", "manifest",
-  "committing", "committed"). A no-op; fault-injection tests replace it."""
-  del name
-
-
 def _reached(location: str, name: str) -> None:
+  """The save passed phase ``name`` ("staging", "staged", "written", "manifest",
+  "committing", "committed"): reported for timeouts, and to the test hook."""
   _commit.report(location, name)
-  _phase(name)
-
-
-_budget_lock = threading.Lock()
-_budget: _store.ByteBudget | None = None
-# Saves not yet reported: running, or failed with an error nobody has seen yet.
-_pending: set["SaveHandle"] = set()
-_pending_lock = threading.Lock()
-# The newest save per location of this process: a new save to it waits for this one.
-_latest: dict[str, "SaveHandle"] = {}
-_order = itertools.count()
+  _state.hooks.on_phase(name)
 
 
 def _process_budget(limit: int) -> _store.ByteBudget:
   """One budget per process, shared by overlapping saves; its limit is the latest asked."""
-  global _budget
-  with _budget_lock:
-    if _budget is None:
-      _budget = _store.ByteBudget(limit)
-    _budget.limit = limit
-    return _budget
-
-
-@dataclasses.dataclass
-class SaveStats:
-  """What one save did on this process. Seconds are wall-clock."""
-  blocking_s: float = 0.0      # time save() held the caller
-  write_s: float = 0.0         # from the first chunk write until all chunks are durable
-  commit_s: float = 0.0        # barriers, manifest and commit marker
-  total_s: float = 0.0         # from the call until committed
-  bytes_written: int = 0       # array bytes this process wrote (chunks and packs)
-  chunks_written: int = 0
-  bytes_reused: int = 0        # array bytes equal to the base's, not written (save(base=))
-  peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
-                               # (as charged to the budget: CHUNK_COST x each chunk in flight)
-
-
-class SaveHandle:
-  """A save in flight. ``wait()`` blocks until the checkpoint is committed and re-raises any
-  error; ``done()`` polls; ``stats`` says what happened."""
-
-  def __init__(self, location: str):
-    self.location = location
-    self.stats = SaveStats()
-    self._event = threading.Event()
-    self._error: BaseException | None = None
-    self._seq = next(_order)   # fnckpt.wait() reports failures in the order of the saves
-    self.replaced = False      # overwrite=True removed what was at the location
-
-  def done(self) -> bool:
-    """Whether the save has finished (committed or failed); never blocks."""
-    return self._event.is_set()
-
-  def wait(self, timeout: float | None = None) -> SaveStats:
-    """Block until committed (or ``timeout`` seconds); raise the save's error if it failed."""
-    if not self._event.wait(timeout):
-      raise TimeoutError(f"The save to {self.location!r} is still running after {timeout}s.")
-    _forget(self)
-    if self._error is not None:
-      raise self._error
-    return self.stats
-
-  def _finish(self, error: BaseException | None, reported: bool = False) -> None:
-    if error is not None and self.replaced:
-      error = _after_replace(error)
-    self._error = error
-    with _pending_lock:
-      if error is None or reported:
-        _pending.discard(self)
-      if _latest.get(self.location) is self:
-        del _latest[self.location]
-    self._event.set()
-
-  def __repr__(self) -> str:
-    state = "failed" if self._error else "committed" if self.done() else "pending"
-    return f"SaveHandle({self.location!r}, {state})"
-
-
-def _forget(handle: SaveHandle) -> None:
-  with _pending_lock:
-    _pending.discard(handle)
-
-
-def wait() -> None:
-  """Wait for every pending save of this process; raise every failure nobody has seen yet
-  (one error, or one listing them all).
-
-  >>> import fnckpt
-  >>> fnckpt.wait()  # nothing pending: returns at once
-  """
-  with _pending_lock:
-    handles = sorted(_pending, key=lambda h: h._seq)
-  errors = []
-  for h in handles:
-    try:
-      h.wait()
-    except BaseException as e:
-      errors.append(e)
-  if len(errors) == 1:
-    raise errors[0]
-  if errors:
-    raise CheckpointError(f"{len(errors)} saves failed:\n" + "\n".join(
-        f"  - {str(e).splitlines()[0]}" for e in errors)) from errors[0]
-
-
-@atexit.register
-def _finish_at_exit() -> None:
-  """Saves still running finish before the interpreter exits (their thread is not a daemon,
-  so Python joins it before this runs). Failures nobody waited for are printed here and make
-  the exit status 1, so a scheduler does not record success."""
-  with _pending_lock:
-    handles = list(_pending)
-  failed = False
-  for h in handles:
-    try:
-      h.wait()
-    except BaseException as e:
-      failed = True
-      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and nobody "
-            f"waited for it: {e}", file=sys.stderr)
-  if failed:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+  saves = _state.saves
+  with saves.budget_lock:
+    if saves.budget is None:
+      saves.budget = _store.ByteBudget(limit)
+    saves.budget.limit = limit
+    return saves.budget
 
 
 @dataclasses.dataclass
@@ -235,7 +114,7 @@ def _holders(data: Any) -> str:
   return "some"
 
 
-@functools.lru_cache(maxsize=256)
+@_state.memo(256)
 def _processes(sharding: Any) -> frozenset[int]:
   return frozenset(d.process_index for d in sharding.device_set)
 
@@ -256,7 +135,7 @@ class _Base:
       raise CheckpointError(
           f"The base {src.location!r} was deleted or replaced while this save was writing; "
           "the new checkpoint would refer to its data, so it is not committed. Save again "
-          "(with a committed base, or without base=). Earlier checkpoints are intact.")
+          "(with a committed base, or without base=).")
 
 
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
@@ -365,51 +244,6 @@ def _zarr_array(i: int, rec: _records.Leaf, data, kv_spec, data_dir: str,
                 _store.zarr_spec(kv_spec, stored, rec.dtype, shape), units)
 
 
-def _stage(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
-  """The unit's bytes on the host, safe from whatever the caller does next.
-
-  - numpy leaves are copied (the caller may mutate them in place);
-  - on an accelerator ``np.asarray`` is the device-to-host copy into a new buffer (started
-    for every shard at once beforehand: :func:`_start_copies`);
-  - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
-    array then leaves that buffer alone (JAX allocates anew), so no copy is needed.
-  """
-  local = tuple(slice(a, b) for a, b in unit.local)
-  if isinstance(data, np.ndarray):
-    return np.array(data[local], copy=True)
-  whole = shard_data.shape == tuple(b - a for a, b in unit.local)
-  if next(iter(shard_data.devices())).platform == "cpu":
-    view = np.asarray(shard_data)
-    return view if whole else view[local]
-  return np.asarray(shard_data if whole else shard_data[local])
-
-
-def _start_copies(plan: _Plan, budget: _store.ByteBudget) -> None:
-  """On accelerators: start every device-to-host copy of this save at once (when they fit in
-  the budget), so the caller waits for about the total transfer time, not a sum of serial
-  round trips. On CPU nothing is copied (staging takes views)."""
-  shards = [s for s in _to_copy(plan) if next(iter(s.devices())).platform != "cpu"]
-  total = sum(s.nbytes for s in shards)
-  if total and CHUNK_COST * total <= budget.limit:
-    for s in shards:
-      s.copy_to_host_async()
-
-
-def _to_copy(plan: _Plan) -> list[jax.Array]:
-  """The device data this process stages: its shards of stored arrays, its packed leaves,
-  (save(base=)) the packed leaves that may reuse the base's, and its pieces."""
-  shards = []
-  for a in plan.arrays:
-    if isinstance(a.data, jax.Array) and a.units:
-      writers = {u.device for u in a.units}
-      shards += [s.data for s in a.data.addressable_shards if s.device in writers]
-  for _, data in [*plan.packed, *plan.maybe_packed]:
-    if isinstance(data, jax.Array):
-      shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
-  shards += [part.shard for part in plan.pieces]
-  return shards
-
-
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
@@ -479,13 +313,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
   paths that differ between processes."""
   t0 = time.perf_counter()
   location = _paths.display(path)
-  handle = SaveHandle(location)
-  with _pending_lock:  # register first: a concurrent save to this location waits for us
-    earlier = _latest.get(location)
-    _latest[location] = handle
-    _pending.add(handle)
-  if earlier is not None:
-    earlier._event.wait()  # its error (if any) stays for its own handle / fnckpt.wait()
+  handle = begin(location)  # (once the save before it to this location has finished)
   session, writer, where = None, None, "planning"
   key = _paths.display(barrier_location) if barrier_location else location
   try:
@@ -526,8 +354,10 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
       if session is not None:
         session.fail(err)
         _walk_in_background(session)
-    handle._finish(err, reported=True)
-    raise handle._error from (e if handle._error is not e else None)
+    handle._finish(err, committed=False, reported=True)
+    if err is e:
+      raise  # (its traceback and cause as they are)
+    raise err from e
   writer.close(commit)
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
@@ -584,7 +414,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
   handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks
   handle.stats.total_s = time.perf_counter() - t0
-  handle._finish(error)
+  handle._finish(error, writer.committed)
 
 
 def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
@@ -619,118 +449,6 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       based.check if based is not None else None)
   return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
                                             writer.location), creating, is_main)
-
-
-def _stage_array(a: _Array, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
-                 handle: SaveHandle) -> None:
-  """Stage the chunks of one zarr array this process writes (each hashed by the writer; a
-  candidate's chunk equal to the base's is not written)."""
-  shard_data = ({s.device: s.data for s in a.data.addressable_shards}
-                if isinstance(a.data, jax.Array) and a.units else {})
-  itemsize = np.dtype(a.data.dtype).itemsize
-  chunks, shape = a.rec.stored.chunks, a.rec.shape
-  for unit in a.units:
-    n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
-    try:
-      host = _charge(budget, CHUNK_COST * n, writer,
-                     lambda: _stage(a.data, unit, shard_data.get(unit.device)))
-    except BaseException as e:
-      raise _at(e, a.rec.path)
-    pos = _refs.chunk_pos(unit.index, chunks, shape)
-    writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
-                     cand.expect(pos) if cand is not None else None, n,
-                     cand.expect_fp(pos) if cand is not None else None))
-    _count(handle, budget, n)
-
-
-def _charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
-  """Take ``cost`` from the budget (starting the writer when it is full), then stage."""
-  if writer.error is not None:
-    raise writer.error
-  budget.acquire(cost, on_wait=writer.drain)
-  try:
-    return stage()
-  except BaseException:
-    budget.release(cost)
-    raise
-
-
-def _count(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
-  handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
-  handle.stats.bytes_written += n
-  handle.stats.chunks_written += 1
-
-
-def _at(e: BaseException, path) -> BaseException:
-  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-    return e
-  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
-
-
-def _stage_pack(plan: _Plan, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
-  """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
-  its shards on CPU, the device-to-host copies on accelerators, a copy of numpy data); the
-  writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
-  it does not need."""
-  pack = plan.my_pack
-  spec = _store.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
-  # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
-  # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
-  fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
-  todo = sorted([_pieces_save.PackPart(plan.records[i].packed.offset, _nbytes(data), i,
-                                        functools.partial(Staged.of, data))
-                  for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
-  staged: dict[int, Staged] = {}  # by position in todo
-  first = 0                        # todo[:first] lie before the current chunk
-
-  def parts(start: int, end: int) -> list[tuple[int, "Staged", int, int, int]]:
-    out = []
-    for k in range(first, len(todo)):
-      part = todo[k]
-      if part.offset >= end:
-        break
-      if part.offset + part.nbytes <= start:
-        continue
-      try:
-        leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
-      except BaseException as e:
-        raise _at(e, plan.records[part.leaf].path)
-      lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
-      out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
-    return out
-
-  for start in range(0, pack.nbytes, pack.chunk):
-    end = min(start + pack.chunk, pack.nbytes)
-    cost = CHUNK_COST * (end - start)
-    got = _charge(budget, cost, writer, lambda: parts(start, end))
-    writer.put(Chunk(fut, ((start, end),), _Assemble(end - start, got, writer.delta.hash_piece),
-                     cost))
-    del got  # (while staging the next chunk) the writer frees them once assembled
-    _count(handle, budget, end - start)
-    while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
-      staged.pop(first, None)  # a part that ends in this chunk is not needed any more
-      first += 1
-
-
-def _nbytes(data: Any) -> int:
-  return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
-
-
-@dataclasses.dataclass
-class _Assemble:
-  """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
-  staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
-  nbytes: int
-  pieces: list[tuple[int, Staged, int, int, int]]
-  hash_piece: Any = None
-
-  def __call__(self) -> np.ndarray:
-    buf = np.zeros(self.nbytes, np.uint8)
-    for offset, leaf, lo, hi, i in self.pieces:
-      buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
-      if self.hash_piece is not None:
-        self.hash_piece(i, buf[offset:offset + hi - lo])
-    return buf
 
 
 def _skeleton(rec: _records.Leaf) -> bytes:
@@ -805,8 +523,7 @@ def _disagreement(location: str, mine, theirs) -> str:
   return (f"Saving to {location!r}: processes {me} and 0 passed different trees: {what}. "
           "Every process must pass the same tree structure, shapes, dtypes and shardings to "
           "save (values of non-global leaves may differ; process 0's are kept; wrap "
-          "per-process values in fnckpt.PerProcess). Nothing was written or committed; earlier "
-          "checkpoints are intact.")
+          "per-process values in fnckpt.PerProcess). Nothing was written.")
 
 
 def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
@@ -858,16 +575,3 @@ def _prepare_location(kv: ts.KvStore, location: str, overwrite: bool,
     _paths.clear(kv, first=(_manifest.COMMIT,))
   session.barrier("cleared")
 
-
-def _after_replace(err: BaseException) -> BaseException:
-  """A failed overwrite: the old checkpoint at the location is gone (marker first), so
-  "earlier checkpoints are intact" must not be said of it."""
-  text = str(err)
-  if not isinstance(err, CheckpointError) or "earlier checkpoints are intact" not in text:
-    return err
-  text = text.replace("earlier checkpoints are intact", "the checkpoint that was at this "
-                      "path was removed first (overwrite=True); other checkpoints are intact")
-  try:
-    return type(err)(text)
-  except TypeError:
-    return err

@@ -18,7 +18,6 @@ import tensorstore as ts
 from .._format import manifest as _manifest
 from .._io import collective as _collective, commit as _commit, arrays as _store
 from . import delta as _delta
-from .._errors import CheckpointError
 from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -53,7 +52,9 @@ _END = object()
 
 class Writer:
   """``put`` staged chunks, then ``close()`` (or ``abort(error)``); ``on_done(error)`` is called
-  once, from the thread, with the save's error or ``None`` when committed.
+  once, from the thread, with the save's error or ``None`` when committed; ``committed`` then
+  says whether this process wrote the commit marker (``None``: process 0 may have), which the
+  handle makes the error's ``outcome``.
 
   The thread starts writing once staging is done or when the budget fills (``drain``), so it
   does not compete with the caller's copies; after any failure it keeps draining the queue so
@@ -74,7 +75,7 @@ class Writer:
     self.aborted = False
     self.abort_error: BaseException | None = None
     self.phase = "staging"
-    self.committed: bool | None = False   # whether the commit marker was written
+    self.committed: bool | None = False   # the marker was written (None: process 0 may have)
     self.write_s = 0.0
     self.commit_s = 0.0
     self.delta: _delta.Delta | None = None   # set before start()
@@ -184,11 +185,9 @@ class Writer:
     finally:
       if error is not None or self.aborted:
         err = error or self.abort_error or self.error
-        if err is not None and not isinstance(err, CheckpointError):
-          err = wrap(err, self.location, self.phase, self.committed)
-        elif err is not None and self.committed is not False:
-          err = _with_commit_state(err, self.committed)
-        self.session.fail(err)
+        if err is not None:
+          err = wrap(err, self.location, self.phase)
+          self.session.fail(err, self.committed)
         self.session.abort()
         error = err
       self.session.close()
@@ -205,32 +204,18 @@ class Writer:
       c.kv.write(_manifest.MANIFEST, manifest).result()
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
-    self.session.barrier("written")
+    try:
+      self.session.barrier("written")
+    finally:  # (also when a failure is read right after it: process 0 may not have seen it)
+      if self.session.multi and not c.write_marker and "written" in self.session.passed:
+        self.committed = None  # every process arrived: process 0 may write the marker now
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
       _commit.write_commit(c.kv, manifest)
       self.committed = True
-    elif self.session.multi:
-      self.committed = None  # process 0 may have written the marker
     self.phase = "waiting for the commit"
     self.session.barrier("committed")
     self.commit_s = time.perf_counter() - t0
     self._reached("committed")
 
-
-def _with_commit_state(err: CheckpointError, committed: bool | None) -> CheckpointError:
-  """A late failure (e.g. a timeout at the last barrier) must not hide that the marker was
-  (or may have been) written."""
-  text = str(err)
-  if "is committed" in text or "may have committed" in text:
-    return err
-  text = text.replace(" Nothing was committed; earlier checkpoints are intact.", "")
-  after = (" The checkpoint itself is committed (its marker was written); only this last step "
-           "failed." if committed else " Process 0 may have committed the checkpoint; check "
-           "with fnckpt.metadata or `fnckpt ls`.")
-  try:
-    return type(err)(text + after)
-  except TypeError:  # a subclass with another constructor: keep it, add a note
-    err.add_note(after.strip())
-    return err

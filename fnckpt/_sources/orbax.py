@@ -31,7 +31,7 @@ from .._format import records as _records
 from .._io import paths as _paths, arrays as _store
 from .._errors import CheckpointError
 
-__all__ = ["METADATA", "CHECKPOINT_METADATA", "Entry", "parse_metadata", "open_item"]
+__all__ = ["METADATA", "CHECKPOINT_METADATA", "Entry", "parse_metadata", "open_item", "TooLarge"]
 
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -168,8 +168,16 @@ def exists(kv: ts.KvStore, key: str) -> ts.Future:
   return kv.read(key, byte_range=slice(0, 0))
 
 
+class TooLarge(ValueError):
+  """A value longer than ``limit`` bytes (:func:`read_bounded`)."""
+
+  def __init__(self, limit: int):
+    super().__init__(f"it is larger than {limit} bytes")
+    self.limit = limit
+
+
 def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
-  """A whole value, or None if missing; :class:`ValueError` if it is longer than ``limit``
+  """A whole value, or None if missing; :class:`TooLarge` if it is longer than ``limit``
   (probed first: a byte range past a value's end is an error, not a short read)."""
   probe = kv.read(key, byte_range=slice(limit, limit + 1))
   try:
@@ -177,23 +185,23 @@ def read_bounded(kv: ts.KvStore, key: str, limit: int) -> bytes | None:
       return None
     too_long = True
   except ValueError as e:  # OUT_OF_RANGE: shorter than limit + 1 bytes
-    if "OUT_OF_RANGE" not in str(e):
+    if _paths.status_code(e) != "OUT_OF_RANGE":
       raise
     too_long = False
   if too_long:
-    raise ValueError(f"it is larger than {limit} bytes")
+    raise TooLarge(limit)
   whole = kv.read(key).result()
   if whole.state == "value" and len(whole.value) > limit:  # (it grew since the probe)
-    raise ValueError(f"it is larger than {limit} bytes")
+    raise TooLarge(limit)
   return bytes(whole.value) if whole.state == "value" else None
 
 
 def _read_json(kv: ts.KvStore, key: str, location: str, required: bool = True) -> Any:
   try:
     raw = read_bounded(kv, key, MAX_JSON_BYTES)
+  except TooLarge as e:
+    raise _bad(location, f"{key}: {e}") from None
   except ValueError as e:
-    if "larger than" in str(e):
-      raise _bad(location, f"{key}: {e}") from None
     raise _paths.io_error(e, f"{location}/{key}", "reading") from None
   if raw is None:
     if required:

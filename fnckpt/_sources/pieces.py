@@ -14,11 +14,12 @@ from typing import Any, Callable
 import numpy as np
 import tensorstore as ts
 
+from .. import _state
 from .._format import leaves as _leaves, records as _records
 from .._io import arrays as _store
 from .._layout.chunks import Index
 
-__all__ = ["SliceReader", "stats"]
+__all__ = ["SliceReader"]
 
 # Reading a chunk's whole rows may fetch at most this much more than the slice needs; past
 # that, each contiguous run is its own byte range when runs are at least MIN_RUN_BYTES (a
@@ -27,16 +28,6 @@ __all__ = ["SliceReader", "stats"]
 # slower on the bench's resharded restore).
 OVERREAD = 1.1
 MIN_RUN_BYTES = 1 << 20
-
-
-@dataclasses.dataclass
-class Stats:
-  """Bytes asked of the packs for pieces (all readers of this process; for tests)."""
-  bytes_read: int = 0
-  ranges: int = 0
-
-
-stats = Stats()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +61,8 @@ class SliceReader:
     futures = []
     for p in parts:
       futures.append(_store.read_slice(self.open_pack(p.pack), ((p.lo, p.hi),), batch))
-      stats.bytes_read += p.hi - p.lo
-      stats.ranges += 1
+      _state.reads.bytes_read += p.hi - p.lo  # (every reader of this process: for tests)
+      _state.reads.ranges += 1
     return _Pending(_store.aligned_empty(shape, self.dtype), parts, futures, self.leaf)
 
   def parts(self, index: Index) -> list[_Part]:

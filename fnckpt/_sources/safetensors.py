@@ -27,8 +27,8 @@ import tensorstore as ts
 
 from .._format import records as _records
 from .._io import paths as _paths
-from .._errors import CheckpointError
-from .orbax import read_bounded
+from .._errors import CheckpointError, NoCheckpointError
+from .orbax import TooLarge, read_bounded
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "Tensor", "parse_header", "key_paths", "open_file",
            "open_index", "open_dir", "INDEX_NAME"]
@@ -217,14 +217,14 @@ def _value(fut: ts.Future, location: str, what: str) -> bytes:
   try:
     got = fut.result()
   except ValueError as e:
-    if "OUT_OF_RANGE" in str(e):  # the file is shorter than the range
+    if _paths.status_code(e) == "OUT_OF_RANGE":  # the file is shorter than the range
       raise _bad(location, f"it ends inside {what}") from None
     raise CheckpointError(f"Cannot read {location!r} ({what}): {e}") from None
   except Exception as e:
     raise CheckpointError(f"Cannot read {location!r} ({what}): {_paths.error_text(e)}. Check "
                           "that the file exists and is readable.") from None
   if got.state != "value":
-    raise CheckpointError(f"No file at {location!r} ({what}). Check the path.")
+    raise NoCheckpointError(f"No file at {location!r} ({what}). Check the path.")
   return bytes(got.value)
 
 
@@ -238,7 +238,7 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
   try:
     last_ok = last.result().state == "value"
   except ValueError as e:
-    if "OUT_OF_RANGE" not in str(e):
+    if _paths.status_code(e) != "OUT_OF_RANGE":
       raise CheckpointError(f"Cannot read {location!r} (its last byte): {e}") from None
     last_ok = False
   if not last_ok:
@@ -410,7 +410,7 @@ def _got(fut: ts.Future, t: Tensor, n: int) -> Any:
   try:
     got = fut.result()
   except ValueError as e:
-    if "OUT_OF_RANGE" not in str(e):
+    if _paths.status_code(e) != "OUT_OF_RANGE":
       raise
     got = None  # the file is shorter than it was when its header was read
   value = got.value if got is not None and got.state == "value" else None  # (a new copy)
@@ -552,8 +552,8 @@ def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
   for f in files:
     try:
       by_file[f], _ = read_tensors(kv, f, prefix + f)
-    except CheckpointError as e:
-      if wmap is None or not str(e).startswith("No file at"):
+    except NoCheckpointError:
+      if wmap is None:
         raise
       name = next(n for n, g in wmap.items() if g == f)
       raise CheckpointError(
@@ -574,12 +574,12 @@ def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
   ``*-NNNNN-of-MMMMM.safetensors`` of a set in it)."""
   try:
     raw = read_bounded(kv, key, MAX_INDEX_BYTES)
+  except TooLarge as e:
+    raise _bad_index(where, f"the index: {e}") from None
   except ValueError as e:
-    if "larger than" in str(e):
-      raise _bad_index(where, f"the index: {e}") from None
     raise CheckpointError(f"Cannot read the safetensors index {where!r}: {e}") from None
   if raw is None:
-    raise CheckpointError(f"No file at {where!r}. Check the path.")
+    raise NoCheckpointError(f"No file at {where!r}. Check the path.")
   try:
     index = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
   except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -48,6 +48,7 @@ def open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
   contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
   may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data)."""
   from . import detect as _foreign  # (imported here: the CLI and save never need it)
+  from .._errors import NoCheckpointError
   try:
     return open_source(path, storage_options)
   except NotCommittedError:
@@ -58,8 +59,8 @@ def open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
   except CheckpointError as e:
     opened = None if _has_own_files(path, storage_options) else \
         _foreign.open_foreign(path, storage_options)
-    if opened is None and type(e) is CheckpointError and str(e).startswith("No checkpoint"):
-      raise CheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
+    if opened is None and isinstance(e, NoCheckpointError):
+      raise NoCheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
                             "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
                             "model.safetensors.index.json).") from None
     if opened is None:

@@ -1,0 +1,190 @@
+"""Staging off the devices, under the process's host-byte budget: each chunk this process
+writes (of a zarr array, or of its pack) is charged to the budget, copied to the host (or held
+as a view of a CPU buffer) and queued for the writer thread, which writes it. ``plan`` is
+save's plan (``save._Plan``: its arrays, packed leaves and pieces)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._layout import chunks as _layout
+from .._format import refs as _refs, tree as _tree
+from .._io import arrays as _store
+from . import pieces as _pieces_save
+from .._errors import CheckpointError
+from .handle import SaveHandle
+from .staged import Staged
+from .writer import Chunk, Writer
+
+__all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged", "at_leaf",
+           "leaf_nbytes", "Assemble", "stage_unit", "start_copies", "to_copy"]
+
+# Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
+# staged buffer, which the writer drops once TensorStore has copied it into its transaction,
+# then that copy plus the encoded chunk being written (measured: about 2n at the peak).
+CHUNK_COST = 2
+
+
+def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
+                handle: SaveHandle) -> None:
+  """Stage the chunks of one zarr array (``a``: save's ``_Array``) this process writes (each
+  hashed by the writer; a candidate's chunk equal to the base's is not written)."""
+  shard_data = ({s.device: s.data for s in a.data.addressable_shards}
+                if isinstance(a.data, jax.Array) and a.units else {})
+  itemsize = np.dtype(a.data.dtype).itemsize
+  chunks, shape = a.rec.stored.chunks, a.rec.shape
+  for unit in a.units:
+    n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+    try:
+      host = charge(budget, CHUNK_COST * n, writer,
+                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device)))
+    except BaseException as e:
+      raise at_leaf(e, a.rec.path)
+    pos = _refs.chunk_pos(unit.index, chunks, shape)
+    writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
+                     cand.expect(pos) if cand is not None else None, n,
+                     cand.expect_fp(pos) if cand is not None else None))
+    count_staged(handle, budget, n)
+
+
+def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
+  """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
+  its shards on CPU, the device-to-host copies on accelerators, a copy of numpy data); the
+  writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
+  it does not need."""
+  pack = plan.my_pack
+  spec = _store.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
+  # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
+  # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
+  fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
+  todo = sorted([_pieces_save.PackPart(plan.records[i].packed.offset, leaf_nbytes(data),
+                                        i, functools.partial(Staged.of, data))
+                  for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
+  staged: dict[int, Staged] = {}  # by position in todo
+  first = 0                        # todo[:first] lie before the current chunk
+
+  def parts(start: int, end: int) -> list[tuple[int, "Staged", int, int, int]]:
+    out = []
+    for k in range(first, len(todo)):
+      part = todo[k]
+      if part.offset >= end:
+        break
+      if part.offset + part.nbytes <= start:
+        continue
+      try:
+        leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
+      except BaseException as e:
+        raise at_leaf(e, plan.records[part.leaf].path)
+      lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
+      out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
+    return out
+
+  for start in range(0, pack.nbytes, pack.chunk):
+    end = min(start + pack.chunk, pack.nbytes)
+    cost = CHUNK_COST * (end - start)
+    got = charge(budget, cost, writer, lambda: parts(start, end))
+    writer.put(Chunk(fut, ((start, end),), Assemble(end - start, got, writer.delta.hash_piece),
+                     cost))
+    del got  # (while staging the next chunk) the writer frees them once assembled
+    count_staged(handle, budget, end - start)
+    while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
+      staged.pop(first, None)  # a part that ends in this chunk is not needed any more
+      first += 1
+
+
+def charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
+  """Take ``cost`` from the budget (starting the writer when it is full), then stage."""
+  if writer.error is not None:
+    raise writer.error
+  budget.acquire(cost, on_wait=writer.drain)
+  try:
+    return stage()
+  except BaseException:
+    budget.release(cost)
+    raise
+
+
+def count_staged(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
+  """A chunk of ``n`` bytes staged: the handle's stats."""
+  handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
+  handle.stats.bytes_written += n
+  handle.stats.chunks_written += 1
+
+
+def at_leaf(e: BaseException, path) -> BaseException:
+  """An error staging the leaf at ``path``, naming it (a CheckpointError passes through)."""
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+    return e
+  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
+
+
+def leaf_nbytes(data: Any) -> int:
+  """The bytes of an array leaf."""
+  return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
+
+
+@dataclasses.dataclass
+class Assemble:
+  """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
+  staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
+  nbytes: int
+  pieces: list[tuple[int, Staged, int, int, int]]
+  hash_piece: Any = None
+
+  def __call__(self) -> np.ndarray:
+    buf = np.zeros(self.nbytes, np.uint8)
+    for offset, leaf, lo, hi, i in self.pieces:
+      buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
+      if self.hash_piece is not None:
+        self.hash_piece(i, buf[offset:offset + hi - lo])
+    return buf
+
+
+def stage_unit(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
+  """The unit's bytes on the host, safe from whatever the caller does next.
+
+  - numpy leaves are copied (the caller may mutate them in place);
+  - on an accelerator ``np.asarray`` is the device-to-host copy into a new buffer (started
+    for every shard at once beforehand: :func:`start_copies`);
+  - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
+    array then leaves that buffer alone (JAX allocates anew), so no copy is needed.
+  """
+  local = tuple(slice(a, b) for a, b in unit.local)
+  if isinstance(data, np.ndarray):
+    return np.array(data[local], copy=True)
+  whole = shard_data.shape == tuple(b - a for a, b in unit.local)
+  if next(iter(shard_data.devices())).platform == "cpu":
+    view = np.asarray(shard_data)
+    return view if whole else view[local]
+  return np.asarray(shard_data if whole else shard_data[local])
+
+
+def start_copies(plan: Any, budget: _store.ByteBudget) -> None:
+  """On accelerators: start every device-to-host copy of this save at once (when they fit in
+  the budget), so the caller waits for about the total transfer time, not a sum of serial
+  round trips. On CPU nothing is copied (staging takes views)."""
+  shards = [s for s in to_copy(plan) if next(iter(s.devices())).platform != "cpu"]
+  total = sum(s.nbytes for s in shards)
+  if total and CHUNK_COST * total <= budget.limit:
+    for s in shards:
+      s.copy_to_host_async()
+
+
+def to_copy(plan: Any) -> list[jax.Array]:
+  """The device data this process stages: its shards of stored arrays, its packed leaves,
+  (save(base=)) the packed leaves that may reuse the base's, and its pieces."""
+  shards = []
+  for a in plan.arrays:
+    if isinstance(a.data, jax.Array) and a.units:
+      writers = {u.device for u in a.units}
+      shards += [s.data for s in a.data.addressable_shards if s.device in writers]
+  for _, data in [*plan.packed, *plan.maybe_packed]:
+    if isinstance(data, jax.Array):
+      shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
+  shards += [part.shard for part in plan.pieces]
+  return shards

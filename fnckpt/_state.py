@@ -1,0 +1,144 @@
+"""Everything fnckpt keeps per process, in one place.
+
+fnckpt runs inside a training process, so what it keeps between calls is listed here and kept
+nowhere else (tests/test_state.py checks every other module: no ``global``, no mutable
+module-level value, no ``functools.lru_cache``). Each is created on first use (importing
+fnckpt creates no TensorStore context, budget, thread or exit handler: tests/test_api.py),
+bounded, and guarded by its own lock. The logic stays with the owners; this module holds the
+data:
+
+``saves`` (``_save``)
+  the host-byte budget shared by overlapping saves (its limit: the latest asked); the saves
+  not yet reported (``fnckpt.wait()`` and the exit handler raise their errors); the newest save
+  per location (a new save there waits for it); the order saves started in; whether the exit
+  handler is registered (by the first save).
+``storage`` (``_io.paths``)
+  the parent TensorStore context holding the ``memory://`` store (``memory://`` checkpoints
+  live as long as the process: that is what an in-memory checkpoint is).
+``sessions`` (``_io.collective``)
+  the attempt number per save location. Barrier ids depend on it, so it is alike on every
+  process (the same saves in the same order; the least recently used of ``MAX_LOCATIONS``
+  locations is dropped alike).
+``pieces`` (``_layout.pieces``)
+  the last pieces layout built (a training loop saves one tree again and again).
+``reads`` (``_sources.pieces``)
+  bytes and byte ranges read from packs for pieces (tests read them).
+``hooks`` (``_save``)
+  ``on_phase(name)``, called as a save passes each phase ("staging", "staged", "written",
+  "manifest", "committing", "committed"): a no-op that fault-injection tests replace.
+``memo`` caches (``_layout.chunks``, ``_save``, ``_restore``)
+  pure functions memoised across calls, each a bounded LRU keyed by sharding or mesh objects;
+  :func:`memos` lists them all.
+
+Not here: a save's own threads (writer, hash pool, abort walker) and a restore's state belong
+to that call; a manager's threads, claims and caches to the manager; signal handlers to
+``_manager.preemption`` (installed and restored per object); keys in the coordination service
+to ``jax.distributed`` (each save tidies its own).
+
+>>> from fnckpt import _state
+>>> sorted(vars(_state.saves))
+['budget', 'budget_lock', 'exit_registered', 'latest', 'lock', 'order', 'pending']
+>>> "fnckpt._layout.chunks._named_info" in _state.memos()
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import threading
+from typing import Any, Callable
+
+__all__ = ["saves", "storage", "sessions", "pieces", "reads", "hooks", "memo", "memos",
+           "MAX_LOCATIONS"]
+
+# The most save locations whose attempt numbers are remembered (``sessions``).
+MAX_LOCATIONS = 4096
+
+
+class _Saves:
+  """This process's saves (``_save.handle`` and ``_save.save``)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()            # guards pending and latest
+    self.pending: set[Any] = set()          # SaveHandles running, or failed and not reported
+    self.latest: dict[str, Any] = {}        # location -> its newest SaveHandle
+    self.order = itertools.count()          # fnckpt.wait() reports in the order saves began
+    self.budget_lock = threading.Lock()
+    self.budget: Any = None                 # _io.arrays.ByteBudget, made by the first save
+    self.exit_registered = False            # the atexit handler (registered by the first save)
+
+
+class _Storage:
+  """The process-wide TensorStore parent context (``_io.paths.context``)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.root: Any = None                   # ts.Context holding the memory:// store
+
+
+class _Sessions:
+  """Save attempts per location (``_io.collective.Session``)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+
+class _Slot:
+  """One value, read and replaced whole (atomic under the GIL: no lock)."""
+
+  def __init__(self) -> None:
+    self.last: Any = None                   # (key, layout) of the latest pieces layout
+
+
+class _PieceReads:
+  """Bytes asked of the packs for pieces by every reader of this process (for tests)."""
+
+  def __init__(self) -> None:
+    self.bytes_read = 0
+    self.ranges = 0
+
+
+class _Hooks:
+  """Test hooks: replace an attribute (``monkeypatch.setattr(_state.hooks, "on_phase", f)``)."""
+
+  def __init__(self) -> None:
+    self.on_phase: Callable[[str], None] = _no_op
+
+
+def _no_op(name: str) -> None:
+  del name
+
+
+saves = _Saves()
+storage = _Storage()
+sessions = _Sessions()
+pieces = _Slot()
+reads = _PieceReads()
+hooks = _Hooks()
+_memos: dict[str, Any] = {}   # qualified name -> the memoised function
+
+
+def memo(maxsize: int | None) -> Callable[[Callable], Callable]:
+  """``functools.lru_cache(maxsize)``, registered for :func:`memos`. For pure functions only
+  (keyed by their arguments: shardings, meshes, shapes); ``maxsize`` bounds what is kept
+  (``None``: a closed set of keys, e.g. PRNG implementations).
+
+  >>> @memo(4)
+  ... def square(x):
+  ...   return x * x
+  >>> square(3), square.cache_info().currsize
+  (9, 1)
+  """
+  def wrap(fn: Callable) -> Callable:
+    cached = functools.lru_cache(maxsize=maxsize)(fn)
+    _memos[f"{fn.__module__}.{fn.__qualname__}"] = cached
+    return cached
+  return wrap
+
+
+def memos() -> dict[str, Any]:
+  """Every memoised function's ``cache_info()``, by qualified name."""
+  return {name: fn.cache_info() for name, fn in _memos.items()}
