@@ -52,6 +52,7 @@ class Resolver:
     self._meshes: dict[AbstractMesh, jax.sharding.Mesh] = {}
     self._devices: frozenset | None = None
     self._done: dict[tuple[Any, Any], jax.sharding.Sharding] = {}  # checked once each
+    self._placed: dict[tuple[Any, Any], Placement] = {}
 
   def leaf(self, where: str, leaf: Any, shape: tuple[int, ...] | None) -> Placement:
     """The placement for a target leaf (a ``jax.Array``, ``ShapeDtypeStruct`` or
@@ -65,15 +66,12 @@ class Resolver:
       return Placement(None)
     fmt = getattr(leaf, "format", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
     layout = getattr(fmt, "layout", None)
-    sharding = self.sharding(where, given, shape)
-    final = None
-    kind = getattr(sharding, "memory_kind", None)
-    default = _default_memory_kind(sharding)
-    if kind is not None and default is not None and kind != default:
-      final, sharding = sharding, sharding.with_memory_kind(default)
+    placed = self._placed.get((given, shape))
+    if placed is None:  # once per distinct sharding and shape
+      placed = self._placed[(given, shape)] = _device_memory(self.sharding(where, given, shape))
     if layout is not None:
-      final = Format(layout, final or sharding)
-    return Placement(sharding, final)
+      placed = Placement(placed.sharding, Format(layout, placed.final or placed.sharding))
+    return placed
 
   def sharding(self, where: str, given: Any, shape: tuple[int, ...] | None
                ) -> jax.sharding.Sharding:
@@ -159,12 +157,17 @@ def _check_fits(where: str, sharding: jax.sharding.Sharding, shape: tuple[int, .
                           f"{shape} ({e}); give this key path a sharding that fits.") from None
 
 
-def _default_memory_kind(sharding: jax.sharding.Sharding) -> str | None:
-  device = next(iter(sharding.device_set))
+def _device_memory(sharding: jax.sharding.Sharding) -> Placement:
+  """Read onto the devices' default memory; moved to ``sharding`` after when it is another
+  memory kind (``pinned_host``, ...)."""
+  kind = getattr(sharding, "memory_kind", None)
   try:
-    return device.default_memory().kind
+    default = next(iter(sharding.device_set)).default_memory().kind
   except Exception:  # a backend without memories: one kind
-    return None
+    return Placement(sharding)
+  if kind is None or kind == default:
+    return Placement(sharding)
+  return Placement(sharding.with_memory_kind(default), sharding)
 
 
 def _shape_text(names: tuple[str, ...], sizes: tuple[int, ...]) -> str:
