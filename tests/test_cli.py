@@ -405,3 +405,57 @@ def test_verify_says_when_the_checkpoint_changed_while_being_read(tmp_path, monk
   (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
   assert line.startswith(f"DAMAGED {ckpt}: The checkpoint at '{ckpt}' changed while being "
                          "read"), line
+
+
+def test_verify_and_diff_read_a_chunk_file_once(tmp_path):
+  """verify reads the 8 inner chunks of one chunk file in one request, as restore does (one
+  ts.Batch; it was a request each: 12 in all), and diff --values of 40 packed leaves in one
+  pack reads each side's pack once (each leaf read its pack inner chunk again: 164 requests,
+  84 MB for 10.5 MB of data)."""
+  from tree_utils import CountIO
+  from fnckpt.cli import main
+  one = {"w": np.arange(1 << 21, dtype=np.float32).reshape(2048, 1024)}
+  many = {f"l{i:02d}": np.full(1 << 16, i, np.float32) for i in range(40)}
+  for name, tree, kw in (("one", one, dict(inline_bytes=0, pack_bytes=0)), ("many", many, {})):
+    a, b = str(tmp_path / f"{name}-a"), str(tmp_path / f"{name}-b")
+    for path in (a, b):
+      fnckpt.save(tree, path, **kw).wait()
+    with CountIO() as restore:
+      fnckpt.restore(a)
+    with CountIO() as verify:
+      assert main(["verify", "-q", a]) == 0
+    with CountIO() as diff:
+      assert main(["diff", "--values", a, b]) == 0
+    assert verify["read"] == restore["read"] + 1, (name, verify.delta, restore.delta)  # zarr.json
+    assert 0 < verify["bytes_read"] - restore["bytes_read"] < 4096, name
+    assert diff["read"] == 2 * restore["read"], (name, diff.delta, restore.delta)
+    assert diff["bytes_read"] == 2 * restore["bytes_read"], name
+
+
+def test_diff_and_verify_hold_at_most_their_read_window(tmp_path, monkeypatch, capsys):
+  """diff --values reads both checkpoints block by block, each in half the read window, and
+  verify checks bool bytes in blocks of an eighth of it: packed leaves were read whole (and
+  a slab of the full window per side)."""
+  from fnckpt._sources import read as _read, source as _source
+  from fnckpt.cli import main
+  windows = []
+
+  class Window(_read.Window):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      windows.append(self)
+  monkeypatch.setattr(_read, "Window", Window)
+  monkeypatch.setattr(_source, "READ_WINDOW_BYTES", 64 << 10)
+  tree = {"w": np.arange(1 << 18, dtype=np.float32), "m": np.ones(1 << 19, np.bool_)}
+  fnckpt.save(tree, str(tmp_path / "a")).wait()
+  tree["w"][12345] = -1
+  fnckpt.save(tree, str(tmp_path / "b")).wait()
+  assert main(["diff", "--values", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+  assert "! ['w']: values differ (1 of 262144 elements differ)" in capsys.readouterr().out
+  assert [w.limit for w in windows] == [32 << 10] * 2
+  assert all(w.peak <= w.limit and w.reads == (1 << 20) // (8 << 10) + (1 << 19) // (8 << 10)
+             for w in windows), [(w.peak, w.reads) for w in windows]
+  windows.clear()
+  assert main(["verify", "-q", str(tmp_path / "a")]) == 0
+  (bools,) = [w for w in windows if w.largest == 8 << 10]
+  assert bools.peak <= bools.limit == 64 << 10 and bools.reads == (1 << 19) // (8 << 10)

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file
 
 import fnckpt
 from fnckpt._format import records as _records
+from fnckpt._layout import blocks as _blocks
 from fnckpt._sources import slices as _slices, source as _source
 from fnckpt._export import plan as _export_plan
 from test_cli import cli
@@ -425,7 +426,7 @@ def test_blocks_cover_the_array_in_c_order(shape, itemsize, limit, align):
   limit = max(limit, itemsize)
   inner = tuple(max(1, n // 2) for n in shape) if align else None
   covered = []
-  for index in _slices.blocks(shape, itemsize, limit, inner):
+  for index in _blocks.blocks(shape, itemsize, limit, inner):
     n = math.prod(b - a for a, b in index)
     assert 0 < n and n * itemsize <= limit
     flat = np.arange(math.prod(shape)).reshape(shape)[tuple(slice(a, b) for a, b in index)]

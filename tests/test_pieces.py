@@ -357,3 +357,32 @@ def test_a_fork_of_a_pieced_step_restores_and_outlives_its_parent(tmp_path):
   run.delete(1)
   same(fork.restore(1)["w"], x)
   same(fork.restore(2)["w"], x + 1)
+
+
+def test_inspect_and_ls_count_a_forks_pieces_as_reused(tmp_path, capsys):
+  """A fork's pieced leaf is its parent's data: inspect and ls count it as reused, not written
+  by the fork (as stored and packed references)."""
+  from fnckpt.cli import main
+  step = _pieced_fork(tmp_path)
+  assert main(["inspect", step]) == 0
+  out = capsys.readouterr().out
+  assert "written by this save: 0 B in 0 array(s); reused (references to 1 earlier " \
+      "checkpoint(s)): 8.0 MiB in 1 array(s)" in out, out
+  assert f"<- reused from {tmp_path / 'run' / '0'}" in out
+  assert main(["ls", step]) == 0
+  row = capsys.readouterr().out.splitlines()[2].split()
+  assert row[:6] == [".", "committed", "8.0", "MiB", "0", "B"], row
+
+
+def _pieced_fork(tmp_path) -> str:
+  """Step 0 of a fork (in ``tmp_path/fork``) of a run (``tmp_path/run``) whose leaf ``w`` is
+  pieces."""
+  x = jax.device_put(np.arange(1024 * 2048, dtype=np.float32).reshape(1024, 2048),
+                     NamedSharding(_mesh((8,), ("x",)), P("x")))
+  run = fnckpt.CheckpointManager(str(tmp_path / "run"))
+  run.save(0, {"w": x})
+  run.wait()
+  run.fork(0, str(tmp_path / "fork"))
+  step = str(tmp_path / "fork" / "0")
+  assert "pieces" in rec(manifest(step), "w")
+  return step

@@ -1,7 +1,7 @@
 """export_safetensors(): a committed checkpoint's arrays as safetensors files, streamed.
 
 The plan (``_export_plan``, pure) fixes every file's header before anything is read, so each
-file is written front to back: the header, then every tensor's bytes as ``_slices.pieces``
+file is written front to back: the header, then every tensor's bytes as ```_slices.pieces``
 reads them (a bounded window), cast piece by piece when asked. Local output only, written
 atomically: a temporary file (or directory, for shards) beside ``out``, fsynced, renamed
 into place; on any failure it is removed and ``out`` is untouched.

@@ -1,0 +1,550 @@
+"""One reader of stored bytes: restore, export, verify and diff read leaves through it.
+
+:class:`Opener` opens any leaf's stored bytes, whatever holds them (inline in the manifest, a
+byte range of a pack, pieces in the writers' packs, a zarr3 array of its own, any of those in
+the checkpoint a reference names, or an Orbax or safetensors source), once per operation and
+without I/O, as a :class:`StoredLeaf`; :func:`read_regions` reads :class:`Region` s of them
+under one byte :class:`Window` (reads in flight join a ``ts.Batch``, so a chunk file several
+regions need is fetched once) and hands out :class:`Landed` arrays in order.
+:func:`leaf_error` says why a read failed as restore reports it, :func:`base_of` and
+:func:`data_location` where a leaf's bytes are, :func:`check_memory` refuses a read larger
+than this machine's memory. What to read (the regions) and what a read costs stay the
+callers': restore reads the slices its devices need, export C-order blocks, verify every inner
+chunk, diff the same blocks of two checkpoints.
+
+>>> import numpy as np, fnckpt, tempfile
+>>> from fnckpt._sources import read, source
+>>> d = tempfile.mkdtemp()
+>>> _ = fnckpt.save({"w": np.arange(12.0).reshape(3, 4)}, f"{d}/c", inline_bytes=0,
+...                 pack_bytes=0).wait()
+>>> src = source.open_source(f"{d}/c")
+>>> leaf = read.Opener(src).leaf(src.manifest.leaves[0])
+>>> leaf.kind, leaf.shape
+('stored', (3, 4))
+>>> regions = [read.Region(leaf, ((0, 2), (0, 4)), 64), read.Region(leaf, ((2, 3), (0, 4)), 32)]
+>>> [float(got.data.sum()) for got in read.read_regions(regions, read.Window(128))]
+[28.0, 38.0]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import os
+import posixpath
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import tensorstore as ts
+
+from .._layout import blocks as _blocks, chunks as _layout
+from .._format import leaves as _leaves, records as _records, refs as _refs
+from .._io import arrays as _store, commit as _commit, paths as _paths
+from .._errors import CheckpointError, DamagedError
+from . import pieces as _pieces_read
+from .source import Source
+
+__all__ = ["Window", "Region", "Landed", "StoredLeaf", "Opener", "read_regions", "leaf_error",
+           "base_of", "data_location", "check_memory"]
+
+Index = _layout.Index
+
+
+@dataclasses.dataclass
+class Window:
+  """The byte window of one read: at most ``limit`` bytes held (charged: reads in flight, and
+  landed ones the caller has not released), one read alone when it does not fit. ``drain``:
+  called when nothing is in flight and what the caller keeps leaves no room for the next
+  read; it releases what it can (restore places the slices it holds). ``peak``, ``largest``
+  and ``reads``: the most held at once, the largest single charge, the reads started."""
+  limit: int
+  drain: Callable[[], None] | None = None
+  held: int = 0
+  peak: int = 0
+  largest: int = 0
+  reads: int = 0
+
+  def release(self, n: int) -> None:
+    """``n`` charged bytes are free again."""
+    self.held -= n
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+  """Elements ``index`` of ``leaf`` to read, charged ``cost`` bytes (the caller's rule);
+  ``tag`` is the caller's, handed back with the data. Regions of one leaf in one call are
+  disjoint."""
+  leaf: "StoredLeaf"
+  index: Index
+  cost: int
+  tag: Any = None
+
+
+@dataclasses.dataclass(slots=True)
+class Landed:
+  """A region read: ``data`` in the saved dtype, C-contiguous, writable and nobody else's;
+  or, with ``errors="yield"``, ``data`` None and the raw ``error``. ``next_landed``: whether
+  the next read in flight has landed too (restore places what landed while it has not)."""
+  region: Region
+  data: np.ndarray | None
+  error: BaseException | None
+  next_landed: bool
+
+
+# --- the stored leaves, one class per storage kind -------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredLeaf:
+  """One leaf's stored bytes opened for reading (by :class:`Opener`), or a whole pack
+  (``rec`` None). ``kind``: inline, packed, pieces, stored, foreign or pack; ``dtype``: of
+  what a read gives (the saved one; uint8 for a pack); ``align``: the inner chunk shape
+  regions are best aligned to (None: any); ``where``: its storage location, for messages."""
+  src: Source
+  rec: _records.Leaf | None
+  kind: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  align: tuple[int, ...] | None
+  where: str
+
+  @property
+  def name(self) -> str:
+    """The leaf's key path, or the pack's location."""
+    return self.rec.where if self.rec is not None else self.where
+
+  def read(self, index: Index, batch: ts.Batch | None = None) -> "_Then":
+    """Start reading ``index``: a pending read (``result()`` gives the data, ``done()``)."""
+    return _Then(self.start(index, batch), functools.partial(self.finish, index=index))
+
+  def start(self, index: Index, batch: ts.Batch | None) -> Any:
+    """The raw read of ``index`` (joining ``batch`` where it can)."""
+    raise NotImplementedError
+
+  def finish(self, raw: Any, index: Index) -> np.ndarray:
+    """A raw read's result as :class:`Landed` data."""
+    return raw
+
+  def cost(self, index: Index) -> int:
+    """Bytes one read of ``index`` holds: its own (a foreign reader may hold more)."""
+    return _layout.nbytes([b - a for a, b in index], self.dtype.itemsize)
+
+  def error(self, e: BaseException) -> CheckpointError:
+    """Why a read failed (:func:`leaf_error`; a CheckpointError passes unchanged)."""
+    if self.rec is None and not isinstance(e, CheckpointError):
+      return CheckpointError(f"Cannot read {self.where!r}: {_paths.error_text(e)}. The "
+                             f"checkpoint is damaged (fnckpt verify {self.src.location}).")
+    return leaf_error(self.src, self.rec, e)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Inline(StoredLeaf):
+  decoded: list = dataclasses.field(default_factory=list)   # [the value], once a block is read
+
+  def start(self, index: Index, batch: ts.Batch | None) -> "_Done":
+    if index == tuple((0, n) for n in self.shape):
+      return _Done(_leaves.inline_array(self.rec))   # a fresh copy, bools checked
+    if not self.decoded:
+      self.decoded.append(_leaves.inline_array(self.rec))
+    return _Done(np.array(self.decoded[0][_box(index)]))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Packed(StoredLeaf):
+  pack: ts.TensorStore = None
+  offset: int = 0
+
+  def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
+    if not _contiguous(index, self.shape):
+      raise ValueError(f"{index} is not one C-order range of {self.shape}")
+    size = self.dtype.itemsize
+    lo = self.offset + _blocks.start(index, self.shape) * size
+    hi = lo + math.prod(b - a for a, b in index) * size
+    return _store.read_slice(self.pack, ((lo, hi),), batch)   # (a module attribute: tests
+                                                              # patch it)
+
+  def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
+                                 self.rec)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pieced(StoredLeaf):
+  reader: _pieces_read.SliceReader = None
+
+  def start(self, index: Index, batch: ts.Batch | None) -> Any:
+    return self.reader(index, batch)   # aligned, bools checked
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Stored(StoredLeaf):
+  array: ts.TensorStore = None
+  chunks: tuple[int, ...] = ()
+
+  def start(self, index: Index, batch: ts.Batch | None) -> Any:
+    """A slice of whole stored chunks (no other slice reads their files) straight into an
+    aligned array of ours; any other through the batch (which reads a chunk file's index
+    and an inner chunk that several slices need once, in one request per file)."""
+    if _store.on_grid(index, self.chunks, self.shape):
+      return _store.read_into(self.array, index)
+    return _store.read_slice(self.array, index, batch)
+
+  def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    return _store.from_storage(raw, self.rec.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Foreign(StoredLeaf):
+  reader: Any = None      # the source's reader (``read_bytes``)
+  slices: Any = None      # its slice_reader of this leaf, made once (it groups slices)
+
+  def start(self, index: Index, batch: ts.Batch | None) -> Any:
+    return self.slices(index, batch)
+
+  def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    return _store.from_storage(raw, self.rec.dtype)
+
+  def cost(self, index: Index) -> int:
+    return max(super().cost(index), self.reader.read_bytes(self.rec, index))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pack(StoredLeaf):
+  array: ts.TensorStore = None
+
+  def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
+    return _store.read_slice(self.array, index, batch)
+
+
+class Opener:
+  """Opens leaves' stored bytes for one operation: each pack once, no I/O (the manifest says
+  everything) unless ``check_metadata`` (verify: each array's zarr.json is read and compared
+  with the manifest). An open error is :func:`leaf_error`'s, or raw with ``check_metadata``
+  (verify words it itself)."""
+
+  def __init__(self, src: Source, *, check_metadata: bool = False):
+    self.src, self.check = src, check_metadata
+    self._packs: dict[int, ts.TensorStore] = {}
+
+  def leaf(self, rec: _records.Leaf) -> StoredLeaf:
+    """Array leaf ``rec``'s stored bytes."""
+    try:
+      return self._open(rec)
+    except Exception as e:
+      if self.check:
+        raise
+      raise leaf_error(self.src, rec, e) from None
+
+  def pack(self, k: int) -> StoredLeaf:
+    """Pack ``k`` whole, as a 1-D uint8 array (what verify reads)."""
+    p = self.src.manifest.packs[k]
+    return _Pack(self.src, None, "pack", (p.nbytes,), np.dtype(np.uint8), (p.inner,),
+                 data_location(self.src, p.base, p.dir), array=self._pack(k))
+
+  def _open(self, rec: _records.Leaf) -> StoredLeaf:
+    src = self.src
+    head = (src, rec)
+    shape, dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
+    if rec.inline is not None:
+      return _Inline(*head, "inline", shape, dtype, None, src.location)
+    if src.reader is not None:   # Orbax, safetensors
+      return _Foreign(*head, "foreign", shape, dtype, None, src.location, reader=src.reader,
+                      slices=src.reader.slice_reader(rec))
+    man = src.manifest
+    if rec.packed is not None:
+      p = man.packs[rec.packed.pack]
+      return _Packed(*head, "packed", shape, dtype, None, data_location(src, p.base, p.dir),
+                     pack=self._pack(rec.packed.pack), offset=rec.packed.offset)
+    if rec.pieces is not None:
+      return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks),
+                     _stored_at(src, rec)[1],
+                     reader=_pieces_read.SliceReader(man, rec, self._pack))
+    st = rec.stored
+    array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
+                                         rec.shape))
+    return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
+                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks))
+
+  def _pack(self, k: int) -> ts.TensorStore:
+    if k not in self._packs:
+      p = self.src.manifest.packs[k]
+      self._packs[k] = self._array(_store.pack_spec(self._kv(p.base), p.dir, p.nbytes, p.chunk,
+                                                    p.inner))
+    return self._packs[k]
+
+  def _kv(self, base: int | None) -> dict[str, Any]:
+    """The kvstore of the checkpoint holding data whose record names ``base``."""
+    return _refs.base_spec(self.src.kv_spec, self.src.manifest, base, self.src.location)
+
+  def _array(self, spec: dict[str, Any]) -> ts.TensorStore:
+    if not self.check:
+      return _store.open_array(spec, self.src.ctx, mode="read").result()
+    return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
+                   context=self.src.ctx).result()
+
+
+# --- the window loop -------------------------------------------------------------------------
+
+def read_regions(regions: Iterable[Region], window: Window, *, errors: str = "raise",
+                 release: bool = True) -> Iterator[Landed]:
+  """Read ``regions`` in order, at most ``window.limit`` bytes held (a read larger than that
+  alone), and hand each out as it lands, in order. Reads join a ``ts.Batch`` until it holds
+  half the window or one of its reads is waited on: a chunk file's index and the inner
+  chunks several regions need are fetched once, in one request per file, and the next batch
+  reads while one lands. ``release``: a landed read's charge is freed when the caller asks
+  for the next one (else the caller frees it: ``window.release``). ``errors="raise"``: a
+  failed read raises ``leaf.error`` (:func:`leaf_error`); ``"yield"``: it is handed out as
+  ``Landed.error``, raw. A read larger than this machine's memory is refused before any
+  is started (:func:`check_memory`).
+
+  >>> import numpy as np, fnckpt, tempfile
+  >>> from fnckpt._sources import source
+  >>> d = tempfile.mkdtemp()
+  >>> _ = fnckpt.save({"b": np.arange(6, dtype=np.int8)}, f"{d}/c", inline_bytes=0).wait()
+  >>> src = source.open_source(f"{d}/c")
+  >>> leaf = Opener(src).leaf(src.manifest.leaves[0])
+  >>> w = Window(4)
+  >>> [(got.region.tag, got.data.tolist()) for got in read_regions(
+  ...     [Region(leaf, ((a, a + 2),), 2, tag=a) for a in (0, 2, 4)], w)]
+  [(0, [0, 1]), (2, [2, 3]), (4, [4, 5])]
+  >>> leaf.kind, w.peak, w.reads, w.held
+  ('packed', 4, 3, 0)
+  """
+  if errors not in ("raise", "yield"):
+    raise ValueError(f"errors={errors!r}: expected 'raise' or 'yield'")
+  f = _Flight(window)
+  try:
+    for r in regions:
+      check_memory(r.cost, r.leaf)
+      while f.pending and window.held + r.cost > window.limit:  # strict: a window equal to
+        got = f.land(errors)                                    # the charges fits them all
+        yield got
+        if release:
+          window.release(got.region.cost)
+      if window.held + r.cost > window.limit and window.drain is not None:
+        window.drain()
+      f.start(r)
+    while f.pending:
+      got = f.land(errors)
+      yield got
+      if release:
+        window.release(got.region.cost)
+  finally:
+    f.submit()   # an abandoned loop never leaves reads unsubmitted
+
+
+class _Flight:
+  """The reads in flight of one :func:`read_regions`, oldest first, and the open batch."""
+
+  def __init__(self, window: Window):
+    self.window = window
+    self.pending: collections.deque = collections.deque()  # (region, pending read, batch)
+    self.batch: ts.Batch | None = None
+    self.batched = 0
+
+  def start(self, r: Region) -> None:
+    w = self.window
+    if self.batch is None:
+      self.batch = ts.Batch()
+    try:
+      fut = r.leaf.start(r.index, self.batch)
+    except Exception as e:  # refused at once (a bad reference, an invalid region)
+      fut = _Failed(e)
+    self.pending.append((r, fut, self.batch))
+    w.held += r.cost
+    w.peak, w.largest, w.reads = max(w.peak, w.held), max(w.largest, r.cost), w.reads + 1
+    self.batched += r.cost
+    if 2 * self.batched >= w.limit:
+      self.submit()
+
+  def submit(self) -> None:
+    if self.batch is not None:
+      self.batch.submit()
+      self.batch, self.batched = None, 0
+
+  def land(self, errors: str) -> Landed:
+    r, fut, batch = self.pending.popleft()
+    if batch is self.batch:
+      self.submit()
+    try:
+      data = r.leaf.finish(fut.result(), r.index)
+    except Exception as e:
+      if errors == "raise":
+        raise r.leaf.error(e) from None
+      return Landed(r, None, e, bool(self.pending) and _ready(self.pending[0][1]))
+    return Landed(r, data, None, bool(self.pending) and _ready(self.pending[0][1]))
+
+
+def _ready(fut: Any) -> bool:
+  """Whether a read has landed (foreign readers' reads may not say: taken as landed)."""
+  done = getattr(fut, "done", None)
+  return done() if done is not None else True
+
+
+class _Done:
+  """A read that needed no I/O."""
+
+  def __init__(self, value: np.ndarray):
+    self.value = value
+
+  def done(self) -> bool:
+    return True
+
+  def result(self) -> np.ndarray:
+    return self.value
+
+
+class _Failed:
+  """A read refused when it was started: its error, raised when it is waited on."""
+
+  def __init__(self, error: BaseException):
+    self.error = error
+
+  def done(self) -> bool:
+    return True
+
+  def result(self) -> Any:
+    raise self.error
+
+
+class _Then:
+  """A pending read whose result goes through ``fn`` (``StoredLeaf.read``)."""
+
+  def __init__(self, fut: Any, fn: Callable[[Any], np.ndarray]):
+    self.fut, self.fn = fut, fn
+
+  def done(self) -> bool:
+    return _ready(self.fut)
+
+  def result(self) -> np.ndarray:
+    return self.fn(self.fut.result())
+
+
+def _box(index: Index) -> tuple[slice, ...]:
+  return tuple(slice(a, b) for a, b in index)
+
+
+def _contiguous(index: Index, shape: tuple[int, ...]) -> bool:
+  """Whether ``index`` is one C-order range of an array of ``shape``: single indices, then
+  one range, then whole dimensions.
+
+  >>> _contiguous(((1, 2), (0, 3), (0, 4)), (2, 3, 4)), _contiguous(((0, 2), (1, 3)), (2, 3))
+  (True, False)
+  """
+  d = 0
+  while d < len(index) and index[d][1] - index[d][0] == 1:
+    d += 1
+  return all(index[e] == (0, shape[e]) for e in range(d + 1, len(index)))
+
+
+def _as_leaf(raw: np.ndarray, dtype: np.dtype, shape: Any) -> np.ndarray:
+  """A packed leaf's bytes as its array: a view of ``raw`` (a fresh TensorStore read result,
+  used by nobody else) when it is contiguous and writable, else a copy."""
+  if raw.flags.c_contiguous and raw.flags.writeable:
+    return raw.view(dtype).reshape(shape)
+  return np.frombuffer(raw.tobytes(), dtype=dtype).reshape(shape).copy()
+
+
+# --- where a leaf's bytes are, and why reading them failed -----------------------------------
+
+def base_of(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
+  """The index in ``manifest.bases`` of the checkpoint holding ``rec``'s bytes (None: this
+  checkpoint's own data, or inline). A pieced leaf's are where its writers' packs are."""
+  if rec.stored is not None:
+    return rec.stored.base
+  if rec.packed is not None:
+    return manifest.packs[rec.packed.pack].base
+  if rec.pieces is not None:
+    k = _pieces_pack(manifest)
+    return None if k is None else manifest.packs[k].base
+  return None
+
+
+def data_location(src: Source, base: int | None, d: str) -> str:
+  """Where directory ``d`` of a checkpoint's data is: in ``src``, or in the checkpoint its
+  reference ``base`` names.
+
+  >>> import types
+  >>> src = types.SimpleNamespace(location="/r/7", manifest=types.SimpleNamespace(
+  ...     bases=(types.SimpleNamespace(dir="../other/5"),)))
+  >>> data_location(src, None, "data-1/a/0"), data_location(src, 0, "data-2/p/0")
+  ('/r/7/data-1/a/0', '/other/5/data-2/p/0')
+  """
+  if base is None:
+    return f"{src.location}/{d}"
+  return f"{_refs.display(src.location, src.manifest.bases[base].dir)}/{d}"
+
+
+def _pieces_pack(manifest: _records.Manifest) -> int | None:
+  """A pack holding pieces (a fork's all refer to its parent's)."""
+  return next((k for k, p in enumerate(manifest.packs) if p.process is not None), None)
+
+
+def _stored_at(src: Source, rec: _records.Leaf) -> tuple[int | None, str]:
+  """(:func:`base_of`, the storage location a read error names) of an array leaf."""
+  man = src.manifest
+  base = base_of(man, rec)
+  if rec.packed is not None:
+    return base, data_location(src, base, man.packs[rec.packed.pack].dir)
+  if rec.pieces is not None:
+    k = _pieces_pack(man)
+    d = posixpath.dirname(man.packs[k].dir) if k is not None else f"{man.data}/p"
+    return base, f"{data_location(src, base, d)} (pieces of {rec.where})"
+  if rec.stored is not None:
+    return base, data_location(src, base, rec.stored.dir)
+  return None, src.location
+
+
+def leaf_error(src: Source, rec: _records.Leaf, e: BaseException) -> CheckpointError:
+  """Why reading ``rec``'s stored bytes failed, as restore reports it: a CheckpointError
+  already saying so (a bool byte other than 0 and 1, a reference that leads nowhere)
+  unchanged; else the checkpoint changed while being read, a referenced checkpoint is
+  missing, damage (a :class:`DamagedError`: a checksum mismatch, corrupt or missing data), or
+  another read failure; a foreign format's reader words its own."""
+  if isinstance(e, CheckpointError):
+    return e
+  if src.reader is not None:
+    return src.reader.read_error(rec, e)
+  location = src.location
+  if not _commit.unchanged(src.kv, src.commit):
+    return _commit.changed_error(location)
+  where = rec.where
+  base, store = _stored_at(src, rec)
+  text = _paths.error_text(e)
+  if base is not None and _paths.read_failure(e) == "missing":
+    # (damage: self-healing restores skip the step)
+    return DamagedError(
+        f"Cannot restore {where} from {location!r}: it refers to "
+        f"{_refs.describe(location, src.manifest, base)}, which is missing (no data at "
+        f"{store!r}: that checkpoint was deleted or moved). This checkpoint cannot be "
+        "restored without it; restore another step, or put the referenced checkpoint back. "
+        f"[{text}]")
+  cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
+           "corrupt": "its data is corrupt or truncated",
+           "missing": "a chunk of its data is missing",
+           "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
+  error = DamagedError if cause else CheckpointError  # else: not known to be damage
+  cause = cause or f"reading failed ({type(e).__name__}: {text})"
+  return error(
+      f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
+      f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")
+
+
+def check_memory(n: int, leaf: StoredLeaf) -> None:
+  """A read larger than this machine's memory would abort the interpreter inside
+  TensorStore: refuse it (a manifest that lies about a shape, or a restore that needs more
+  processes)."""
+  limit = _memory_bytes()
+  if n > limit:
+    raise CheckpointError(
+        f"Cannot restore {leaf.name} from {leaf.src.location!r}: one slice of it needs {n} "
+        f"bytes, more than this machine's memory ({limit} bytes). Restore it sharded over "
+        "more devices or processes, or check the checkpoint (its manifest may be damaged).")
+
+
+def _memory_bytes() -> int:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (OSError, ValueError):
+    return 1 << 40
