@@ -25,7 +25,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._format import manifest as _manifest, records as _records
+from fnckpt._format import manifest as _manifest, parse as _parse
 from fnckpt._io import paths as _paths
 from fnckpt import _state
 from fnckpt._save import save as _save
@@ -240,7 +240,7 @@ def test_references_are_validated(tmp_path, edit, match):
   m = _manifest_of(tmp_path)
   edit(m)
   with pytest.raises(fnckpt.CheckpointError, match=match):
-    _records.parse(m, "loc", 2)
+    _parse.parse(m, "loc", 2)
 
 
 def test_a_reference_above_the_storage_root_is_refused():

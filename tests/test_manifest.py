@@ -1,7 +1,7 @@
-"""fnckpt._format.manifest and fnckpt._format.records: manifest and commit marker <-> msgpack
-bytes, versioning, validation into frozen records, records back to msgpack (encode). No files:
-leaf records come from fnckpt._format.leaves.leaf_record, manifests are built here as a writer
-would (README "Format"), as msgpack maps and as records."""
+"""fnckpt._format.manifest, fnckpt._format.records and fnckpt._format.parse: manifest and commit
+marker <-> msgpack bytes, versioning, validation into frozen records (parse), records back to
+msgpack (encode). No files: leaf records come from fnckpt._format.leaves.leaf_record, manifests
+are built here as a writer would (README "Format"), as msgpack maps and as records."""
 
 import collections
 import enum
@@ -24,6 +24,7 @@ from fnckpt import CheckpointError
 from fnckpt._layout import pieces as _pieces
 from fnckpt._format import (leaves as _leaves, manifest as _manifest, records as _records,
                             tree as _tree)
+from fnckpt._format.codecs import BLOSC_CNAMES, BLOSC_SHUFFLES
 
 LOC = "/ckpt/7"
 DATA = "data-" + "0123456789abcdef" * 2
@@ -201,8 +202,8 @@ _rels = st.builds(lambda up, rest: "/".join([".."] * up + rest), st.integers(0, 
                   st.lists(_names, min_size=1, max_size=3))
 _data_names = st.binary(min_size=16, max_size=16).map(lambda b: "data-" + b.hex())
 _blosc = st.builds(lambda c, l, s: tuple(sorted({"cname": c, "clevel": l, "shuffle": s}.items())),
-                   st.sampled_from(sorted(_records.BLOSC_CNAMES)), st.integers(0, 9),
-                   st.sampled_from(sorted(_records.BLOSC_SHUFFLES)))
+                   st.sampled_from(sorted(BLOSC_CNAMES)), st.integers(0, 9),
+                   st.sampled_from(sorted(BLOSC_SHUFFLES)))
 _codecs = st.one_of(st.tuples(st.sampled_from([None, 0, 3, -5, 22]), st.none()),
                     st.tuples(st.sampled_from([None, 0]), _blosc))
 

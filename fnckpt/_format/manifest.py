@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from . import records as _records
+from . import parse as _parse, records as _records
 from .._errors import CheckpointError, DamagedError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
@@ -87,7 +87,7 @@ def decode(data: bytes, location: str) -> _records.Manifest:
         f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
         "cannot be read; restore an earlier one.") from None
   _check_header(manifest, location, "manifest")
-  return _records.parse(manifest, location, FORMAT_VERSION)
+  return _parse.parse(manifest, location, FORMAT_VERSION)
 
 
 def _check_header(obj: Any, location: str, what: str) -> None:

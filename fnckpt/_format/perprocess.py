@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import jax
 import msgpack
 
-from . import leaves as _leaves, manifest as _manifest, records as _records, tree as _tree
+from . import (leaves as _leaves, manifest as _manifest, parse as _parse, records as _records,
+               tree as _tree)
 from .._errors import CheckpointError, DamagedError
 
 __all__ = ["PerProcess", "values_key", "encode", "decode", "value_at"]
@@ -95,7 +96,7 @@ def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:
   if not ok:
     raise DamagedError(f"The per-process values at {where!r} are corrupt (not a "
                        "{sha256, payload} map); restore an earlier checkpoint.")
-  return _records.parse_values(m, where)
+  return _parse.parse_values(m, where)
 
 
 def value_at(leaves: Sequence[_records.Leaf], path: _tree.Path, template: Any,

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import records as _records
+from . import parse as _parse, records as _records
 from .._errors import CheckpointError
 
 __all__ = ["digest", "array_digest", "Location", "locate", "relative", "resolve",
@@ -105,7 +105,7 @@ def relative(target: str, start: str) -> str:
   """
   rel = posixpath.relpath(target, start)
   try:
-    return _records.check_rel(rel, "a reference")
+    return _parse.check_rel(rel, "a reference")
   except Exception as e:  # e.g. '.': the target holds the checkpoint that would refer to it
     raise CheckpointError(
         f"Cannot refer to {target!r} from a checkpoint in {start!r}: the reference would be "

@@ -22,7 +22,7 @@ Path = tuple[PathEntry, ...]
 
 _KEY_TYPES = (str, int)
 
-# What a key path may hold: readers refuse anything beyond (``records._path``), so ``save``
+# What a key path may hold: readers refuse anything beyond (``parse._path``), so ``save``
 # refuses it up front rather than commit a checkpoint that no reader opens.
 MAX_PATH_DEPTH = 256
 MAX_KEY_CHARS = {"dict": 4096, "attr": 1024}

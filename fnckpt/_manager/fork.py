@@ -19,8 +19,8 @@ from typing import Any
 import msgpack
 import tensorstore as ts
 
-from .._format import (manifest as _manifest, perprocess as _perprocess, records as _records,
-                       refs as _refs)
+from .._format import (manifest as _manifest, parse as _parse, perprocess as _perprocess,
+                       records as _records, refs as _refs)
 from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError
 
@@ -291,7 +291,7 @@ def lineage(root: str, storage_options: dict[str, Any] | None) -> str:
     return ""
   try:
     rec = _manifest.unpack(bytes(got.value))
-    run = _records.check_rel(rec["run"], "run")
+    run = _parse.check_rel(rec["run"], "run")
     parent = _refs.display(_paths.join(_paths.display(root), "x"), run)
     return f"fork of run {parent!r} at step {int(rec['step'])}"
   except Exception:

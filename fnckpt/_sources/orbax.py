@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .._format import records as _records
+from .._format import parse as _parse, records as _records
 from .._io import paths as _paths, arrays as _store
 from .._errors import CheckpointError
 
@@ -101,8 +101,8 @@ def parse_metadata(m: Any, location: str) -> tuple[list[Entry], dict[str, Any]]:
       options[k] = m[k]
   options["custom_metadata"] = m.get("custom_metadata")
   try:
-    _records._check_tree([e.path for e in entries])
-  except _records._Bad as e:
+    _parse._check_tree([e.path for e in entries])
+  except _parse._Bad as e:
     raise _bad(location, f"the key paths of {METADATA} do not form a tree ({e})") from None
   return entries, options
 
@@ -222,9 +222,9 @@ def _sharding(raw: Any, ndim: int) -> _records.Sharding | None:
     if s.get("sharding_type") != "NamedSharding":
       return None
     spec = s.get("partition_spec", [])
-    return _records._sharding({"type": "named", "axes": s.get("axis_names"),
+    return _parse._sharding({"type": "named", "axes": s.get("axis_names"),
                                "sizes": s.get("shape"), "spec": spec[:ndim]}, ndim)
-  except (_records._Bad, ValueError, TypeError, AttributeError):
+  except (_parse._Bad, ValueError, TypeError, AttributeError):
     return None
 
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from .._format import records as _records
+from .._format import parse as _parse, records as _records
 from .._io import paths as _paths
 from .._errors import CheckpointError, NoCheckpointError
 from .orbax import TooLarge, read_bounded
@@ -261,8 +261,8 @@ def _manifest(tensors: list[Tensor], meta: Any, where: str) -> _records.Manifest
                     stored=_records.Stored(t.file, t.shape, t.shape, None))
       for i, (path, t) in enumerate(zip(paths, tensors)))
   try:
-    _records._check_tree(paths)
-  except _records._Bad as e:
+    _parse._check_tree(paths)
+  except _parse._Bad as e:
     raise CheckpointError(f"The tensor names of {where!r} do not form a tree: {e}.") from None
   return _records.Manifest(0, 0.0, 0, {"format": "safetensors"}, meta, leaves)
 
