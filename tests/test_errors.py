@@ -597,3 +597,25 @@ def test_save_refuses_a_directory_holding_other_files(tmp_path, overwrite):
                            r"'notes\.txt'\).*even with overwrite=True"):
     fnckpt.save({"w": np.ones(4)}, str(tmp_path), overwrite=overwrite)
   assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("how", ["stored", "packed"])
+def test_an_array_that_cannot_be_opened_is_a_read_error_naming_the_leaf(tmp_path, monkeypatch,
+                                                                        how):
+  """TensorStore refusing to open a leaf's array (a patched open here) is restore's read error
+  naming the leaf and its storage, as export words it, not TensorStore's raw error."""
+  from fnckpt._io import arrays as _store
+  path = str(tmp_path / "c")
+  fnckpt.save({"w": np.arange(40000.0)}, path, **({"pack_bytes": 0} if how == "stored" else {})
+              ).wait()
+  real = _store.open_array
+
+  def open_array(spec, ctx, *, mode):
+    if mode == "read":
+      raise ValueError("INVALID_ARGUMENT: refused by the test")
+    return real(spec, ctx, mode=mode)
+  monkeypatch.setattr(_store, "open_array", open_array)
+  with pytest.raises(CheckpointError, match=(
+      rf"^Cannot restore \['w'\] from {re.escape(repr(path))[:-1]}/data-[^']+': reading failed "
+      r"\(ValueError: INVALID_ARGUMENT: refused by the test\)")):
+    fnckpt.restore(path)

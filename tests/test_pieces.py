@@ -386,3 +386,48 @@ def _pieced_fork(tmp_path) -> str:
   step = str(tmp_path / "fork" / "0")
   assert "pieces" in rec(manifest(step), "w")
   return step
+
+
+def test_a_fork_whose_parent_pieces_are_gone_says_it_refers_to_them(tmp_path):
+  """With the parent's packs deleted, restoring the fork of a pieced step says the fork refers
+  to a checkpoint whose data is missing, naming the parent's packs (as for stored and packed
+  references), not that a chunk of the fork's own data is missing."""
+  step = _pieced_fork(tmp_path)
+  parent = str(tmp_path / "run" / "0")
+  (packs,) = (tmp_path / "run" / "0").glob("data-*/p")
+  for chunk in packs.glob("*/c/*"):
+    chunk.unlink()
+  with pytest.raises(DamagedError) as e:
+    fnckpt.restore(step)
+  assert str(e.value).startswith(
+      f"Cannot restore ['w'] from {step!r}: it refers to the data "), str(e.value)
+  assert (f"of the checkpoint at {parent!r}, which is missing (no data at "
+          f"\"{packs} (pieces of ['w'])\": that checkpoint was deleted or moved)") in str(e.value)
+
+
+def test_a_pieced_bool_with_a_byte_other_than_0_and_1_is_that_damage(tmp_path, capsys):
+  """A pieced bool leaf (valid checksums) holding the byte 2: restore and export raise the
+  bool check's own error naming the leaf, as for inline and packed bools (not 'reading
+  failed (CheckpointError: ...)'); verify reports it."""
+  from fnckpt._io import arrays as _store
+  from fnckpt.cli import main
+  import tensorstore as ts
+  path = str(tmp_path / "c")
+  mask = jax.device_put(np.ones((8192, 1024), np.bool_),   # over a pack leaf (4 MiB)
+                        NamedSharding(_mesh((8,), ("x",)), P("x")))
+  fnckpt.save({"mask": mask}, path).wait()
+  m = manifest(path)
+  assert "pieces" in rec(m, "mask")
+  (pk,) = m["packs"]
+  pack = _store.open_array(_store.pack_spec({"driver": "file", "path": path + "/"}, pk["dir"],
+                                            pk["nbytes"], pk["chunk"], pk["inner"]),
+                           ts.Context(), mode="write").result()
+  pack[pk["pieces"] + 77:pk["pieces"] + 78].write(np.array([2], np.uint8)).result()
+  msg = r"^\['mask'\]: a bool array holds a byte other than 0 and 1.*damaged"
+  with pytest.raises(fnckpt.CheckpointError, match=msg):
+    fnckpt.restore(path)
+  with pytest.raises(fnckpt.CheckpointError, match=msg):
+    fnckpt.export_safetensors(path, tmp_path / "m.safetensors")
+  assert main(["verify", "-q", path]) == 1
+  (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("DAMAGED")]
+  assert line.startswith("DAMAGED ['mask']: a bool array holds a byte other than 0 and 1")

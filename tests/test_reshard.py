@@ -340,3 +340,36 @@ def test_replicas_restored_on_cpu_share_one_buffer_and_donation_is_safe(tmp_path
   out = np.asarray(own(again)).reshape((8,) + x.shape)
   for k in range(8):
     np.testing.assert_array_equal(out[k], x + k, err_msg=f"device block {k}")
+
+
+@pytest.mark.parametrize("dst", ["2x4:xy", "4x2:y(x)"])
+def test_a_restore_leaves_no_garbage_cycle_holding_what_it_read(tmp_path, dst):
+  """Restore makes no reference cycle: the arrays it read are freed as soon as the result is
+  dropped, not at some later garbage collection (a cycle through its placer kept them all,
+  and each restore in a loop then took fresh memory)."""
+  import gc
+  x = source("float32", (2048, 2048))   # 2 MiB shards: a zarr array; 1 MiB: pieces
+  fnckpt.save({"stored": jax.device_put(x, SHARDINGS["2x4:xy"]()),
+               "pieces": jax.device_put(x[:1024], SHARDINGS["2x4:xy"]()),
+               "packed": x[:16], "inline": x[0, :4]}, tmp_path / "c", inline_bytes=64).wait()
+  stored = {"stored": "d", "pieces": "pieces", "packed": "pack", "inline": "inline"}
+  meta = fnckpt.metadata(tmp_path / "c").tree
+  assert all(meta[k].stored.startswith(v) for k, v in stored.items()), meta
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=SHARDINGS[
+      dst if k in ("stored", "pieces") else "2x4:replicated"]()) for k, v in meta.items()}
+  fnckpt.restore(tmp_path / "c", target)  # (first calls: JAX's caches)
+  gc.collect()
+  gc.disable()
+  try:
+    got = fnckpt.restore(tmp_path / "c", target)
+    assert_placed(got["stored"], SHARDINGS[dst](), x, "stored")
+    del got
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    kept = {type(o).__qualname__ for o in gc.garbage  # (JAX's own cycles are no concern)
+            if isinstance(o, (np.ndarray, jax.Array)) or type(o).__module__.startswith("fnckpt")}
+    assert not kept, kept
+  finally:
+    gc.set_debug(0)
+    gc.garbage.clear()
+    gc.enable()

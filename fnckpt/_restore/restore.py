@@ -7,24 +7,21 @@ once, under a host-memory budget, and places them with the target's shardings.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
-import tensorstore as ts
 
 from .._layout import chunks as _layout
 from .._format import (leaves as _leaves, perprocess as _perprocess, records as _records,
-                       refs as _refs, tree as _tree)
+                       tree as _tree)
 from .._io import commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from .._sources.source import Source
 from .. import _state
 from .._errors import CheckpointError, DamagedError
-from . import shardings as _shardings
+from . import place as _place, shardings as _shardings
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -410,22 +407,12 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-@dataclasses.dataclass
-class _Read:
-  """One array leaf being read: where its slices go and what has arrived."""
-  want: _Want
-  shape: tuple[int, ...]
-  sharding: jax.sharding.Sharding | None       # None: one host numpy array
-  parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
-  placed: Any = None  # a packed leaf's jax.Array, placed as soon as its read window landed
-
-
 def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
-  """Every wanted leaf's value: plain values decoded, arrays read (at most ``budget`` bytes in
-  flight) and placed with their shardings. PerProcess leaves are left for
+  """Every wanted leaf's value: plain values decoded, arrays read (at most ``budget`` bytes
+  held) and placed with their shardings (``_place``). PerProcess leaves are left for
   :func:`_fill_per_process`."""
   values: list[Any] = [None] * len(wants)
-  reads: dict[int, _Read] = {}
+  reads: dict[int, _place.Read] = {}
   for i, w in enumerate(wants):
     if w.rec.kind == "perprocess":
       continue
@@ -433,23 +420,10 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
       reads[i] = _start_read(w)
     else:
       values[i] = _plain_value(w)
-  _read_packed(src, {i: r for i, r in reads.items() if r.want.rec.packed is not None}, budget)
-  stream = _Stream(src, reads, budget)
+  _place.read_arrays(src, reads, budget)
   for i, r in reads.items():
-    rec = r.want.rec
-    if rec.inline is not None:
-      r.parts[None] = _convert(r.want, _leaves.inline_array(rec))
-    elif rec.stored is not None or rec.pieces is not None:
-      stream.read_array(i)
-  stream.finish()
-  whole = [i for i, r in reads.items() if None in r.parts and r.sharding is not None]
-  placed = dict(zip(whole, _place_all([reads[i].parts[None] for i in whole],
-                                      [reads[i].sharding for i in whole])))
-  for i, r in reads.items():
-    if r.placed is not None:  # a packed leaf
+    if r.placed is not None:  # placed whole (packed, inline)
       value = r.placed
-    elif i in placed:  # one host array (inline) placed with its sharding
-      value = placed[i]
     elif None in r.parts:  # a host target
       value = r.parts[None]
     else:
@@ -472,152 +446,16 @@ def _plain_value(w: _Want) -> Any:
   host = host if w.dtype is None else _leaves.cast(host, w.dtype, w.rec.where)
   if w.host:
     return host
-  value = _place(host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  value = _place.place(host, w.sharding
+                       or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   return value if w.final is None else _move(w, value)
 
 
-def _place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
-               ) -> list[jax.Array]:
-  """Whole host arrays placed with their shardings: one batched ``jax.device_put`` for those
-  on this process's devices alone, :func:`_place` for the others."""
-  local = [k for k, s in enumerate(shardings) if s.is_fully_addressable]
-  out: list[Any] = [None] * len(hosts)
-  if local:
-    for k, arr in zip(local, jax.device_put([hosts[k] for k in local],
-                                            [shardings[k] for k in local], may_alias=True)):
-      out[k] = arr
-  for k, s in enumerate(shardings):
-    if out[k] is None:
-      out[k] = _place(hosts[k], s)
-  return out
-
-
-def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-  """A whole host array placed with ``sharding``, from this process's slices alone:
-  ``jax.device_put`` onto a sharding spanning processes would run a cross-process check
-  (a collective), and restore makes none."""
-  if sharding.is_fully_addressable:
-    return jax.device_put(host, sharding)
-  return jax.make_array_from_callback(host.shape, sharding,  # own buffers; dtype: none may
-                                     lambda index: np.array(host[index]),  # be on this process
-                                     dtype=host.dtype)
-
-
-def _start_read(w: _Want) -> "_Read":
+def _start_read(w: _Want) -> _place.Read:
   sharding = None if w.host else _data_sharding(w, w.rec)
   if sharding is None and not w.host:
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return _Read(w, tuple(w.rec.shape), sharding)
-
-
-class _Stream:
-  """Reads of stored arrays with at most ``budget`` bytes in flight; each slice is placed on
-  its devices as it lands. Reads go out in batches (one per budget's worth): TensorStore then
-  fetches each inner chunk that several slices overlap once, not once per slice."""
-
-  def __init__(self, src: Source, reads: dict[int, "_Read"], budget: int):
-    self.src, self.reads, self.budget = src, reads, budget
-    self.pending: collections.deque = collections.deque()
-    self.held = 0
-    self.batch: ts.Batch | None = None
-    self.to_put: list = []
-    self.put_bytes: list[int] = []
-    self.packs: dict[int, ts.TensorStore] = {}
-
-  def read_array(self, i: int) -> None:
-    """Queue every distinct slice this process's devices need of stored leaf ``i``."""
-    r = self.reads[i]
-    rec = r.want.rec
-    if self.src.reader is not None:  # Orbax, safetensors
-      read = self.src.reader.slice_reader(rec)
-    elif rec.pieces is not None:
-      read = _source.pieces_reader(self.src, rec, self.packs)
-    else:
-      read = self._stored_reader(rec)
-    itemsize = _leaves.dtype_of(rec.dtype).itemsize
-    if r.sharding is None:
-      plan = {tuple((0, n) for n in r.shape): None}
-    else:
-      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
-    held = getattr(self.src.reader, "read_bytes", None)  # a reader that reads more than n
-    for index, devices in plan.items():
-      n = _layout.nbytes([b - a for a, b in index], itemsize)
-      n = max(n, held(rec, index)) if held else n
-      _check_memory(n, rec, self.src.location)
-      while self.pending and self.held + n > self.budget:
-        self._land()
-      if self.held + n > self.budget:
-        self._flush()
-      if self.batch is None:
-        self.batch = ts.Batch()
-      self.pending.append((i, read(index, self.batch), devices, n))
-      self.held += n
-
-  def _stored_reader(self, rec: _records.Leaf) -> Any:
-    """``read(index, batch)`` of a stored leaf (its data may be in the checkpoint its ``base``
-    names): a slice of whole stored chunks (no other slice reads their files) straight into an
-    aligned array of ours, any other through the batch (which reads a chunk file's index and
-    an inner chunk that several slices need once, in one request per file)."""
-    kv_spec = _refs.base_spec(self.src.kv_spec, self.src.manifest, rec.stored.base,
-                              self.src.location)
-    array = _store.open_array(  # no I/O: the manifest says everything
-        _store.zarr_spec(kv_spec, rec.stored, rec.dtype, rec.shape),
-        self.src.ctx, mode="read").result()
-    chunks = rec.stored.chunks
-
-    def read(index: _layout.Index, batch: ts.Batch) -> Any:
-      if _store.on_grid(index, chunks, rec.shape):
-        return _store.read_into(array, index)
-      return _store.read_slice(array, index, batch)
-
-    return read
-
-  def finish(self) -> None:
-    while self.pending:
-      self._land()
-    self._flush()
-
-  def _land(self) -> None:
-    if self.batch is not None:
-      self.batch.submit()
-      self.batch = None
-    i, fut, devices, n = self.pending.popleft()
-    r = self.reads[i]
-    try:
-      host = _convert(r.want, _store.from_storage(fut.result(), r.want.rec.dtype))
-    except Exception as e:
-      raise _source.read_error(self.src, r.want.rec, e) from None
-    if devices is None:
-      r.parts[None] = host
-      self.held -= n
-      return
-    # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
-    # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
-    # such an array makes XLA copy, never write into it). Puts go out in batches.
-    host = _shared_on_cpu(host, devices)
-    self.to_put += [(i, d, host) for d in devices]
-    self.put_bytes.append(n)
-    # Place what has landed as soon as the next read is still on its way (or many are
-    # waiting): its bytes then leave the budget and the next reads go out meanwhile.
-    if len(self.to_put) >= 256 or not self.pending or not _ready(self.pending[0][1]):
-      self._flush()
-
-  def _flush(self) -> None:
-    if not self.to_put:
-      return
-    puts = jax.device_put([h for _, _, h in self.to_put], [d for _, d, _ in self.to_put],
-                          may_alias=True)
-    for (i, d, _), arr in zip(self.to_put, puts):
-      self.reads[i].parts[d] = arr
-    self.held -= sum(self.put_bytes)
-    self.to_put.clear()
-    self.put_bytes.clear()
-
-
-def _ready(fut: Any) -> bool:
-  """Whether a read has landed (foreign readers' reads may not say: taken as landed)."""
-  done = getattr(fut, "done", None)
-  return done() if done is not None else True
+  return _place.Read(w, tuple(w.rec.shape), sharding)
 
 
 def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
@@ -655,12 +493,6 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
     values[i] = _perprocess.value_at(leaves, wants[i].rec.path, wants[i].value, where)
 
 
-def _convert(w: _Want, host: np.ndarray) -> np.ndarray:
-  if w.dtype is not None and host.dtype != w.dtype:
-    return _leaves.cast(host, w.dtype, w.rec.where)
-  return host
-
-
 def _finish_leaf(w: _Want, value: Any) -> Any:
   rec = w.rec
   if rec.kind == "key":
@@ -686,106 +518,3 @@ def _move(w: _Want, value: jax.Array) -> jax.Array:
     raise CheckpointError(f"{w.rec.where}: restored, but cannot be moved to the target's "
                           f"{w.final} ({type(e).__name__}: {e}); give this key path a "
                           "sharding of device memory.") from None
-
-
-def _read_packed(src: Source, reads: dict[int, "_Read"], budget: int) -> None:
-  """Packed leaves (format 2): read their byte ranges of the packs in windows of half the
-  budget, one ``ts.Batch`` each (an inner chunk two leaves share is read once). While one
-  window lands (each leaf whole on the host, placed with its sharding: ``placed``; host
-  targets keep ``parts[None]``), the next one's reads are in flight: at most ``budget`` bytes
-  in all."""
-  packs: dict[int, ts.Future] = {}
-  in_flight: collections.deque = collections.deque()
-  window: list[tuple[int, ts.Future]] = []
-  held, batch, half = 0, None, max(1, budget // 2)
-
-  def close() -> None:
-    nonlocal window, held, batch
-    if batch is not None:
-      batch.submit()
-    in_flight.append(window)
-    window, held, batch = [], 0, None
-    while len(in_flight) > 1:
-      _land_packed(src, reads, in_flight.popleft())
-
-  for i, r in reads.items():
-    p = r.want.rec.packed
-    _check_memory(p.nbytes, r.want.rec, src.location)
-    if p.pack not in packs:
-      pack = src.manifest.packs[p.pack]
-      packs[p.pack] = _store.open_array(_store.pack_spec(
-          _refs.base_spec(src.kv_spec, src.manifest, pack.base, src.location), pack.dir,
-          pack.nbytes, pack.chunk, pack.inner), src.ctx, mode="read")
-    if window and held + p.nbytes > half:
-      close()
-    store = packs[p.pack].result()
-    batch = batch or ts.Batch()
-    window.append((i, _store.read_slice(store, ((p.offset, p.offset + p.nbytes),), batch)))
-    held += p.nbytes
-  close()
-  while in_flight:
-    _land_packed(src, reads, in_flight.popleft())
-
-
-def _land_packed(src: Source, reads: dict[int, "_Read"],
-                 window: list[tuple[int, ts.Future]]) -> None:
-  for i, fut in window:
-    r = reads[i]
-    try:
-      raw = fut.result()  # a fresh, C-contiguous uint8 array of this leaf's bytes: ours
-    except Exception as e:
-      raise _source.read_error(src, r.want.rec, e) from None
-    host = _convert(r.want, _leaves.checked_bools(
-        _as_leaf(raw, r.want.rec.dtype, r.shape), r.want.rec))
-    whole = r.sharding is not None and r.sharding.is_fully_replicated
-    r.parts[None] = _shared_on_cpu(host, r.sharding.device_set if whole else ())
-  _place_landed([reads[i] for i, _ in window])
-
-
-def _shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
-  """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
-  when two or more of them take it whole: one copy here instead of one per device."""
-  if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
-      or next(iter(devices)).platform != "cpu"):
-    return host
-  out = _store.aligned_empty(host.shape, host.dtype)
-  np.copyto(out, host)
-  return out
-
-
-def _place_landed(rs: list["_Read"]) -> None:
-  """Whole host arrays that just landed, placed with their shardings now (one batched
-  ``device_put``): host memory then holds one read window of them at a time, not all."""
-  todo = [r for r in rs if r.sharding is not None]
-  for r, arr in zip(todo, _place_all([r.parts[None] for r in todo], [r.sharding for r in todo])):
-    r.placed = arr
-    del r.parts[None]
-
-
-def _as_leaf(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-  """A packed leaf's bytes as its array: a view of ``raw`` (a fresh TensorStore read result,
-  used by nobody else) when it is contiguous and writable, else a copy."""
-  want = _leaves.dtype_of(dtype)
-  if raw.flags.c_contiguous and raw.flags.writeable:
-    return raw.view(want).reshape(shape)
-  return np.frombuffer(raw.tobytes(), dtype=want).reshape(shape).copy()
-
-
-def _check_memory(n: int, rec: _records.Leaf, location: str) -> None:
-  """A slice larger than this machine's memory would abort the interpreter inside
-  TensorStore: refuse it (a manifest that lies about a shape, or a restore that needs more
-  processes)."""
-  limit = _memory_bytes()
-  if n > limit:
-    raise CheckpointError(
-        f"Cannot restore {rec.where} from {location!r}: one slice of it needs {n} bytes, more "
-        f"than this machine's memory ({limit} bytes). Restore it sharded over more devices or "
-        "processes, or check the checkpoint (its manifest may be damaged).")
-
-
-def _memory_bytes() -> int:
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (OSError, ValueError):
-    return 1 << 40
-

@@ -2,7 +2,8 @@
 intersects, each read as byte ranges of its writer's pack (only the chunk's rows the slice
 needs; only its contiguous runs when those are large and rows would read much more), then
 copied into the slice.
-Used by restore, verify/diff and export alike, with the interface of ``_store.read_slice``."""
+Opened by ``read.Opener`` (restore, export, verify and diff read pieces through it), with the
+interface of ``_store.read_slice``."""
 
 from __future__ import annotations
 

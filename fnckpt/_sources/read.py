@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import os
 import posixpath
@@ -95,7 +94,7 @@ class Landed:
 
 # --- the stored leaves, one class per storage kind -------------------------------------------
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class StoredLeaf:
   """One leaf's stored bytes opened for reading (by :class:`Opener`), or a whole pack
   (``rec`` None). ``kind``: inline, packed, pieces, stored, foreign or pack; ``dtype``: of
@@ -114,16 +113,13 @@ class StoredLeaf:
     """The leaf's key path, or the pack's location."""
     return self.rec.where if self.rec is not None else self.where
 
-  def read(self, index: Index, batch: ts.Batch | None = None) -> "_Then":
-    """Start reading ``index``: a pending read (``result()`` gives the data, ``done()``)."""
-    return _Then(self.start(index, batch), functools.partial(self.finish, index=index))
-
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
-    """The raw read of ``index`` (joining ``batch`` where it can)."""
+    """Start reading ``index`` (joining ``batch`` where it can): a pending read, with
+    ``result()`` and ``done()``."""
     raise NotImplementedError
 
   def finish(self, raw: Any, index: Index) -> np.ndarray:
-    """A raw read's result as :class:`Landed` data."""
+    """A read's result as :class:`Landed` data (the saved dtype, bool bytes checked)."""
     return raw
 
   def cost(self, index: Index) -> int:
@@ -132,13 +128,13 @@ class StoredLeaf:
 
   def error(self, e: BaseException) -> CheckpointError:
     """Why a read failed (:func:`leaf_error`; a CheckpointError passes unchanged)."""
-    if self.rec is None and not isinstance(e, CheckpointError):
-      return CheckpointError(f"Cannot read {self.where!r}: {_paths.error_text(e)}. The "
-                             f"checkpoint is damaged (fnckpt verify {self.src.location}).")
+    if self.rec is None and not isinstance(e, CheckpointError):  # a pack
+      return CheckpointError(f"Cannot read the pack at {self.where!r} "
+                             f"({type(e).__name__}: {_paths.error_text(e)}).")
     return leaf_error(self.src, self.rec, e)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Inline(StoredLeaf):
   decoded: list = dataclasses.field(default_factory=list)   # [the value], once a block is read
 
@@ -150,17 +146,20 @@ class _Inline(StoredLeaf):
     return _Done(np.array(self.decoded[0][_box(index)]))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Packed(StoredLeaf):
   pack: ts.TensorStore = None
   offset: int = 0
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
-    if not _contiguous(index, self.shape):
-      raise ValueError(f"{index} is not one C-order range of {self.shape}")
     size = self.dtype.itemsize
-    lo = self.offset + _blocks.start(index, self.shape) * size
-    hi = lo + math.prod(b - a for a, b in index) * size
+    if index == tuple((0, n) for n in self.shape):   # (restore's, hashes': the whole leaf)
+      lo, hi = self.offset, self.offset + self.rec.packed.nbytes
+    elif _contiguous(index, self.shape):
+      lo = self.offset + _blocks.start(index, self.shape) * size
+      hi = lo + math.prod(b - a for a, b in index) * size
+    else:
+      raise ValueError(f"{index} is not one C-order range of {self.shape}")
     return _store.read_slice(self.pack, ((lo, hi),), batch)   # (a module attribute: tests
                                                               # patch it)
 
@@ -169,7 +168,7 @@ class _Packed(StoredLeaf):
                                  self.rec)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Pieced(StoredLeaf):
   reader: _pieces_read.SliceReader = None
 
@@ -177,7 +176,7 @@ class _Pieced(StoredLeaf):
     return self.reader(index, batch)   # aligned, bools checked
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Stored(StoredLeaf):
   array: ts.TensorStore = None
   chunks: tuple[int, ...] = ()
@@ -194,7 +193,7 @@ class _Stored(StoredLeaf):
     return _store.from_storage(raw, self.rec.dtype)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Foreign(StoredLeaf):
   reader: Any = None      # the source's reader (``read_bytes``)
   slices: Any = None      # its slice_reader of this leaf, made once (it groups slices)
@@ -206,10 +205,10 @@ class _Foreign(StoredLeaf):
     return _store.from_storage(raw, self.rec.dtype)
 
   def cost(self, index: Index) -> int:
-    return max(super().cost(index), self.reader.read_bytes(self.rec, index))
+    return max(StoredLeaf.cost(self, index), self.reader.read_bytes(self.rec, index))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Pack(StoredLeaf):
   array: ts.TensorStore = None
 
@@ -290,9 +289,9 @@ def read_regions(regions: Iterable[Region], window: Window, *, errors: str = "ra
                  release: bool = True) -> Iterator[Landed]:
   """Read ``regions`` in order, at most ``window.limit`` bytes held (a read larger than that
   alone), and hand each out as it lands, in order. Reads join a ``ts.Batch`` until it holds
-  half the window or one of its reads is waited on: a chunk file's index and the inner
-  chunks several regions need are fetched once, in one request per file, and the next batch
-  reads while one lands. ``release``: a landed read's charge is freed when the caller asks
+  half the window, one of its reads is waited on, or the loop would wait for an older one:
+  a chunk file's index and the inner chunks several regions need are fetched once, in one
+  request per file, and storage reads the next batch while one lands. ``release``: a landed read's charge is freed when the caller asks
   for the next one (else the caller frees it: ``window.release``). ``errors="raise"``: a
   failed read raises ``leaf.error`` (:func:`leaf_error`); ``"yield"``: it is handed out as
   ``Landed.error``, raw. A read larger than this machine's memory is refused before any
@@ -318,18 +317,12 @@ def read_regions(regions: Iterable[Region], window: Window, *, errors: str = "ra
     for r in regions:
       check_memory(r.cost, r.leaf)
       while f.pending and window.held + r.cost > window.limit:  # strict: a window equal to
-        got = f.land(errors)                                    # the charges fits them all
-        yield got
-        if release:
-          window.release(got.region.cost)
+        yield from f.land(errors, release)                      # the charges fits them all
       if window.held + r.cost > window.limit and window.drain is not None:
         window.drain()
       f.start(r)
     while f.pending:
-      got = f.land(errors)
-      yield got
-      if release:
-        window.release(got.region.cost)
+      yield from f.land(errors, release)
   finally:
     f.submit()   # an abandoned loop never leaves reads unsubmitted
 
@@ -363,17 +356,21 @@ class _Flight:
       self.batch.submit()
       self.batch, self.batched = None, 0
 
-  def land(self, errors: str) -> Landed:
+  def land(self, errors: str, release: bool) -> Iterator[Landed]:
+    """Wait for the oldest read and hand it out (its charge released when the caller asks
+    for the next one, with ``release``)."""
     r, fut, batch = self.pending.popleft()
-    if batch is self.batch:
+    if batch is self.batch or not _ready(fut):  # (waiting: storage reads the next ones)
       self.submit()
     try:
-      data = r.leaf.finish(fut.result(), r.index)
+      data, error = r.leaf.finish(fut.result(), r.index), None
     except Exception as e:
       if errors == "raise":
         raise r.leaf.error(e) from None
-      return Landed(r, None, e, bool(self.pending) and _ready(self.pending[0][1]))
-    return Landed(r, data, None, bool(self.pending) and _ready(self.pending[0][1]))
+      data, error = None, e
+    yield Landed(r, data, error, bool(self.pending) and _ready(self.pending[0][1]))
+    if release:
+      self.window.release(r.cost)
 
 
 def _ready(fut: Any) -> bool:
@@ -406,19 +403,6 @@ class _Failed:
 
   def result(self) -> Any:
     raise self.error
-
-
-class _Then:
-  """A pending read whose result goes through ``fn`` (``StoredLeaf.read``)."""
-
-  def __init__(self, fut: Any, fn: Callable[[Any], np.ndarray]):
-    self.fut, self.fn = fut, fn
-
-  def done(self) -> bool:
-    return _ready(self.fut)
-
-  def result(self) -> np.ndarray:
-    return self.fn(self.fut.result())
 
 
 def _box(index: Index) -> tuple[slice, ...]:

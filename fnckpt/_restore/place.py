@@ -1,0 +1,191 @@
+"""Restore's reads and their placement: what each array leaf needs read (the regions), read
+through the one reader (``_sources.read``) under the restore budget, and placed on the
+target's devices as it lands.
+
+Packed leaves are read first, each whole, and placed with their sharding; stored, pieced and
+foreign leaves as the distinct slices this process's devices need (``_layout.plan_read``),
+each placed on its devices; inline leaves (no stored bytes: values in the manifest) last. A
+slice's bytes stay charged to the budget until it is placed: puts go out in batches, when 256
+are waiting, when the next read has not landed yet and an eighth of the budget waits (its
+bytes then leave the budget and the next reads go out meanwhile), or when the budget is full
+and nothing is in flight (the window's ``drain``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from .._layout import chunks as _layout
+from .._format import leaves as _leaves
+from .._io import arrays as _store
+from .._sources import read as _read
+from .._sources.source import Source
+
+__all__ = ["Read", "read_arrays", "place", "place_all", "convert"]
+
+WHOLE = "whole"   # a region's devices: the whole leaf, placed with its sharding
+FLUSH_PUTS = 256  # placements batched into one device_put at most
+
+
+@dataclasses.dataclass
+class Read:
+  """One array leaf being read: where its slices go and what has arrived (``parts``: device
+  -> its slice placed, or None -> the whole host array; ``placed``: the leaf placed whole)."""
+  want: Any                                    # restore's _Want: rec, dtype, host, ...
+  shape: tuple[int, ...]
+  sharding: jax.sharding.Sharding | None       # None: one host numpy array
+  parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
+  placed: Any = None
+
+
+def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
+  """Read every array of ``reads`` (at most ``budget`` bytes held, read or landed and not yet
+  placed) and place it: ``placed`` for a leaf placed whole with a sharding, ``parts`` for the
+  others. Inline leaves have no stored bytes: their values, from the manifest, are placed
+  with the last batch."""
+  placer = _Placer(reads)
+  window = placer.window = _read.Window(budget, drain=placer.flush)
+  try:
+    for got in _read.read_regions(_regions(_read.Opener(src), reads), window, release=False):
+      placer.land(got)
+    for i, r in reads.items():
+      if r.want.rec.inline is not None:
+        placer.inline(i, _leaves.inline_array(r.want.rec))
+    placer.flush()
+  finally:
+    window.drain = None  # (a cycle through the placer would keep what was read, and the
+                         # restored arrays, alive until a garbage collection)
+
+
+def _regions(opener: _read.Opener, reads: dict[int, Read]) -> Iterator[_read.Region]:
+  """Packed leaves whole (first: they share packs, in batches of half the budget), then the
+  slices of stored, pieced and foreign leaves. Tags: ``(leaf number, devices)``, devices
+  None for a host target."""
+  packed = [i for i, r in reads.items() if r.want.rec.packed is not None]
+  for i in packed:
+    leaf = opener.leaf(reads[i].want.rec)
+    index = tuple((0, n) for n in reads[i].shape)
+    yield _read.Region(leaf, index, leaf.cost(index),
+                       (i, None if reads[i].sharding is None else WHOLE))
+  for i, r in reads.items():
+    if r.want.rec.packed is not None or r.want.rec.inline is not None:
+      continue
+    leaf = opener.leaf(r.want.rec)
+    if r.sharding is None:
+      plan = {tuple((0, n) for n in r.shape): None}
+    else:
+      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
+    for index, devices in plan.items():
+      yield _read.Region(leaf, index, leaf.cost(index), (i, devices))
+
+
+class _Placer:
+  """Places landed reads: a host target's array kept, a whole leaf or a slice's device puts
+  queued and placed in batches (:meth:`flush`), their bytes released from ``window`` then."""
+
+  def __init__(self, reads: dict[int, Read]):
+    self.reads = reads
+    self.window: _read.Window | None = None
+    self.puts: list[tuple[int, Any, np.ndarray]] = []   # (leaf, device, host slice)
+    self.whole: list[tuple[int, np.ndarray]] = []        # (leaf, host array)
+    self.held = 0
+
+  def land(self, got: _read.Landed) -> None:
+    i, devices = got.region.tag
+    r = self.reads[i]
+    host = convert(r.want, got.data)
+    if devices is None:
+      r.parts[None] = host
+      self.window.release(got.region.cost)
+      return
+    # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
+    # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
+    # such an array makes XLA copy, never write into it).
+    if devices is WHOLE:
+      s = r.sharding
+      self.whole.append((i, shared_on_cpu(host, s.device_set if s.is_fully_replicated else ())))
+    else:
+      host = shared_on_cpu(host, devices)
+      self.puts += [(i, d, host) for d in devices]
+    self.held += got.region.cost
+    if len(self.puts) + len(self.whole) >= FLUSH_PUTS or (
+        not got.next_landed and self.held >= self.window.limit // 8):
+      self.flush()
+
+  def inline(self, i: int, host: np.ndarray) -> None:
+    """An inline leaf's value: kept for a host target, else queued to be placed whole (small:
+    no aligned copy for CPU replicas)."""
+    r = self.reads[i]
+    host = convert(r.want, host)
+    if r.sharding is None:
+      r.parts[None] = host
+    else:
+      self.whole.append((i, host))
+      if len(self.puts) + len(self.whole) >= FLUSH_PUTS:
+        self.flush()
+
+  def flush(self) -> None:
+    """Place everything queued (one batched ``device_put`` of the slices, one of the whole
+    leaves) and release its bytes."""
+    if self.puts:
+      arrays = jax.device_put([h for _, _, h in self.puts], [d for _, d, _ in self.puts],
+                              may_alias=True)
+      for (i, d, _), arr in zip(self.puts, arrays):
+        self.reads[i].parts[d] = arr
+      self.puts.clear()
+    if self.whole:
+      rs = [self.reads[i] for i, _ in self.whole]
+      for r, arr in zip(rs, place_all([h for _, h in self.whole], [r.sharding for r in rs])):
+        r.placed = arr
+      self.whole.clear()
+    self.window.release(self.held)
+    self.held = 0
+
+
+def convert(w: Any, host: np.ndarray) -> np.ndarray:
+  """``host`` in the dtype the target asks for (``w.dtype``; None: as saved)."""
+  if w.dtype is not None and host.dtype != w.dtype:
+    return _leaves.cast(host, w.dtype, w.rec.where)
+  return host
+
+
+def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
+  """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
+  when two or more of them take it whole: one copy here instead of one per device."""
+  if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
+      or next(iter(devices)).platform != "cpu"):
+    return host
+  out = _store.aligned_empty(host.shape, host.dtype)
+  np.copyto(out, host)
+  return out
+
+
+def place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
+              ) -> list[jax.Array]:
+  """Whole host arrays placed with their shardings: one batched ``jax.device_put`` for those
+  on this process's devices alone, :func:`place` for the others."""
+  local = [k for k, s in enumerate(shardings) if s.is_fully_addressable]
+  out: list[Any] = [None] * len(hosts)
+  if local:
+    for k, arr in zip(local, jax.device_put([hosts[k] for k in local],
+                                            [shardings[k] for k in local], may_alias=True)):
+      out[k] = arr
+  for k, s in enumerate(shardings):
+    if out[k] is None:
+      out[k] = place(hosts[k], s)
+  return out
+
+
+def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A whole host array placed with ``sharding``, from this process's slices alone:
+  ``jax.device_put`` onto a sharding spanning processes would run a cross-process check
+  (a collective), and restore makes none."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(host, sharding)
+  return jax.make_array_from_callback(host.shape, sharding,  # own buffers; dtype: none may
+                                     lambda index: np.array(host[index]),  # be on this process
+                                     dtype=host.dtype)
