@@ -16,7 +16,8 @@ from .._format import leaves as _leaves, records as _records, tree as _tree
 from .._io import commit as _commit
 from .._sources import read as _read, source as _source
 from .._errors import CheckpointError
-from . import perprocess as _values, text as _text
+from .perprocess import read_values, values_under
+from .text import cause, compact, desc
 
 __all__ = ["run"]
 
@@ -29,17 +30,17 @@ def run(args: argparse.Namespace) -> int:
   lines = []
   for key, rec in recs_a.items():
     if key not in recs_b:
-      lines.append(f"- {_tree.keystr(rec.path)}: {_text.desc(rec)}")
+      lines.append(f"- {_tree.keystr(rec.path)}: {desc(rec)}")
   for key, rec in recs_b.items():
     if key not in recs_a:
-      lines.append(f"+ {_tree.keystr(rec.path)}: {_text.desc(rec)}")
+      lines.append(f"+ {_tree.keystr(rec.path)}: {desc(rec)}")
   same_structure = []
   for key, ra in recs_a.items():
     rb = recs_b.get(key)
     if rb is None:
       continue
-    if _text.desc(ra) != _text.desc(rb) or ra.impl != rb.impl:
-      lines.append(f"~ {_tree.keystr(ra.path)}: {_text.desc(ra)} -> {_text.desc(rb)}")
+    if desc(ra) != desc(rb) or ra.impl != rb.impl:
+      lines.append(f"~ {_tree.keystr(ra.path)}: {desc(ra)} -> {desc(rb)}")
     else:
       same_structure.append((ra, rb))
   if args.values:
@@ -71,8 +72,8 @@ def _value_lines(src_a: _source.Source, src_b: _source.Source,
       lines.append(f"! {_tree.keystr(ra.path)}: values differ ({text})")
   man_a, man_b = src_a.manifest, src_b.manifest
   if man_a.metadata != man_b.metadata:
-    lines.append(f"! metadata: {_text.compact(man_a.metadata)} -> "
-                 f"{_text.compact(man_b.metadata)}")
+    lines.append(f"! metadata: {compact(man_a.metadata)} -> "
+                 f"{compact(man_b.metadata)}")
   return lines
 
 
@@ -80,7 +81,7 @@ def _cannot_compare(e: BaseException, *srcs: _source.Source) -> str:
   for src in srcs:
     if not _commit.unchanged(src.kv, src.commit):
       raise _commit.changed_error(src.location) from None
-  return f"cannot compare: {str(e) if isinstance(e, CheckpointError) else _text.cause(e)}"
+  return f"cannot compare: {str(e) if isinstance(e, CheckpointError) else cause(e)}"
 
 
 def _array_texts(src_a: _source.Source, src_b: _source.Source,
@@ -138,8 +139,8 @@ def _per_process_differ(src_a: _source.Source, rec_a: _records.Leaf,
   if n_a != n_b:
     return f"saved by {n_a} -> {n_b} processes"
   differ = [p for p in range(n_a)
-            if _values.values_under(_values.read_values(src_a, p), rec_a.path)
-            != _values.values_under(_values.read_values(src_b, p), rec_b.path)]
+            if values_under(read_values(src_a, p), rec_a.path)
+            != values_under(read_values(src_b, p), rec_b.path)]
   return f"the values of process(es) {differ} differ" if differ else None
 
 
@@ -157,4 +158,4 @@ def _values_differ(src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.S
     same = np.float64(va).tobytes() == np.float64(vb).tobytes()
   else:
     same = type(va) is type(vb) and va == vb
-  return None if same else f"{_text.compact(va, 30)} -> {_text.compact(vb, 30)}"
+  return None if same else f"{compact(va, 30)} -> {compact(vb, 30)}"

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from .._export.export import export_safetensors
 from .._errors import CheckpointError
-from . import text as _text
+from .text import compact, human
 
 __all__ = ["run", "renames"]
 
@@ -39,9 +39,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"note: skipped {line}", file=sys.stderr)
   rate = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
   extra = {k: v for k, v in r.metadata.items() if k != "format"}
-  print(f"wrote {r.tensors} tensor(s), {_text.human(r.bytes)}, to {r.out} in {r.seconds:.2f} s "
+  print(f"wrote {r.tensors} tensor(s), {human(r.bytes)}, to {r.out} in {r.seconds:.2f} s "
         f"({rate:.0f} MB/s)" + (f"; {len(r.files) - 1} shard(s) and "
                                  "model.safetensors.index.json" if len(r.files) > 1 else ""))
   if extra:
-    print(f"__metadata__: {_text.compact(json.dumps(extra), -200)}")
+    print(f"__metadata__: {compact(json.dumps(extra), -200)}")
   return 0

@@ -11,7 +11,8 @@ import numpy as np
 from .._format import leaves as _leaves, manifest as _manifest, records as _records, \
     refs as _refs, tree as _tree
 from .._sources import read as _read, source as _source
-from . import text as _text
+from .text import (compact, human, lineage as lineage_text, shape as shape_text,
+                   sharding as sharding_text, table, when)
 
 __all__ = ["run"]
 
@@ -24,14 +25,14 @@ def value_text(rec: _records.Leaf) -> str:
       value = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype))
       text = np.array2string(value.reshape(rec.shape), threshold=8, edgeitems=2,
                              separator=", ").replace("\n", "")
-      return f"inline {_text.compact(text, -60)}"
+      return f"inline {compact(text, -60)}"
     if rec.packed is not None:
       return f"pack {rec.packed.pack} bytes {rec.packed.offset}+{rec.packed.nbytes}"
     if rec.pieces is not None:
-      return f"pieces {_text.shape(rec.pieces.chunks)} in the packs (mesh {rec.pieces.mesh})"
+      return f"pieces {shape_text(rec.pieces.chunks)} in the packs (mesh {rec.pieces.mesh})"
     store = rec.stored
     blosc = dict(store.blosc or ())
-    return f"{store.dir}/ chunks {_text.shape(store.chunks)}" + (
+    return f"{store.dir}/ chunks {shape_text(store.chunks)}" + (
         f" zstd {store.zstd}" if store.zstd else "") + (
         f" blosc {blosc['cname']} {blosc['shuffle']}" if blosc else "")
   if kind == "npgen":
@@ -40,7 +41,7 @@ def value_text(rec: _records.Leaf) -> str:
     return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec.type]
   if kind == "perprocess":
     return "fnckpt.PerProcess: one value per saving process (in pp/<process>)"
-  return _text.compact(_leaves.decode_value(rec))
+  return compact(_leaves.decode_value(rec))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,12 +52,12 @@ def run(args: argparse.Namespace) -> int:
   print(f"{location}: fnckpt format {manifest.version}, written by fnckpt "
         f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
         f"{v.get('tensorstore', '?')}) on {manifest.process_count} process(es); "
-        f"created {_text.when(manifest.created)}, committed "
-        f"{_text.when(commit.get('committed'))}")
+        f"created {when(manifest.created)}, committed "
+        f"{when(commit.get('committed'))}")
   if manifest.metadata is not None:
     print(f"metadata: {json.dumps(manifest.metadata, default=repr)}")
   if manifest.fork is not None:
-    print(f"lineage: {_text.lineage(src)}")
+    print(f"lineage: {lineage_text(src)}")
   rows = [["KEY PATH", "KIND", "DTYPE", "SHAPE", "SAVED SHARDING", "BYTES", "STORED / VALUE"]]
   for rec in manifest.leaves:
     if rec.kind in ("array", "key"):
@@ -65,12 +66,12 @@ def run(args: argparse.Namespace) -> int:
       where = value_text(rec) + (
           f" <- reused from {_refs.display(location, manifest.bases[base].dir)}"
           if base is not None else "")
-      rows.append([_tree.keystr(rec.path), rec.kind, dtype, _text.shape(rec.shape),
-                   _text.sharding(rec), _text.human(rec.nbytes), where])
+      rows.append([_tree.keystr(rec.path), rec.kind, dtype, shape_text(rec.shape),
+                   sharding_text(rec), human(rec.nbytes), where])
     else:
       t = rec.type or rec.dtype or "-"
       rows.append([_tree.keystr(rec.path), rec.kind, str(t), "-", "-", "-", value_text(rec)])
-  print(_text.table(rows))
+  print(table(rows))
   _summary(manifest)
   return 0
 
@@ -86,10 +87,10 @@ def _summary(manifest: _records.Manifest) -> None:
   print(f"{len(leaves)} leaves ({arrays} arrays: {stored} stored in their own "
         f"arrays, {packed} in {len(manifest.packs)} pack(s)"
         + (f", {pieced} as pieces in the packs" if pieced else "")
-        + f"), {_text.human(total)} of array data")
+        + f"), {human(total)} of array data")
   reused = [r for r in leaves if _read.base_of(manifest, r) is not None]
   if reused or manifest.bases:
     kept = sum(r.nbytes for r in reused)
-    print(f"written by this save: {_text.human(total - kept)} in "
+    print(f"written by this save: {human(total - kept)} in "
           f"{arrays - len(reused)} array(s); reused (references to {len(manifest.bases)} "
-          f"earlier checkpoint(s)): {_text.human(kept)} in {len(reused)} array(s)")
+          f"earlier checkpoint(s)): {human(kept)} in {len(reused)} array(s)")

@@ -12,7 +12,7 @@ from .._io import paths as _paths
 from .._sources import read as _read, source as _source
 from .._manager import fork as _fork, steps as _steps
 from .._errors import CheckpointError
-from . import text as _text
+from .text import compact, human, lineage as lineage_text, table, when
 
 __all__ = ["run"]
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
   if args.local is None and (_manifest.COMMIT in keys or _manifest.MANIFEST in keys):
     print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
     rows, lineage = _step_rows([(".", root)], keys, options)
-    print(_text.table([HEADER] + rows))
+    print(table([HEADER] + rows))
     if lineage:
       print(f"this checkpoint is a {lineage}")
     return 0
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"No checkpoints under {_paths.display(root)!r}.", file=sys.stderr)
     return 1
   rows.sort(key=lambda r: int(r[1] if len(tiers) > 1 else r[0]))
-  print(_text.table([(["TIER"] if len(tiers) > 1 else []) + HEADER] + rows))
+  print(table([(["TIER"] if len(tiers) > 1 else []) + HEADER] + rows))
   if lineage:
     print(f"this run is a {lineage}")
   forks = [k for k in keys if k.startswith(_fork.FORKS + "/")]
@@ -73,7 +73,7 @@ def _files_of(keys: list[str], name: str) -> str:
 def _other_rows(listing: _steps.Listing, keys: list[str]) -> list[list[str]]:
   """``ls`` rows of a tier's steps marked damaged, leftovers and referenced (deleted) steps."""
   return ([[str(s), "DAMAGED", "-", "-", "-", "-", "-",
-            f"marked damaged ({_text.compact(d, 60)})"
+            f"marked damaged ({compact(d, 60)})"
             f"; skipped by the manager; manager.delete({s}) removes it"]
            for s, d in sorted(listing.damaged.items())]
           + [[str(s), "UNCOMMITTED", "-", "-", "-", _files_of(keys, str(s)), "-",
@@ -102,9 +102,9 @@ def _step_rows(steps: list[tuple[str, str]], keys: list[str], options: dict[str,
                              for k, v in metrics.items())
                    if isinstance(metrics, dict) else "-")
     leaves = manifest.leaves
-    lineage = lineage or _text.lineage(src)
+    lineage = lineage or lineage_text(src)
     own = sum(r.nbytes for r in leaves if _read.base_of(manifest, r) is None)
-    rows.append([name, "committed", _text.human(sum(r.nbytes for r in leaves)),
-                 _text.human(own), str(len(leaves)), _files_of(keys, name),
-                 _text.when(commit.get("committed")), metric_text])
+    rows.append([name, "committed", human(sum(r.nbytes for r in leaves)),
+                 human(own), str(len(leaves)), _files_of(keys, name),
+                 when(commit.get("committed")), metric_text])
   return rows, lineage

@@ -20,7 +20,8 @@ from .._io import commit as _commit, paths as _paths
 from .._sources import read as _read, source as _source
 from .._manager import steps as _steps
 from .._errors import CheckpointError
-from . import perprocess as _values, text as _text
+from .perprocess import read_values, values_under
+from .text import cause, human, region
 
 __all__ = ["run"]
 
@@ -57,7 +58,7 @@ class _Progress:
       self.last_decile = decile
     bar = "#" * int(frac * 30)
     line = (f"verify {self.label} [{bar:<30}] {frac * 100:5.1f}% {self.done_chunks}/"
-            f"{self.chunks} chunks {_text.human(self.done_bytes)}/{_text.human(self.total)}")
+            f"{self.chunks} chunks {human(self.done_bytes)}/{human(self.total)}")
     sys.stderr.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
     sys.stderr.flush()
 
@@ -119,7 +120,7 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[
 
 
 def _open_text(e: BaseException) -> str:
-  return str(e) if isinstance(e, CheckpointError) else _text.cause(e)
+  return str(e) if isinstance(e, CheckpointError) else cause(e)
 
 
 def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
@@ -156,8 +157,8 @@ def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
     elif k in damaged:
       bad, index, e = damaged[k]
       more = f" (and {bad - 1} more damaged chunk(s))" if bad > 1 else ""
-      problems.append(f"{u.label} ({u.here}): chunk {_text.region(index)}: "
-                      f"{_text.cause(e)}{more}")
+      problems.append(f"{u.label} ({u.here}): chunk {region(index)}: "
+                      f"{cause(e)}{more}")
   return problems
 
 
@@ -184,7 +185,7 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
     rec, e = got.region.tag, got.error
     if e is not None and rec.index not in found:
       found[rec.index] = str(e) if isinstance(e, CheckpointError) else \
-          f"{rec.where}: {_text.cause(e)}"
+          f"{rec.where}: {cause(e)}"
   return [found[rec.index] for rec in wanted if rec.index in found]
 
 
@@ -228,7 +229,7 @@ def _hash_mismatch(opener: _read.Opener, rec: _records.Leaf) -> str | None:
     pos = got.region.tag
     want = rec.chunk_hashes[pos * n:(pos + 1) * n]
     if want != _refs.NO_HASH and _refs.array_digest(got.data) != want:
-      return f"chunk {_text.region(got.region.index)} differs from what was saved"
+      return f"chunk {region(got.region.index)} differs from what was saved"
   return None
 
 
@@ -244,16 +245,16 @@ def _verify_per_process(src: _source.Source) -> list[str]:
   for p in range(manifest.process_count):
     here = f"{src.location}/{_perprocess.values_key(manifest.data, p)}"
     try:
-      leaves = _values.read_values(src, p)
+      leaves = read_values(src, p)
     except CheckpointError as e:
       problems.append(f"per-process values of process {p} ({names}) ({here}): {e}")
       continue
     except Exception as e:  # TensorStore I/O errors are ValueErrors
       problems.append(f"per-process values of process {p} ({names}) ({here}): "
-                      f"{_text.cause(e)}")
+                      f"{cause(e)}")
       continue
     for rec in wanted:
-      if not _values.values_under(leaves, rec.path):
+      if not values_under(leaves, rec.path):
         problems.append(f"{rec.where} ({here}): missing data [process {p} saved no value]")
   return problems
 
