@@ -51,8 +51,7 @@ class Resolver:
   def __init__(self) -> None:
     self._meshes: dict[AbstractMesh, jax.sharding.Mesh] = {}
     self._devices: frozenset | None = None
-    self._done: dict[tuple[Any, Any], jax.sharding.Sharding] = {}  # checked once each
-    self._placed: dict[tuple[Any, Any], Placement] = {}
+    self._placed: dict[tuple[Any, Any], Placement] = {}  # by (sharding, shape): checked once
 
   def leaf(self, where: str, leaf: Any, shape: tuple[int, ...] | None) -> Placement:
     """The placement for a target leaf (a ``jax.Array``, ``ShapeDtypeStruct`` or
@@ -66,26 +65,19 @@ class Resolver:
       return Placement(None)
     fmt = getattr(leaf, "format", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
     layout = getattr(fmt, "layout", None)
+    if not isinstance(given, jax.sharding.Sharding):
+      raise CheckpointError(f"{where}: the target's sharding is {type(given).__name__} "
+                            f"{given!r}, not a jax.sharding.Sharding; {FIX}.")
     placed = self._placed.get((given, shape))
-    if placed is None:  # once per distinct sharding and shape
-      placed = self._placed[(given, shape)] = _device_memory(self.sharding(where, given, shape))
+    if placed is None:
+      placed = self._placed[(given, shape)] = _device_memory(self._resolve(where, given, shape))
     if layout is not None:
       placed = Placement(placed.sharding, Format(layout, placed.final or placed.sharding))
     return placed
 
-  def sharding(self, where: str, given: Any, shape: tuple[int, ...] | None
-               ) -> jax.sharding.Sharding:
-    """``given`` as a sharding of this job's devices that can hold ``shape``."""
-    if not isinstance(given, jax.sharding.Sharding):
-      raise CheckpointError(f"{where}: the target's sharding is {type(given).__name__} "
-                            f"{given!r}, not a jax.sharding.Sharding; {FIX}.")
-    done = self._done.get((given, shape))
-    if done is None:
-      done = self._done[(given, shape)] = self._resolve(where, given, shape)
-    return done
-
   def _resolve(self, where: str, given: jax.sharding.Sharding, shape: tuple[int, ...] | None
                ) -> jax.sharding.Sharding:
+    """``given`` as a sharding of this job's devices that can hold ``shape``."""
     if isinstance(given, jax.sharding.NamedSharding) and isinstance(given.mesh, AbstractMesh):
       given = jax.sharding.NamedSharding(self._mesh(where, given.mesh), given.spec,
                                          memory_kind=given.memory_kind)
