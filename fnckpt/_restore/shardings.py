@@ -142,8 +142,6 @@ def _check_fits(where: str, sharding: jax.sharding.Sharding, shape: tuple[int, .
                        f"has dimensions ({len(shape)})")
     sharding.shard_shape(shape)
     sharding.addressable_devices_indices_map(shape)
-  except CheckpointError:
-    raise
   except Exception as e:
     raise CheckpointError(f"{where}: the sharding {sharding} cannot hold an array of shape "
                           f"{shape} ({e}); give this key path a sharding that fits.") from None
