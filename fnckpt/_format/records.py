@@ -27,7 +27,7 @@ from .tree import keystr
 
 __all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork",
            "encode", "evolve", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
-           "MAX_DIMS", "HASH_BYTES"]
+           "MAX_DIMS", "HASH_BYTES", "HASH_ALGS", "RUN_BYTES"]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
 DTYPES = frozenset((
@@ -49,7 +49,9 @@ MAX_DEPTH = 32                    # nesting of a Generator's state
 MAX_BIGINT_DIGITS = 4000          # below Python's int() digit limit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DATA_NAME = re.compile(r"data-[0-9a-f]{32}")
-HASH_BYTES = 32                   # SHA-256
+HASH_BYTES = 32                   # SHA-256 (format 2's content hashes)
+HASH_ALGS = {"xxh3-128": 16}      # format 3's ``hash`` algorithm -> digest bytes
+RUN_BYTES = 12                    # a pieces run: pack u32 LE, offset u64 LE (format 3)
 FP_BYTES = 8                      # a chunk's fingerprint (fnckpt._format.refs.fingerprint)
 MAX_UP = 64                       # '..' names at the front of a reference
 
@@ -126,10 +128,14 @@ class Pack:
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
-  """A leaf stored as pieces (format 2, README "Pieces"): its chunks (device shards) are byte
-  ranges of their writers' packs, placed by ``Manifest.layout``."""
+  """A leaf stored as pieces (README "Pieces"): its chunks (device shards) are byte ranges of
+  their writers' packs. Format 2: placed by ``Manifest.layout`` (rule 2). Format 3: ``runs``
+  (12 bytes per writing process, increasing: pack u32 LE, offset u64 LE) says where each
+  writer's chunks lie, ``hashes`` (16 bytes per writer) their hash."""
   chunks: tuple[int, ...]
   mesh: int
+  runs: bytes | None = None
+  hashes: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +165,7 @@ class Leaf:
   type: str | None = None          # scalar type, or the empty container's type
   name: str | None = None          # an empty container's class
   value: Any = None
-  hash: bytes | None = None        # SHA-256 of the stored bytes (see README "References")
+  hash: bytes | None = None        # content hash (README "References and hashes", "Version 3")
   chunk_hashes: bytes | None = None
   chunk_fps: bytes | None = None
   subtype: str | None = None       # a scalar's subclass ("module.Name"; informative only)
@@ -192,6 +198,7 @@ class Manifest:
   # per mesh of pieced leaves: the process of each position; the pieced leaves' layout
   meshes: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False)
   layout: Any = dataclasses.field(default=None, compare=False)   # ``_pieces.Layout`` or None
+  hash: str | None = None           # format 3: the content hashes' algorithm ("xxh3-128")
 
   def pack_of(self, process: int) -> int:
     """The index in ``packs`` of ``process``'s own pack (with its pieces region)."""
@@ -227,7 +234,7 @@ def evolve(r: Any, **changes: Any) -> Any:
   return out
 
 
-# --- records -> the wire format (README "Format (version 2)") ------------------------------
+# --- records -> the wire format (README "Format (version 3)", and 2) ------------------------
 # Keys in the order the writer has always written them (so the manifest of a tree is the same
 # bytes as before the writer built records). Derived and record-only fields (``Leaf.index``,
 # ``Packed.nbytes``, ``Pieces.mesh``, a named sharding's ``devices``, ``Manifest.layout``) are
@@ -235,8 +242,8 @@ def evolve(r: Any, **changes: Any) -> Any:
 
 def encode(r: Manifest | Leaf) -> dict[str, Any]:
   """A record -> its msgpack map: the inverse of :func:`fnckpt._format.parse.parse` for every
-  valid format-2 record. A :class:`Manifest` of format 1 is refused (fnckpt reads format 1,
-  writes 2).
+  valid record of format 2 or 3. A :class:`Manifest` of format 1 is refused (fnckpt reads
+  format 1, writes 3; a fork keeps its parent's 2 or 3).
 
   >>> encode(Leaf(0, (("dict", "step"),), "scalar", type="int", value=3))
   {'path': [['dict', 'step']], 'kind': 'scalar', 'type': 'int', 'value': 3}
@@ -245,12 +252,14 @@ def encode(r: Manifest | Leaf) -> dict[str, Any]:
 
 
 def _encode_manifest(m: Manifest) -> dict[str, Any]:
-  if m.version != 2 or m.data is None:
-    raise ValueError(f"format {m.version} records are read-only: fnckpt writes format 2")
+  if m.version not in (2, 3) or m.data is None:
+    raise ValueError(f"format {m.version} records are read-only: fnckpt writes formats 2, 3")
   out = {"format": "fnckpt", "version": m.version, "created": float(m.created),
          "process_count": m.process_count, "versions": dict(m.versions),
          "metadata": m.metadata, "data": m.data, "packs": [_encode_pack(p) for p in m.packs],
          "leaves": [_encode_leaf(l) for l in m.leaves]}
+  if m.hash is not None:
+    out["hash"] = m.hash
   if m.meshes:
     out["meshes"] = [np.asarray(a).tolist() for a in m.meshes]
   if m.bases:
@@ -276,6 +285,8 @@ def _encode_leaf(l: Leaf) -> dict[str, Any]:
       rec["pack"] = {"index": l.packed.pack, "offset": l.packed.offset}
     elif l.pieces is not None:
       rec["pieces"] = {"chunks": list(l.pieces.chunks)}
+      if l.pieces.runs is not None:
+        rec["pieces"]["runs"], rec["pieces"]["hashes"] = l.pieces.runs, l.pieces.hashes
     if l.chunk_hashes is not None:
       rec["chunk_hashes"] = l.chunk_hashes
     if l.chunk_fps is not None:
