@@ -18,7 +18,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "e
            "pack", "encode_commit", "decode_commit", "digest", "check_msgpackable"]
 
 FORMAT_NAME = "fnckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.msgpack"
 COMMIT = "COMMIT"
 DATA_DIR = "d"              # format 1: arrays at d/<n>/
@@ -104,9 +104,10 @@ def _check_header(obj: Any, location: str, what: str) -> None:
         f"reads (up to {FORMAT_VERSION}). Upgrade fnckpt: pip install -U fnckpt.")
 
 
-def encode_commit(manifest_bytes: bytes, committed_at: float) -> bytes:
-  """The commit marker: names the manifest it commits by hash."""
-  return pack({"format": FORMAT_NAME, "version": FORMAT_VERSION,
+def encode_commit(manifest_bytes: bytes, committed_at: float,
+                  version: int = FORMAT_VERSION) -> bytes:
+  """The commit marker: names the manifest it commits by hash (``version``: the manifest's)."""
+  return pack({"format": FORMAT_NAME, "version": version,
                 "manifest_sha256": digest(manifest_bytes), "committed": committed_at})
 
 

@@ -13,20 +13,23 @@ import dataclasses
 import hashlib
 import json
 import posixpath
+import struct
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import parse as _parse, records as _records
+from .._layout import pieces as _pieces
+from . import hashes as _hashes, parse as _parse, records as _records
 from .._errors import CheckpointError
 
 __all__ = ["digest", "array_digest", "Location", "locate", "relative", "resolve",
-           "StoredCand", "PackCand", "candidates", "Report", "finalize", "chunk_pos",
-           "chunk_key"]
+           "StoredCand", "PackCand", "RunCand", "Candidates", "candidates", "Report",
+           "finalize", "chunk_pos", "chunk_key", "run_writers"]
 
 
 def digest(data: Any) -> bytes:
-  """SHA-256 of a bytes-like object (hashlib releases the GIL for large buffers).
+  """SHA-256 of a bytes-like object: format 2's content hashes (format 3's are
+  :mod:`fnckpt._format.hashes`).
 
   >>> digest(b"").hex()[:8]
   'e3b0c442'
@@ -34,32 +37,11 @@ def digest(data: Any) -> bytes:
   return hashlib.sha256(data).digest()
 
 
-FP_BYTES = 8
-NO_HASH = bytes(_records.HASH_BYTES)   # a chunk_hashes entry for a chunk not hashed
-_FP_WINDOWS, _FP_WINDOW = 16, 512     # elements sampled by a fingerprint
-
-
-def fingerprint(host: np.ndarray) -> bytes:
-  """A cheap 64-bit fingerprint of an array's bytes: BLAKE2b of 16 windows of 512 elements
-  spread over it (and its size). Equal bytes give equal fingerprints, so a different
-  fingerprint proves a change; equality is only ever decided by :func:`array_digest`."""
-  n = host.size
-  if n <= _FP_WINDOWS * _FP_WINDOW:
-    idx = np.arange(n)
-  else:
-    starts = np.linspace(0, n - _FP_WINDOW, _FP_WINDOWS).astype(np.int64)
-    idx = (starts[:, None] + np.arange(_FP_WINDOW)[None, :]).reshape(-1)
-  sample = np.ascontiguousarray(host.flat[idx])
-  if sample.dtype.byteorder == ">":
-    sample = sample.astype(sample.dtype.newbyteorder("<"))
-  h = hashlib.blake2b(digest_size=FP_BYTES)
-  h.update(n.to_bytes(8, "little"))
-  h.update(memoryview(sample.reshape(-1).view(np.uint8)))
-  return h.digest()
+NO_HASH = bytes(_records.HASH_BYTES)   # format 2: a chunk_hashes entry for a chunk not hashed
 
 
 def array_digest(host: np.ndarray) -> bytes:
-  """SHA-256 of an array's C-order little-endian bytes (what the checkpoint stores)."""
+  """SHA-256 of an array's C-order little-endian bytes (format 2's chunk hashes)."""
   a = np.ascontiguousarray(host)
   if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
     a = a.astype(a.dtype.newbyteorder("<"))
@@ -139,29 +121,42 @@ def resolve(loc: Location, rel: str, where: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class StoredCand:
   """A stored array leaf whose base has the same layout: reusable if every chunk's hash equals
-  the base's (``chunk_hashes``, ``HASH_BYTES`` each in grid order)."""
+  the base's (``chunk_hashes``, 16 bytes each in grid order)."""
   base: _records.Base               # relative to the *new* checkpoint's parent
   dir: str
   chunk_hashes: bytes
-  chunk_fps: bytes | None = None
 
   def expect(self, pos: int) -> bytes:
-    n = _records.HASH_BYTES
+    n = _hashes.NBYTES
     return self.chunk_hashes[pos * n:(pos + 1) * n]
-
-  def expect_fp(self, pos: int) -> bytes | None:
-    if self.chunk_fps is None:
-      return None
-    return self.chunk_fps[pos * FP_BYTES:(pos + 1) * FP_BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
 class PackCand:
-  """A packed leaf whose base packed the same dtype and shape: reusable if its hash matches."""
+  """A packed leaf, or one process's run of a pieced leaf, whose base stored the same bytes
+  positions: reusable if its hash matches (the base's ``pack`` record, ``base`` dropped)."""
   base: _records.Base
-  pack: _records.Pack               # the base's pack record (its ``base`` dropped)
+  pack: _records.Pack
   offset: int
   hash: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCand:
+  """A pieced leaf whose base has the same pieces layout (dtype, shape, chunks, sharding, mesh
+  processes and writer rule): per writing process, its run in the base."""
+  runs: Mapping[int, PackCand]      # process -> its run in the base
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+  """Per new leaf record, the base data it may reuse (see :func:`candidates`)."""
+  stored: Mapping[int, StoredCand] = dataclasses.field(default_factory=dict)
+  packed: Mapping[int, PackCand] = dataclasses.field(default_factory=dict)
+  pieced: Mapping[int, RunCand] = dataclasses.field(default_factory=dict)
+  # leaves whose value could be compared with the base's but whose layout differs:
+  # (key path, why); they are written in full (save warns)
+  not_compared: tuple[tuple[str, str], ...] = ()
 
 
 def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
@@ -176,16 +171,23 @@ def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
   return _records.Base(relative(target, start), base.data if k is None else base.bases[k].data)
 
 
+def comparable(base: _records.Manifest) -> bool:
+  """Whether ``base`` records hashes a new save can compare with (format 3, xxh3-128)."""
+  return base.version >= 3 and base.hash == _hashes.ALG
+
+
 def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
-               base_loc: Location, new_loc: Location
-               ) -> tuple[dict[int, StoredCand], dict[int, PackCand]]:
-  """Per new leaf record (planned: ``stored`` set for a zarr array, no storage yet for one
-  that may be packed), the base data it may reuse. Equal key path, kind, dtype and shape; for
-  stored arrays also chunks, inner chunks and codecs; the base must have recorded hashes."""
-  if base.version < 2:
-    return {}, {}
+               base_loc: Location, new_loc: Location,
+               meshes: Sequence[np.ndarray] = ()) -> Candidates:
+  """Per new leaf record (planned: ``stored`` set for a zarr array, ``pieces`` for a pieced
+  one, no storage yet for one that may be packed), the base data it may reuse. Equal key
+  path, kind, dtype and shape; for stored arrays also chunks, inner chunks and codecs; for
+  pieced ones the chunks, sharding, mesh processes (``meshes``: the new save's) and writer
+  rule. Only a base with comparable hashes (:func:`comparable`) has candidates."""
+  if not comparable(base):
+    return Candidates()
   by_path = {l.path: l for l in base.leaves}
-  stored, packed = {}, {}
+  stored, packed, pieced, apart = {}, {}, {}, []
   for i, rec in enumerate(records):
     old = by_path.get(rec.path)
     if old is None or old.kind != rec.kind or not old.is_array or old.hash is None:
@@ -195,20 +197,69 @@ def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
     if old.kind == "key" and old.impl != rec.impl:
       continue
     s = rec.stored
-    if s is not None and old.stored is not None and old.chunk_hashes is not None and (
-        old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc) == (
-            s.chunks, s.inner, s.zstd, s.blosc):
+    if rec.inline is not None:
+      continue  # (in the manifest: nothing to write)
+    if s is not None and old.stored is not None:
+      if (old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc) != (
+          s.chunks, s.inner, s.zstd, s.blosc):
+        apart.append((rec.where, "its chunking or compression differs from the base's"))
+        continue
       where = _rebased(base, base_loc, new_loc, old.stored.base)
       if where is not None:
-        stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes, old.chunk_fps)
-    elif (s is None and rec.inline is None and rec.pieces is None
-          and old.packed is not None):
+        stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes)
+    elif rec.pieces is not None and old.pieces is not None:
+      got = _run_cand(base, old, rec, i, meshes, base_loc, new_loc)
+      if got is None:
+        apart.append((rec.where, "its sharding or mesh differs from the base's"))
+        continue
+      pieced[i] = got
+    elif s is None and rec.pieces is None and old.packed is not None:
       pack = base.packs[old.packed.pack]
       where = _rebased(base, base_loc, new_loc, pack.base)
       if where is not None:
         packed[i] = PackCand(where, dataclasses.replace(pack, base=None), old.packed.offset,
                              old.hash)
-  return stored, packed
+    else:
+      apart.append((rec.where, f"it is stored {_kind(rec)} here but {_kind(old)} in the base "
+                    "(its sharding, or the save's inline_bytes/pack_bytes/compression differ)"))
+  return Candidates(stored, packed, pieced, tuple(apart))
+
+
+def _kind(rec: _records.Leaf) -> str:
+  """How a leaf is stored (for messages)."""
+  return ("as a zarr array" if rec.stored is not None else "as pieces" if rec.pieces is not None
+          else "inline" if rec.inline is not None else "packed")
+
+
+def run_writers(layout: Any, index: int) -> np.ndarray:
+  """The processes writing chunks of pieced leaf ``index`` (rule 1), increasing."""
+  k = layout.position[index]
+  return np.flatnonzero(layout.groups[layout.group_of[k]].counts)
+
+
+def _run_cand(base: _records.Manifest, old: _records.Leaf, rec: _records.Leaf, i: int,
+              meshes: Sequence[np.ndarray], base_loc: Location, new_loc: Location
+              ) -> RunCand | None:
+  """The base's runs of a pieced leaf whose chunks land on the same writers as ``rec``'s."""
+  a, b = old.sharding, rec.sharding
+  if old.pieces.chunks != rec.pieces.chunks or (a.axes, a.sizes, a.spec) != (
+      b.axes, b.sizes, b.spec) or not np.array_equal(base.meshes[a.mesh], meshes[b.mesh]):
+    return None
+  dims = b.dim_axes + ((),) * (len(rec.shape) - len(b.dim_axes))
+  if _pieces.shift_of(old.index, b.sizes, dims) != _pieces.shift_of(i, b.sizes, dims):
+    return None   # rule 1 depends on the leaf's index: its writers moved
+  got = np.frombuffer(old.pieces.runs, dtype=[("pack", "<u4"), ("offset", "<u8")])
+  n = _hashes.NBYTES
+  runs = {}
+  for w, (proc, (k, offset)) in enumerate(zip(run_writers(base.layout, old.index).tolist(),
+                                              got.tolist())):
+    pack = base.packs[k]
+    where = _rebased(base, base_loc, new_loc, pack.base)
+    if where is None:
+      return None
+    runs[proc] = PackCand(where, dataclasses.replace(pack, base=None), int(offset),
+                          old.pieces.hashes[w * n:(w + 1) * n])
+  return RunCand(runs)
 
 
 # --- the final records ----------------------------------------------------------------------
@@ -284,12 +335,15 @@ def changed_leaves(reports: Iterable[Report], stored: Mapping[int, StoredCand]) 
 
 
 def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
-             reports: Sequence[Report], stored: Mapping[int, StoredCand],
-             packed: Mapping[int, PackCand], changed: set[int], location: str
+             reports: Sequence[Report], cands: Candidates, changed: set[int], location: str,
+             layout: Any = None, regions: Any = None
              ) -> tuple[tuple[_records.Leaf, ...], tuple[_records.Pack, ...],
                         tuple[_records.Base, ...]]:
-  """(leaf records, packs, bases) of the manifest: hashes added, reused leaves referring to
-  their base's data, candidate packed leaves placed in their segment or the base's pack."""
+  """(leaf records, packs, bases) of a format-3 manifest: hashes added, reused leaves
+  referring to their base's data, candidate packed leaves and pieces runs placed in their
+  segment or the base's pack. ``layout``: the pieced leaves' writer rule (all of them);
+  ``regions``: the layout of the pieces regions of this save's own packs (the pieced leaves
+  that were not candidates)."""
   records, packs = list(records), list(packs)
   bases = _Bases()
   chunks: dict[int, dict[int, bytes]] = {}
@@ -301,50 +355,103 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
                               f"leaf #{i} (process {proc} among them).")
       mine.update(hashes)
     for i, h in r.packed.items():
-      records[i] = dataclasses.replace(records[i], hash=h)
+      if records[i].pieces is None:
+        records[i] = dataclasses.replace(records[i], hash=h)
   for i, hashes in chunks.items():
-    rec = records[i]
-    grid = [-(-n // c) for n, c in zip(rec.shape, rec.stored.chunks)]
-    n = int(np.prod(grid)) if all(rec.shape) else 0
-    if sorted(hashes) != list(range(n)):
-      raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf #{i} are "
-                            f"incomplete ({len(hashes)} of {n}).")
-    chunk_hashes = b"".join(hashes[p][:_records.HASH_BYTES] for p in range(n))
-    where = rec.stored
-    if i in stored and i not in changed:
-      where = dataclasses.replace(where, dir=stored[i].dir, base=bases.index(stored[i].base))
-    records[i] = dataclasses.replace(
-        rec, stored=where, chunk_hashes=chunk_hashes, hash=digest(chunk_hashes),
-        chunk_fps=b"".join(hashes[p][_records.HASH_BYTES:] for p in range(n)))
-  _place_packed(records, packs, reports, packed, bases)
+    records[i] = _stored_hashes(records[i], hashes, cands.stored.get(i), i in changed, bases,
+                                location)
+  place = _Placer(packs, reports, bases)
+  _place_packed(records, reports, cands.packed, place)
+  own = {p.process: k for k, p in enumerate(packs) if p.process is not None}
+  for i, rec in enumerate(records):
+    if rec.pieces is not None:
+      records[i] = _runs(rec, reports, cands.pieced.get(i), layout, regions, own, packs,
+                         place, location)
+  packs = [dataclasses.replace(p, process=None, pieces=None) for p in place.packs]
   return tuple(records), tuple(packs), tuple(bases.items)
 
 
-def _place_packed(records: list[_records.Leaf], packs: list[_records.Pack],
-                  reports: Sequence[Report], packed: Mapping[int, PackCand],
-                  bases: _Bases) -> None:
-  seg_index: dict[tuple[int, int], int] = {}
-  ref_index: dict[tuple[int, str], int] = {}
-  for proc, r in enumerate(reports):
-    for k, (d, nbytes, chunk, inner) in enumerate(r.segments):
-      seg_index[(proc, k)] = len(packs)
-      packs.append(_records.Pack(d, nbytes, chunk, inner))
+def _stored_hashes(rec: _records.Leaf, hashes: Mapping[int, bytes], cand: StoredCand | None,
+                   changed: bool, bases: _Bases, location: str) -> _records.Leaf:
+  """A stored leaf's record with its chunk hashes (and its base's data when reused)."""
+  grid = [-(-n // c) for n, c in zip(rec.shape, rec.stored.chunks)]
+  n = int(np.prod(grid)) if all(rec.shape) else 0
+  if sorted(hashes) != list(range(n)):
+    raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf {rec.where} are "
+                          f"incomplete ({len(hashes)} of {n}).")
+  chunk_hashes = b"".join(hashes[p] for p in range(n))
+  where = rec.stored
+  if cand is not None and not changed:
+    where = dataclasses.replace(where, dir=cand.dir, base=bases.index(cand.base))
+  return dataclasses.replace(rec, stored=where, chunk_hashes=chunk_hashes,
+                             hash=_hashes.digest(chunk_hashes))
+
+
+class _Placer:
+  """Packs of the new manifest as items come to be placed: the writers' segments, and the
+  base's packs that reused items point into (each added once)."""
+
+  def __init__(self, packs: list[_records.Pack], reports: Sequence[Report], bases: _Bases):
+    self.packs, self.bases = packs, bases
+    self.segment: dict[tuple[int, int], int] = {}
+    self._refs: dict[tuple[int, str], int] = {}
+    for proc, r in enumerate(reports):
+      for k, (d, nbytes, chunk, inner) in enumerate(r.segments):
+        self.segment[(proc, k)] = len(packs)
+        packs.append(_records.Pack(d, nbytes, chunk, inner))
+
+  def reused(self, cand: PackCand) -> int:
+    """The index of the base's pack ``cand`` is in."""
+    b = self.bases.index(cand.base)
+    key = (b, cand.pack.dir)
+    if key not in self._refs:
+      self._refs[key] = len(self.packs)
+      p = cand.pack
+      self.packs.append(_records.Pack(p.dir, p.nbytes, p.chunk, p.inner, b))
+    return self._refs[key]
+
+  def place(self, proc: int, seg: int, offset: int, cand: PackCand | None) -> tuple[int, int]:
+    """(pack index, offset) of an item a writer placed (``seg`` -1: reused from ``cand``)."""
+    if seg >= 0:
+      return self.segment[(proc, seg)], offset
+    return self.reused(cand), cand.offset
+
+
+def _place_packed(records: list[_records.Leaf], reports: Sequence[Report],
+                  packed: Mapping[int, PackCand], place: _Placer) -> None:
   for proc, r in enumerate(reports):
     for i, (h, seg, offset) in sorted(r.maybe.items()):
       rec = records[i]
-      if seg >= 0:
-        records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(
-            seg_index[(proc, seg)], offset, rec.nbytes))
-        continue
-      cand = packed[i]
-      b = bases.index(cand.base)
-      key = (b, cand.pack.dir)
-      if key not in ref_index:
-        ref_index[key] = len(packs)
-        p = cand.pack  # ('process' and 'pieces' name this save's writers of pieces: none)
-        packs.append(_records.Pack(p.dir, p.nbytes, p.chunk, p.inner, b))
-      records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(
-          ref_index[key], cand.offset, rec.nbytes))
+      if rec.pieces is None:
+        k, at = place.place(proc, seg, offset, packed.get(i))
+        records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(k, at, rec.nbytes))
+
+
+def _runs(rec: _records.Leaf, reports: Sequence[Report], cand: RunCand | None, layout: Any,
+          regions: Any, own: Mapping[int, int], packs: Sequence[_records.Pack],
+          place: _Placer, location: str) -> _records.Leaf:
+  """A pieced leaf's record with each writer's run (where, hash): a candidate's from the
+  writers' reports (segment or the base's), another's in its writer's own pack region."""
+  i, runs, hashes = rec.index, [], []
+  for proc in run_writers(layout, i).tolist():
+    r = reports[proc]
+    if cand is not None:
+      if i not in r.maybe:
+        raise CheckpointError(f"Saving to {location!r}: process {proc} did not report its "
+                              f"pieces of leaf {rec.where}.")
+      h, seg, offset = r.maybe[i]
+      k, at = place.place(proc, seg, offset, cand.runs.get(proc))
+    else:
+      if i not in r.packed:
+        raise CheckpointError(f"Saving to {location!r}: process {proc} did not report the "
+                              f"hash of its pieces of leaf {rec.where}.")
+      h, k = r.packed[i], own[proc]
+      at = packs[k].pieces + regions.mine(i, proc)[1]
+    runs.append(struct.pack("<IQ", k, at))
+    hashes.append(h)
+  joined = b"".join(hashes)
+  return dataclasses.replace(rec, hash=_hashes.digest(joined), pieces=dataclasses.replace(
+      rec.pieces, runs=b"".join(runs), hashes=joined))
 
 
 # --- reading ------------------------------------------------------------------------------------

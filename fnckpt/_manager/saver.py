@@ -47,6 +47,7 @@ class Saver:
     self.preemption, self.background, self.retention = preemption, background, retention
     self.save_options, self.timeout_s = dict(save_options), timeout_s
     self.last_saved: int | None = None
+    self._warned_tiers = False   # (incremental with local tiers on several processes)
 
   def due(self, step: int) -> bool:
     """Whether ``step`` is on an interval (durable or local)."""
@@ -102,6 +103,14 @@ class Saver:
     # local directory may hold only its own chunks: see fnckpt._manager.tiers)
     base = (inc.choose(index, self.claims, step, self.timeout_s)
             if not (self.local and jax.process_count() > 1) else None)
+    if inc.enabled and self.local and jax.process_count() > 1 and not self._warned_tiers:
+      self._warned_tiers = True
+      warnings.warn(
+          "CheckpointManager(incremental=True, local_directory=...) with several processes: "
+          "every save is written in full (hashes recorded), because a per-host fast-tier "
+          "directory may hold only its host's chunks, so no base there is readable by every "
+          "process. Use incremental=True without local_directory to write only what changed.",
+          RuntimeWarning, stacklevel=4)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
@@ -109,7 +118,7 @@ class Saver:
       handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
                            storage_options=index.storage_options, **self.save_options,
                            base=index.path(base.step) if base else None,
-                           hashes=inc.enabled, barrier_location=key)
+                           barrier_location=key)
     except BaseException:
       self.claims.release_save(step)
       inc.release(base)

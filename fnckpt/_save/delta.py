@@ -1,11 +1,11 @@
 """The writer's half of content hashes and incremental saves (``save(base=...)``).
 
-In the background writer thread, never on the caller's path: with ``hashing`` (a save with a
-base, or a save of an incremental manager; not a plain save) every stored chunk and packed leaf
-is hashed (SHA-256 of its bytes); a chunk or packed leaf of a leaf that may reuse its base's
-data (:mod:`fnckpt._format.refs`) is hashed *before* writing and not written when it equals the
-base's. Packed leaves that changed go into this process's pack *segments* (packs laid out by the
-writer, ``<data>/q/<process>/<k>``). Then :func:`conclude` (collective): every process's
+In the background writer thread, never on the caller's path: every save hashes every stored
+chunk, packed leaf and pieces run it writes (XXH3-128, :mod:`fnckpt._format.hashes`); a chunk,
+packed leaf or run that may reuse its base's data (:mod:`fnckpt._format.refs`) is hashed
+*before* writing and not written when it equals the base's. Packed leaves and runs that may
+reuse but changed go into this process's pack *segments* (packs laid out by the writer,
+``<data>/q/<process>/<k>``). Then :func:`conclude` (collective): every process's
 :class:`~fnckpt._format.refs.Report` goes to process 0, which decides which candidate leaves
 changed (any process saw a changed chunk), shares that, and builds the manifest; each process
 copies the base's chunks it skipped of a leaf that changed elsewhere (so every stored array
@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._layout import packing as _packing
-from .._format import manifest as _manifest, records as _records, refs as _refs
+from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
 from .._io import collective as _collective, arrays as _store
 from .._errors import CheckpointError
 
@@ -35,11 +35,13 @@ __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
 
 @dataclasses.dataclass
 class PackLeaf:
-  """A staged candidate packed leaf (``staged``: an object with ``nbytes`` and ``raw()``)."""
+  """A staged candidate packed leaf, or this process's run of a candidate pieced leaf
+  (``staged``: an object with ``nbytes`` and ``raw()``); ``expect``: the base's hash, or None
+  (this process wrote none of it in the base)."""
   leaf: int
   staged: Any
   cost: int
-  expect: bytes
+  expect: bytes | None
 
 
 @dataclasses.dataclass
@@ -47,8 +49,7 @@ class Plan:
   """What concluding a save needs from its plan (see ``fnckpt._save.save``)."""
   records: tuple[_records.Leaf, ...]
   packs: tuple[_records.Pack, ...]
-  stored: dict[int, _refs.StoredCand]
-  packed: dict[int, _refs.PackCand]
+  cands: _refs.Candidates
   store_specs: dict[int, dict[str, Any]]      # leaf -> its zarr spec (candidates)
   store_dirs: dict[int, str]                  # leaf -> its own store dir (candidates)
   kv_spec: dict[str, Any]
@@ -56,9 +57,11 @@ class Plan:
   build: Callable[[tuple, tuple, tuple], bytes] | None  # process 0: records, packs, bases
   #                                                          (finalized) -> manifest bytes
   check_base: Callable[[], None] | None = None        # raises if the base is gone
+  layout: Any = None              # the pieced leaves' writer rule (all of them)
+  regions: Any = None             # the pieces regions of this save's own packs
 
 
-# Threads hashing chunks beside the writer thread (hashlib releases the GIL).
+# Threads hashing chunks beside the writer thread (xxhash releases the GIL from 64 KiB).
 HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
@@ -80,9 +83,8 @@ class Delta:
   """One save's hashing state in the writer thread."""
 
   def __init__(self, kv_spec: dict[str, Any], ctx: ts.Context, data_dir: str, me: int,
-               release: Callable[[int], None], segment_bytes: int, hashing: bool = True,
+               release: Callable[[int], None], segment_bytes: int,
                budget: _store.ByteBudget | None = None):
-    self.hashing = hashing   # record hashes of what is written (a plain save: no; see save.py)
     self.report = _refs.Report()
     self.skipped: list[tuple[int, int, int]] = []   # (leaf, chunk pos, bytes) not written
     self.skipped_bytes = 0
@@ -105,15 +107,12 @@ class Delta:
   # stored chunks ------------------------------------------------------------------------
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
-            host: np.ndarray, write: Callable[[], ts.Future],
-            expect_fp: bytes | None = None) -> None:
-    """Write one staged chunk and hash it, on a small thread pool (hashlib releases the GIL):
-    a candidate's chunk is hashed first and written only if it differs from the base's (a
-    fingerprint that differs from the base's proves a change at a fraction of a hash's cost:
-    then the chunk is written unhashed, recorded as such, and never reused); any other stored
-    chunk is written at once and hashed meanwhile. Its budget ``cost`` is given back once it
-    is both hashed and durable (or skipped)."""
-    if leaf is None or (expect is None and not self.hashing):
+            host: np.ndarray, write: Callable[[], ts.Future]) -> None:
+    """Write one staged chunk and hash it, on a small thread pool: a candidate's chunk is
+    hashed first and written only if it differs from the base's; any other stored chunk is
+    written at once and hashed meanwhile. Its budget ``cost`` is given back once it is both
+    hashed and durable (or skipped). (``leaf`` None: a pack chunk, hashed as assembled.)"""
+    if leaf is None:
       self._track(write(), cost)
       return
     if expect is None:
@@ -125,29 +124,25 @@ class Delta:
       self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
       return
     self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
-                                          cost, write, expect_fp))
+                                          cost, write))
 
   def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
     try:
-      h = _refs.array_digest(host) + _refs.fingerprint(host)
+      h = _hashes.array_digest(host)
       with self._lock:
         self.report.chunks.setdefault(leaf, {})[pos] = h
     finally:
       done()
 
-  def _decide(self, leaf, pos, host, expect, nbytes, cost, write, expect_fp) -> None:
+  def _decide(self, leaf, pos, host, expect, nbytes, cost, write) -> None:
     try:
-      fp = _refs.fingerprint(host)
-      if expect_fp is not None and fp != expect_fp:
-        h = _refs.NO_HASH  # changed for sure: not worth a hash (never reused then)
-      else:
-        h = _refs.array_digest(host)
+      h = _hashes.array_digest(host)
     except BaseException:
       self._release(cost)
       raise
     with self._lock:
-      self.report.chunks.setdefault(leaf, {})[pos] = h + fp
-      same = h == expect and h != _refs.NO_HASH
+      self.report.chunks.setdefault(leaf, {})[pos] = h
+      same = h == expect
       if same:
         self.skipped.append((leaf, pos, nbytes))
         self.skipped_bytes += nbytes
@@ -183,16 +178,16 @@ class Delta:
       return list(self._writes)
 
   def hash_piece(self, leaf: int, data: np.ndarray) -> None:
-    """Bytes of a leaf in a (plan-laid) pack, in order."""
-    import hashlib
-    if not self.hashing:
-      return
-    self._hashers.setdefault(leaf, hashlib.sha256()).update(memoryview(data))
+    """Bytes of a packed leaf, or of this process's run of a pieced leaf, in a (plan-laid)
+    pack, in order."""
+    if leaf not in self._hashers:
+      self._hashers[leaf] = _hashes.hasher()
+    self._hashers[leaf].update(memoryview(data))
 
   # pack segments ------------------------------------------------------------------------
 
   def pack_leaf(self, item: PackLeaf) -> list[ts.Future]:
-    h = _refs.digest(memoryview(item.staged.raw()))
+    h = _hashes.digest(memoryview(item.staged.raw()))
     if h == item.expect:
       self.report.maybe[item.leaf] = (h, -1, 0)
       self.reused_pack_bytes += item.staged.nbytes
@@ -270,9 +265,9 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
   manifest, changed = None, set()
   if gathered is not None:  # process 0
     reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
-    changed = _refs.changed_leaves(reports, plan.stored)
-    records, packs, bases = _refs.finalize(plan.records, plan.packs, reports, plan.stored,
-                                           plan.packed, changed, location)
+    changed = _refs.changed_leaves(reports, plan.cands.stored)
+    records, packs, bases = _refs.finalize(plan.records, plan.packs, reports, plan.cands,
+                                           changed, location, plan.layout, plan.regions)
     manifest = plan.build(records, packs, bases)
   changed = set(msgpack.unpackb(session.share("changed", msgpack.packb(sorted(changed)))))
   futures = _copy_skipped(plan, delta, kv, ctx, changed)
@@ -305,7 +300,7 @@ def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
   out: list[ts.Future] = []
   try:
     for i, pos, n in todo:
-      cand, rec = plan.stored[i], plan.records[i]
+      cand, rec = plan.cands.stored[i], plan.records[i]
       root = _refs.resolve(loc, cand.base.dir, "the base")
       if root not in sources:
         sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()

@@ -69,7 +69,9 @@ class Planner:
     self.meshes: list[np.ndarray] = []
     self._mesh_index: dict[bytes, int] = {}
     self._mesh_of: dict[Any, int] = {}       # per mesh object (each mapped once)
-    self.layout: _pieces.Layout | None = None
+    self.layout: _pieces.Layout | None = None    # every pieced leaf: the writer rule
+    self.regions: _pieces.Layout | None = None   # those in this save's own packs' regions
+    self._apart: frozenset[int] = frozenset()    # those written on their own (candidates)
 
   def consider(self, i: int, rec: _records.Leaf, data: Any) -> _records.Leaf | None:
     """Record ``i`` stored as pieces, if it qualifies (a jax array with a NamedSharding whose
@@ -109,33 +111,59 @@ class Planner:
     self._mesh_of[mesh] = self._mesh_index[key]
     return self._mesh_index[key]
 
-  def finish(self) -> dict[int, int]:
-    """Lay the pieced leaves out; returns each writing process's region bytes."""
+  def finish(self, apart: Any = ()) -> dict[int, int]:
+    """Lay the pieced leaves out; returns each writing process's region bytes. The leaves in
+    ``apart`` (those that may reuse a base's runs) have no place in the regions: each
+    process's run of them goes to the writer's pack segments (:meth:`runs`)."""
     if not self.leaves:
       return {}
-    self.layout = _pieces.build(self.meshes, [l.spec for l in self.leaves],
-                                jax.process_count())
-    return {int(p): int(self.layout.region[p]) for p in np.flatnonzero(self.layout.region)}
+    nproc = jax.process_count()
+    self._apart = frozenset(apart)
+    self.layout = _pieces.build(self.meshes, [l.spec for l in self.leaves], nproc)
+    rest = [l.spec for l in self.leaves if l.index not in self._apart]
+    self.regions = (self.layout if not self._apart else
+                    _pieces.build(self.meshes, rest, nproc) if rest else None)
+    if self.regions is None:
+      return {}
+    return {int(p): int(self.regions.region[p]) for p in np.flatnonzero(self.regions.region)}
 
   def parts(self, start: int, me: int) -> list[PackPart]:
-    """The chunks this process writes, each at its offset in its pack (its pieces region
+    """The chunks this process writes into its pack's region, each at its offset (the region
     starts at ``start``)."""
+    return [part for leaf in self.leaves if leaf.index not in self._apart
+            for part in self._leaf_parts(leaf, me, start)]
+
+  def runs(self, me: int) -> list[tuple[int, list[PackPart]]]:
+    """Per leaf written apart, this process's run: its chunks (offsets from the run's start)."""
     out = []
     for leaf in self.leaves:
-      chunks, at = self.layout.mine(leaf.index, me)
-      units = _units(leaf)
-      if [n for n, _ in units] != chunks.tolist():
-        raise CheckpointError(
-            f"Internal error planning the pieces of leaf #{leaf.index}: this process "
-            f"(#{me}) holds chunks {[n for n, _ in units][:8]} to write, the layout says "
-            f"{chunks.tolist()[:8]}. Please report this; save with compression= to avoid "
-            "pieces meanwhile.")
-      shards = {s.device: s for s in leaf.data.addressable_shards} if units else {}
-      for k, (_, unit) in enumerate(units):
-        shard = shards[unit.device]
-        out.append(PackPart(start + at + k * leaf.spec.nbytes, leaf.spec.nbytes, leaf.index,
-                            functools.partial(_stage_shard, shard, leaf.data.dtype),
-                            shard.data))
+      if leaf.index in self._apart:
+        got = self._leaf_parts(leaf, me, None)
+        if got:
+          out.append((leaf.index, got))
+    return out
+
+  def _leaf_parts(self, leaf: _Leaf, me: int, start: int | None) -> list[PackPart]:
+    """The chunks of ``leaf`` this process writes, back to back from ``start`` plus its place
+    in the region (``start`` None: from 0, a run on its own)."""
+    out = []
+    if start is None:
+      chunks, at, start = self.layout.mine(leaf.index, me)[0], 0, 0
+    else:
+      chunks, at = self.regions.mine(leaf.index, me)
+    units = _units(leaf)
+    if [n for n, _ in units] != chunks.tolist():
+      raise CheckpointError(
+          f"Internal error planning the pieces of leaf #{leaf.index}: this process "
+          f"(#{me}) holds chunks {[n for n, _ in units][:8]} to write, the layout says "
+          f"{chunks.tolist()[:8]}. Please report this; save with compression= to avoid "
+          "pieces meanwhile.")
+    shards = {s.device: s for s in leaf.data.addressable_shards} if units else {}
+    for k, (_, unit) in enumerate(units):
+      shard = shards[unit.device]
+      out.append(PackPart(start + at + k * leaf.spec.nbytes, leaf.spec.nbytes, leaf.index,
+                          functools.partial(_stage_shard, shard, leaf.data.dtype),
+                          shard.data))
     return out
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import threading
 import time
+import warnings
 import zlib
 from typing import Any
 
@@ -19,8 +20,9 @@ import numpy as np
 import tensorstore as ts
 
 from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
-from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _perprocess,
-                       records as _records, refs as _refs, tree as _tree)
+from .._format import (hashes as _hashes, leaves as _leaves, manifest as _manifest,
+                       perprocess as _perprocess, records as _records, refs as _refs,
+                       tree as _tree)
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
 from . import delta as _delta, pieces as _pieces_save
@@ -29,7 +31,7 @@ from .._errors import CheckpointError
 from .._version import __version__
 from .errors import wrap
 from .handle import SaveHandle, begin
-from .staged import Staged
+from .staged import Run, Staged
 from .staging import (CHUNK_COST, at_leaf as _at, charge as _charge, leaf_nbytes as _nbytes,
                       stage_array as _stage_array, stage_pack as _stage_pack,
                       start_copies as _start_copies)
@@ -92,12 +94,14 @@ class _Plan:
   data_dir: str
   values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
   holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
-  stored_c: dict[int, _refs.StoredCand] = dataclasses.field(default_factory=dict)
-  packed_c: dict[int, _refs.PackCand] = dataclasses.field(default_factory=dict)
+  cands: _refs.Candidates = dataclasses.field(default_factory=_refs.Candidates)
   maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
   pieces: list[_pieces_save.PackPart] = dataclasses.field(default_factory=list)  # mine
   meshes: tuple[np.ndarray, ...] = ()   # the pieced leaves' meshes and layout (the manifest's)
   layout: _pieces.Layout | None = None
+  regions: _pieces.Layout | None = None  # the pieced leaves in the packs' regions
+  maybe_runs: list[tuple[int, list[_pieces_save.PackPart]]] = dataclasses.field(
+      default_factory=list)   # mine, of pieced leaves that may reuse the base's runs
 
 
 def _holders(data: Any) -> str:
@@ -187,18 +191,27 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  stored_c, packed_c = (_refs.candidates(records, base.manifest, base.loc, base.new_loc)
-                        if base is not None else ({}, {}))
-  maybe = [c for c in candidates if c[0] in packed_c]
+  cands = (_refs.candidates(records, base.manifest, base.loc, base.new_loc, pieced.meshes)
+           if base is not None else _refs.Candidates())
+  if cands.not_compared and me == 0:
+    where, why = cands.not_compared[0]
+    more = len(cands.not_compared) - 1
+    warnings.warn(
+        f"save(base={base.source.location!r}): {where}{f' (and {more} more leaves)' if more else ''}"
+        f" cannot reuse the base's data: {why}. Such leaves are written in full; save with the "
+        "same settings and shardings as the base to write only what changed.",
+        RuntimeWarning, stacklevel=4)
+  maybe = [c for c in candidates if c[0] in cands.packed]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
-  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
-                                data_dir, nproc, me, pieced.finish())
+  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in cands.packed],
+                                data_dir, nproc, me, pieced.finish(cands.pieced))
   mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
-  parts = pieced.parts(mine[0].pieces, me) if pieced.leaves and mine else []
+  parts = pieced.parts(mine[0].pieces, me) if pieced.regions is not None and mine else []
   return _Plan(tuple(records), arrays, packed, packs, mine[0] if mine else None, data_dir,
-               values, holders, stored_c, packed_c,
+               values, holders, cands,
                [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts,
-               tuple(pieced.meshes), pieced.layout)
+               tuple(pieced.meshes), pieced.layout, pieced.regions,
+               pieced.runs(me) if cands.pieced else [])
 
 
 def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc: int, me: int,
@@ -268,36 +281,36 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
     pack_bytes: larger arrays up to this size that this process sees whole share one packed
       array per process (fewer, larger files); 0 gives each its own zarr array. Device
-      shards of up to 8 MiB of sharded arrays also go into the packs, as *pieces* (README
-      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses or has a base.
+      shards of up to 1 MiB of sharded arrays also go into the packs, as *pieces* (README
+      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses (packs are not compressed:
+      with ``compression=`` such shards are compressed zarr arrays).
     compression: compress the chunks of arrays stored on their own (not inline or packed):
       ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
       README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
     zstd: short for ``compression="zstd:<zstd>"``.
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
-    base: a committed checkpoint on the same storage (e.g. the previous step): arrays whose
-      bytes equal the base's (by SHA-256, computed in the background) are not written again;
-      the new checkpoint refers to the base's data. The base must outlive it (the manager's
-      retention keeps referenced data; see README "Incremental saves and forks"). Only a save
-      with a base hashes its data (a plain save pays nothing for hashing); a base saved
-      without hashes (a plain save) has nothing to compare with, so that save writes
-      everything, and records its hashes so that the next save with it as base can reuse.
+    base: another committed checkpoint on the same storage (e.g. the previous step): what
+      equals the base's data (by content hash: every save records the XXH3-128 of what it
+      stores, in the background) is not written again; the new checkpoint refers to the
+      base's data instead. The base must outlive it (the manager's retention keeps
+      referenced data; see README "Incremental saves and forks").
 
   >>> import jax.numpy as jnp, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
-  >>> h = fnckpt.save({"w": jnp.ones((4, 4)), "step": 1}, f"{d}/ckpt")
+  >>> h = fnckpt.save({"w": jnp.ones((256, 256)), "step": 1}, f"{d}/ckpt")
   >>> _ = h.wait()
   >>> fnckpt.restore(f"{d}/ckpt")["step"]
   1
-  >>> s = fnckpt.save({"w": jnp.ones((4, 4)), "step": 2}, f"{d}/next", base=f"{d}/ckpt").wait()
-  >>> fnckpt.restore(f"{d}/next")["step"], s.bytes_reused  # the base had no hashes
-  (2, 0)
+  >>> s = fnckpt.save({"w": jnp.ones((256, 256)), "step": 2}, f"{d}/next",
+  ...                 base=f"{d}/ckpt").wait()
+  >>> fnckpt.restore(f"{d}/next")["step"], s.bytes_reused  # "w" is the base's
+  (2, 262144)
   """
   return start(tree, path, overwrite=overwrite, metadata=metadata, budget_bytes=budget_bytes,
                inline_bytes=inline_bytes, pack_bytes=pack_bytes, compression=compression,
                zstd=zstd, barrier_timeout_s=barrier_timeout_s,
-               storage_options=storage_options, base=base, hashes=base is not None)
+               storage_options=storage_options, base=base)
 
 
 def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
@@ -305,10 +318,8 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
           pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
           zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
           storage_options: dict[str, Any] | None = None, base: str | None = None,
-          hashes: bool = False, barrier_location: str | None = None) -> SaveHandle:
-  """:func:`save`; ``hashes``: record the content hashes of what is written even without a
-  base (the saves of an ``incremental=True`` manager: its full saves are the next saves'
-  bases). Every process passes the same ``hashes``. ``barrier_location`` (the manager's local
+          barrier_location: str | None = None) -> SaveHandle:
+  """:func:`save`; ``barrier_location`` (the manager's local
   tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
   paths that differ between processes."""
   t0 = time.perf_counter()
@@ -330,8 +341,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
-                 based, pieces=pack_bytes > 0 and not (hashes or based is not None or
-                                                       any(codecs)))
+                 based, pieces=pack_bytes > 0 and not any(codecs))
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -340,7 +350,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
                     lambda err: _done(handle, writer, err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
-                                hashing=hashes or base is not None, budget=budget)
+                                budget=budget)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
@@ -376,6 +386,13 @@ def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Bas
         f"save(base={src.location!r}) to {location!r}: the base must be another checkpoint "
         "on the same storage (same scheme, bucket and options) as the new one. Save without "
         "base=, or pick a base beside the new checkpoint.")
+  if not _refs.comparable(src.manifest):
+    warnings.warn(
+        f"save(base={src.location!r}): that checkpoint was written in fnckpt format "
+        f"{src.manifest.version}, which records no XXH3-128 content hashes to compare with, so "
+        f"this save to {location!r} writes everything (reading the base to compare would cost "
+        "about as much as writing it). It records its hashes: the next save with it as base "
+        "writes only what changed.", RuntimeWarning, stacklevel=4)
   return _Base(src.manifest, loc, new_loc, src)
 
 
@@ -422,11 +439,11 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   """Stage this process's chunks and pack into the writer; return what committing needs."""
   is_main = jax.process_index() == 0
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
-              if a.index not in plan.stored_c] if is_main else []  # (candidates: if changed)
+              if a.index not in plan.cands.stored] if is_main else []  # (candidates: if changed)
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
   _start_copies(plan, budget)
   for a, fut in zip(plan.arrays, opened):
-    _stage_array(a, fut, plan.stored_c.get(a.index), writer, budget, handle)
+    _stage_array(a, fut, plan.cands.stored.get(a.index), writer, budget, handle)
   if plan.my_pack is not None:
     _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
   for i, data in plan.maybe_packed:
@@ -435,18 +452,28 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       staged = _charge(budget, CHUNK_COST * n, writer, lambda: Staged.of(data))
     except BaseException as e:
       raise _at(e, plan.records[i].path)
-    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.packed_c[i].hash))
+    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.cands.packed[i].hash))
+  me = jax.process_index()
+  for i, parts in plan.maybe_runs:
+    n = sum(p.nbytes for p in parts)
+    try:
+      staged = _charge(budget, CHUNK_COST * n, writer, lambda: Run([p.make() for p in parts]))
+    except BaseException as e:
+      raise _at(e, plan.records[i].path)
+    base_run = plan.cands.pieced[i].runs.get(me)
+    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n,
+                               base_run.hash if base_run is not None else None))
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
   dplan = _delta.Plan(
-      plan.records, plan.packs, plan.stored_c, plan.packed_c,
-      {a.index: a.spec for a in plan.arrays if a.index in plan.stored_c},
-      {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.stored_c},
+      plan.records, plan.packs, plan.cands,
+      {a.index: a.spec for a in plan.arrays if a.index in plan.cands.stored},
+      {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.cands.stored},
       kv_spec, plan.data_dir,
       (lambda records, packs, bases: _manifest.encode(_manifest_record(
           plan, metadata, records, packs, bases))) if is_main else None,
-      based.check if based is not None else None)
+      based.check if based is not None else None, plan.layout, plan.regions)
   return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
                                             writer.location), creating, is_main)
 
@@ -538,7 +565,7 @@ def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
   return _records.Manifest(
       _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
       {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": ts_version}, metadata,
-      records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout)
+      records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout, _hashes.ALG)
 
 
 def _is_ours(key: str) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 from .._layout import chunks as _layout
 from .._format import leaves as _leaves
 
-__all__ = ["Staged"]
+__all__ = ["Staged", "Run"]
 
 
 @dataclasses.dataclass
@@ -52,3 +52,22 @@ class Staged:
       for index, part in self.parts:
         host[index] = part
     return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+
+
+@dataclasses.dataclass
+class Run:
+  """One process's chunks of a pieced leaf, staged, whose bytes are their concatenation (in
+  increasing chunk number): a format-3 *run*, hashed and written (or reused) as one item."""
+  parts: list[Staged]
+  _raw: np.ndarray | None = None
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.parts)
+
+  def raw(self) -> np.ndarray:
+    """The run's bytes (1-D ``uint8``; built once)."""
+    if self._raw is None:
+      self._raw = (self.parts[0].raw() if len(self.parts) == 1 else
+                   np.concatenate([p.raw() for p in self.parts]))
+    return self._raw

@@ -47,8 +47,7 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
       raise at_leaf(e, a.rec.path)
     pos = _refs.chunk_pos(unit.index, chunks, shape)
     writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
-                     cand.expect(pos) if cand is not None else None, n,
-                     cand.expect_fp(pos) if cand is not None else None))
+                     cand.expect(pos) if cand is not None else None, n))
     count_staged(handle, budget, n)
 
 
@@ -187,4 +186,5 @@ def to_copy(plan: Any) -> list[jax.Array]:
     if isinstance(data, jax.Array):
       shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]
   shards += [part.shard for part in plan.pieces]
+  shards += [part.shard for _, parts in plan.maybe_runs for part in parts]
   return shards

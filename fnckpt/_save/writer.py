@@ -35,7 +35,6 @@ class Chunk:
   pos: int = 0                    # the chunk's position in the grid
   expect: bytes | None = None     # the base's hash of this chunk: equal -> not written
   nbytes: int = 0
-  expect_fp: bytes | None = None  # the base's fingerprint of it: different -> not hashed
 
 
 @dataclasses.dataclass
@@ -156,7 +155,7 @@ class Writer:
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
     store = item.store.result()
     self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
-                     lambda: _store.write_chunk(store, item.index, host), item.expect_fp)
+                     lambda: _store.write_chunk(store, item.index, host))
 
   def _run(self) -> None:
     error: BaseException | None = None
