@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fnckpt import CheckpointError
 from fnckpt._layout import pieces as _pieces
-from fnckpt._format import (leaves as _leaves, manifest as _manifest, records as _records,
-                            tree as _tree)
+from fnckpt._format import (hashes as _hashes, leaves as _leaves, manifest as _manifest,
+                            records as _records, runs as _runs, tree as _tree)
 from fnckpt._format.codecs import BLOSC_CNAMES, BLOSC_SHUFFLES
 
 LOC = "/ckpt/7"
@@ -214,12 +214,16 @@ def _under(draw, bases, what):
   return f"{bases[k].data if k is not None else DATA}/{what}", k
 
 
-def _stored_leaf(draw, leaf, bases):
+def _stored_leaf(draw, leaf, bases, version=2):
   chunks = tuple(draw(st.integers(1, max(n, 1))) for n in leaf.shape)
   inner = tuple(draw(st.sampled_from(_divisors(c))) for c in chunks)
   d, k = _under(draw, bases, f"a/{leaf.index}")
   zstd, blosc = draw(_codecs)
   leaf = replace(leaf, stored=_records.Stored(d, chunks, inner, zstd, blosc, k))
+  if version >= 3:   # hashes required, 16 bytes each, no fingerprints
+    n = math.prod(-(-s // c) for s, c in zip(leaf.shape, chunks)) if all(leaf.shape) else 0
+    ch = draw(st.binary(min_size=16 * n, max_size=16 * n))
+    return replace(leaf, hash=_hashes.digest(ch), chunk_hashes=ch)
   how = ("chunks", "none", "hash")[(draw(st.integers(0, 2)) + leaf.index) % 3]
   if how == "hash":
     return replace(leaf, hash=draw(st.binary(min_size=32, max_size=32)))
@@ -277,11 +281,46 @@ def _pieced_leaves(draw, first, nproc):
   return leaves, tuple(meshes), layout
 
 
+def _v3_runs(draw, pieced, layout, packs):
+  """Format 3: each pieced leaf's runs (each writer's chunks back to back somewhere in a
+  pack: appended to that writer's own pack, or anywhere in any pack they fit) and hashes.
+  Appends the writers' packs to ``packs``; returns the leaves."""
+  own = {}
+  for p in np.flatnonzero(layout.region).tolist():
+    start = draw(st.integers(0, 3))
+    own[p] = (len(packs), start)
+    packs.append(_pack_record(draw, f"{DATA}/p/{p}", start + int(layout.region[p])))
+  out = []
+  for leaf in pieced:
+    runs, m = [], _rmanifest(packs, layout)
+    procs = _runs.writers(m, leaf)
+    for p, n in zip(procs.tolist(), _runs.group(m, leaf).counts[procs].tolist()):
+      size = n * layout.leaf(leaf.index).nbytes
+      fits = [k for k, pk in enumerate(packs) if pk.nbytes >= size]
+      if draw(st.booleans()) and fits:
+        k = draw(st.sampled_from(fits))
+        runs.append((k, draw(st.integers(0, packs[k].nbytes - size))))
+      else:
+        k, start = own[p]
+        runs.append((k, start + layout.mine(leaf.index, p)[1]))
+    hashes = draw(st.binary(min_size=16 * len(runs), max_size=16 * len(runs)))
+    out.append(replace(leaf, hash=_hashes.digest(hashes), pieces=replace(
+        leaf.pieces, runs=np.array(runs, _runs.RUN).tobytes(), hashes=hashes)))
+  return out
+
+
+def _rmanifest(packs, layout):
+  """A manifest as far as :mod:`fnckpt._format.runs` reads it."""
+  return _records.Manifest(3, 0.0, 1, {}, None, (), DATA, tuple(packs), layout=layout)
+
+
 @st.composite
-def _record_manifests(draw):
-  """A valid format-2 :class:`_records.Manifest`, built as records: leaves from leaf_record
-  (under ['a'] and ['t']), arrays inline, stored (codecs, hashes, in a base's data), packed (in this
-  save's packs or a base's, with a hash or not) or pieced (under ['p']); perprocess leaves."""
+def _record_manifests(draw, versions=(2, 3)):
+  """A valid format-2 or -3 :class:`_records.Manifest`, built as records: leaves from
+  leaf_record (under ['a'] and ['t']), arrays inline, stored (codecs, hashes, in a base's data),
+  packed (in this save's packs or a base's, with a hash or not; always in format 3) or pieced
+  (under ['p']: regions in format 2, recorded runs in 3); perprocess leaves."""
+  version = draw(st.sampled_from(versions))
   nproc = draw(st.integers(1, 4))
   bases = tuple(draw(st.lists(st.builds(_records.Base, _rels, _data_names), unique=True,
                               max_size=2)) if draw(st.booleans()) else ())
@@ -296,13 +335,14 @@ def _record_manifests(draw):
       if how == "inline":
         leaf = replace(leaf, inline=raw)
       elif how == "store":
-        leaf = _stored_leaf(draw, leaf, bases)
+        leaf = _stored_leaf(draw, leaf, bases, version)
       else:
         k = draw(st.integers(0, 2))
         offset = used.get(k, 0) + draw(st.integers(0, 3))
         used[k] = offset + len(raw)
-        leaf = replace(leaf, packed=_records.Packed(k, offset, len(raw)),
-                       hash=draw(st.none() | st.binary(min_size=32, max_size=32)))
+        hashed = st.binary(min_size=16, max_size=16) if version >= 3 else (
+            st.none() | st.binary(min_size=32, max_size=32))
+        leaf = replace(leaf, packed=_records.Packed(k, offset, len(raw)), hash=draw(hashed))
     elif draw(st.integers(0, 9)) == 0:
       leaf = _records.Leaf(i, leaf.path, "perprocess")
     leaves.append(leaf)
@@ -313,16 +353,18 @@ def _record_manifests(draw):
   meshes, layout = (), None
   if draw(st.booleans()):
     pieced, meshes, layout = draw(_pieced_leaves(len(leaves), nproc))
+    if version >= 3:
+      pieced = _v3_runs(draw, pieced, layout, packs)
     leaves += pieced
-    for p in np.flatnonzero(layout.region).tolist():
+    for p in np.flatnonzero(layout.region).tolist() if version == 2 else ():
       start = draw(st.integers(0, 3))
       packs.append(_pack_record(draw, f"{DATA}/p/{p}", start + int(layout.region[p]),
                                 process=p, pieces=start))
   return _records.Manifest(
-      2, draw(st.floats(0, 1e10)), nproc, dict(VERSIONS), draw(_data), tuple(leaves), DATA,
-      tuple(packs), bases, draw(st.none() | st.builds(_records.Fork, _rels,
-                                                      st.integers(0, 1 << 62))),
-      meshes, layout)
+      version, draw(st.floats(0, 1e10)), nproc, dict(VERSIONS), draw(_data), tuple(leaves),
+      DATA, tuple(packs), bases, draw(st.none() | st.builds(_records.Fork, _rels,
+                                                            st.integers(0, 1 << 62))),
+      meshes, layout, "xxh3-128" if version >= 3 else None)
 
 
 # --- round trips -------------------------------------------------------------------------
@@ -381,7 +423,7 @@ def test_encode_refuses_format_1():
                          "manifest.msgpack"), "rb") as f:
     m = _manifest.decode(f.read(), LOC)
   assert m.version == 1
-  with pytest.raises(ValueError, match="format 1 records are read-only: fnckpt writes format 2"):
+  with pytest.raises(ValueError, match="format 1 records are read-only: fnckpt writes formats 2, 3"):
     _records.encode(m)
 
 
@@ -531,10 +573,10 @@ def test_decode_rejects_bad_manifests_with_a_clear_error(data, match):
 
 
 def test_decode_rejects_a_newer_format_version_and_says_to_upgrade():
-  data = _manifest.pack({**_manifest_dict(), "version": _manifest.FORMAT_VERSION + 1})
+  data = _manifest.pack({**_manifest_dict(), "version": _manifest.READ_VERSION + 1})
   with pytest.raises(CheckpointError, match=(
-      rf"'/ckpt/7' was written in fnckpt format version {_manifest.FORMAT_VERSION + 1}, newer "
-      rf"than this fnckpt reads \(up to {_manifest.FORMAT_VERSION}\)\. Upgrade fnckpt: "
+      rf"'/ckpt/7' was written in fnckpt format version {_manifest.READ_VERSION + 1}, newer "
+      rf"than this fnckpt reads \(up to {_manifest.READ_VERSION}\)\. Upgrade fnckpt: "
       r"pip install -U fnckpt\.")):
     _manifest.decode(data, LOC)
 
@@ -639,6 +681,133 @@ def test_commit_marker_names_the_manifest_by_sha256():
 def test_decode_commit_rejects_bad_markers(data, match):
   with pytest.raises(CheckpointError, match=match):
     _manifest.decode_commit(data, LOC)
+
+
+def test_decode_commit_reads_format_3_markers():
+  data = msgpack.packb({"format": "fnckpt", "version": 3, "manifest_sha256": "ab",
+                        "committed": 1.0})
+  assert _manifest.decode_commit(data, LOC)["version"] == 3
+
+
+# --- format 3: hashes required, pieces placed by recorded runs ---------------------------
+
+def _v3_wire():
+  """A valid format-3 manifest (msgpack map) of 2 processes: ['i'] inline, ['s'] stored (2
+  chunks), ['k'] packed, ['p'] pieced over a (2, 2) mesh (one chunk per process: runs of
+  process 0 in pack 0 after ['k'], of process 1 at the start of pack 1)."""
+  mesh = np.array([0, 0, 1, 1])
+  mesh.flags.writeable = False
+  sh = _records.Sharding("named", ("x", "y"), (2, 2), ("x",), 4, 0)
+  pl = _pieces.PieceLeaf(3, 0, (2, 2), ((0,), ()), _pieces.shift_of(3, (2, 2), ((0,),)),
+                         (2, 2), 16)
+  layout = _pieces.build((mesh,), [pl], 2)
+  x = np.arange(4, dtype=np.float32).tobytes()
+  f32 = dict(kind="array", dtype="float32", source="numpy")
+  ch = bytes(range(32))
+  hashes = bytes(32)
+  leaves = (
+      _records.Leaf(0, (("dict", "i"),), shape=(4,), inline=x, **f32),
+      _records.Leaf(1, (("dict", "s"),), shape=(4,), hash=_hashes.digest(ch), chunk_hashes=ch,
+                    stored=_records.Stored(f"{DATA}/a/1", (2,), (2,), None), **f32),
+      _records.Leaf(2, (("dict", "k"),), shape=(4,), packed=_records.Packed(0, 0, 16),
+                    hash=_hashes.digest(x), **f32),
+      _records.Leaf(3, (("dict", "p"),), "array", "float32", (4, 2), "jax", sh,
+                    hash=_hashes.digest(hashes), pieces=_records.Pieces(
+                        (2, 2), 0, np.array([(0, 16), (1, 0)], _runs.RUN).tobytes(), hashes)))
+  packs = (_records.Pack(f"{DATA}/p/0", 32, 32, 16), _records.Pack(f"{DATA}/p/1", 16, 16, 16))
+  m = _records.Manifest(3, 1.5, 2, dict(VERSIONS), None, leaves, DATA, packs, meshes=(mesh,),
+                        layout=layout, hash="xxh3-128")
+  assert _runs.writers(m, leaves[3]).tolist() == [0, 1]
+  return _records.encode(m)
+
+
+def _v3(change):
+  m = _v3_wire()
+  change(m)
+  return _packed(m)
+
+
+def _rec(m, i):
+  return m["leaves"][i]
+
+
+_LEAF = _INVALID + r"the record of \['{}'\] is invalid: "
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: m.pop("hash"), _INVALID + r"it lacks 'hash'"),
+    (lambda m: m.update(hash="sha256"), _INVALID + r"its 'hash' names the content hash algorithm "
+     r"'sha256', which this fnckpt does not know \(known: \['xxh3-128'\]\)"),
+    (lambda m: m.update(hash=None), r"content hash algorithm None"),
+    (lambda m: _rec(m, 0).update(hash=bytes(16)), _LEAF.format("i") + "an inline array has no "
+     "'hash'"),
+    (lambda m: _rec(m, 1).pop("hash"), _LEAF.format("s") + r"it lacks 'hash' \(format 3"),
+    (lambda m: _rec(m, 1).update(hash=bytes(32)), _LEAF.format("s") + r"'hash' must be 16 bytes"),
+    (lambda m: _rec(m, 1).pop("chunk_hashes"), _LEAF.format("s") + r"it lacks 'chunk_hashes'"),
+    (lambda m: _rec(m, 1).update(chunk_hashes=bytes(48)),
+     _LEAF.format("s") + r"'chunk_hashes' \(one hash per chunk\) must be 32 bytes"),
+    (lambda m: _rec(m, 1).update(chunk_fps=bytes(16)),
+     _LEAF.format("s") + r"it has an unknown field 'chunk_fps'"),
+    (lambda m: _rec(m, 2).pop("hash"), _LEAF.format("k") + r"it lacks 'hash'"),
+    (lambda m: _rec(m, 2).update(hash=b"x"), _LEAF.format("k") + r"'hash' must be 16 bytes"),
+    (lambda m: _rec(m, 3).pop("hash"), _LEAF.format("p") + r"it lacks 'hash'"),
+    (lambda m: _rec(m, 3).update(chunk_hashes=bytes(16)), _LEAF.format("p") + r"it has an "
+     r"unknown field 'chunk_hashes'|a pieced array has no 'chunk_hashes'"),
+    (lambda m: _rec(m, 3)["pieces"].pop("runs"), _LEAF.format("p") + r"'pieces' lacks 'runs'"),
+    (lambda m: _rec(m, 3)["pieces"].pop("hashes"), _LEAF.format("p") + r"'pieces' lacks 'hashes'"),
+    (lambda m: _rec(m, 3)["pieces"].update(runs=[0, 16]),
+     _LEAF.format("p") + r"'pieces'.runs must be bytes, 12 per writing process"),
+    (lambda m: _rec(m, 3)["pieces"].update(runs=bytes(13)),
+     _LEAF.format("p") + r"'pieces'.runs must be bytes, 12 per writing process"),
+    (lambda m: _rec(m, 3)["pieces"].update(runs=_rec(m, 3)["pieces"]["runs"][:12]),
+     _LEAF.format("p") + r"'pieces'.runs and 'pieces'.hashes must hold 12 and 16 bytes per "
+     r"process writing its chunks \(2 processes\), found 12 and 32"),
+    (lambda m: _rec(m, 3)["pieces"].update(hashes=bytes(48)),
+     _LEAF.format("p") + r"'pieces'.runs and .*found 24 and 48"),
+    (lambda m: _rec(m, 3)["pieces"].update(runs=np.array([(0, 16), (2, 0)], _runs.RUN).tobytes()),
+     _LEAF.format("p") + r"'pieces'.runs\[1\] \(process 1's chunks\) names pack 2, but there "
+     r"are 2 packs"),
+    (lambda m: _rec(m, 3)["pieces"].update(runs=np.array([(0, 17), (1, 0)], _runs.RUN).tobytes()),
+     _LEAF.format("p") + r"'pieces'.runs\[0\] \(process 0's chunks\) bytes \[17, 33\) lie "
+     r"outside pack 0 \(32 bytes\)"),
+    (lambda m: _rec(m, 3)["pieces"].update(
+        runs=np.array([(0, 0), (1, (1 << 64) - 1)], _runs.RUN).tobytes()),
+     _LEAF.format("p") + r"'pieces'.runs\[1\] \(process 1's chunks\) bytes .* lie outside pack 1"),
+    (lambda m: m["packs"][0].update(process=0, pieces=16),
+     _INVALID + r"its 'packs'\[0\] has an unknown field 'process'"),
+])
+def test_decode_refuses_invalid_format_3_manifests(change, match):
+  _manifest.decode(_v3(lambda m: None), LOC)   # (the unchanged one is valid)
+  with pytest.raises(CheckpointError, match=match):
+    _manifest.decode(_v3(change), LOC)
+
+
+def test_format_2_refuses_format_3_fields():
+  def to_v2(m):
+    m["version"] = 2
+    del m["hash"]
+  with pytest.raises(CheckpointError, match=r"its unknown field 'hash'|it has an unknown field "
+                     r"'hash'"):
+    _manifest.decode(_v3(lambda m: m.update(version=2)), LOC)
+  m = _v3_wire()
+  to_v2(m)
+  m["leaves"] = [m["leaves"][3]]
+  m["leaves"][0].pop("hash")
+  m["packs"][0].update(process=0, pieces=16)
+  m["packs"][1].update(process=1, pieces=0)
+  with pytest.raises(CheckpointError, match=_LEAF.format("p") + r"'pieces' has an unknown field "
+                     r"'runs'"):
+    _manifest.decode(_packed(m), LOC)
+  del m["leaves"][0]["pieces"]["runs"], m["leaves"][0]["pieces"]["hashes"]
+  assert _manifest.decode(_packed(m), LOC).version == 2
+
+
+def test_pieces_runs_and_locate_read_the_recorded_runs():
+  m = _manifest.decode(_v3(lambda m: None), LOC)
+  p = m.leaves[3]
+  assert [a.tolist() for a in _runs.pieces_runs(m, p)] == [[0, 1], [16, 0]]
+  assert [a.tolist() for a in _runs.locate(m, p, np.array([1, 0]))] == [[1, 0], [0, 16]]
+  assert _runs.writer_runs(m, p) == [(0, 0, 16, 32), (1, 1, 0, 16)]
 
 
 # --- check_msgpackable -------------------------------------------------------------------

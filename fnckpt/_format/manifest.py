@@ -14,11 +14,12 @@ import msgpack
 from . import parse as _parse, records as _records
 from .._errors import CheckpointError, DamagedError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READ_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
            "pack", "encode_commit", "decode_commit", "digest", "check_msgpackable"]
 
 FORMAT_NAME = "fnckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 3          # the format save writes
+READ_VERSION = 3            # the newest format this fnckpt reads (README "Format (version 3)")
 MANIFEST = "manifest.msgpack"
 COMMIT = "COMMIT"
 DATA_DIR = "d"              # format 1: arrays at d/<n>/
@@ -87,7 +88,7 @@ def decode(data: bytes, location: str) -> _records.Manifest:
         f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
         "cannot be read; restore an earlier one.") from None
   _check_header(manifest, location, "manifest")
-  return _parse.parse(manifest, location, FORMAT_VERSION)
+  return _parse.parse(manifest, location, READ_VERSION)
 
 
 def _check_header(obj: Any, location: str, what: str) -> None:
@@ -98,10 +99,10 @@ def _check_header(obj: Any, location: str, what: str) -> None:
   version = obj.get("version")
   if not isinstance(version, int) or isinstance(version, bool) or version < 1:
     raise DamagedError(f"The {what} of {location!r} is corrupt: no format version.")
-  if version > FORMAT_VERSION:
+  if version > READ_VERSION:
     raise CheckpointError(
         f"{location!r} was written in fnckpt format version {version}, newer than this fnckpt "
-        f"reads (up to {FORMAT_VERSION}). Upgrade fnckpt: pip install -U fnckpt.")
+        f"reads (up to {READ_VERSION}). Upgrade fnckpt: pip install -U fnckpt.")
 
 
 def encode_commit(manifest_bytes: bytes, committed_at: float,

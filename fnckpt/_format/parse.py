@@ -1,4 +1,4 @@
-"""PURE: a manifest's msgpack data -> frozen, validated records (formats 1 and 2; the records
+"""PURE: a manifest's msgpack data -> frozen, validated records (formats 1, 2 and 3; the records
 and their encoding are :mod:`fnckpt._format.records`).
 
 Everything read from storage is untrusted. :func:`parse` turns a decoded manifest into
@@ -11,7 +11,7 @@ leaf that is also a parent, sequence indices dense, so rebuilding the tree alloc
 than the leaves); storage directories relative, normalized and inside the checkpoint
 (:func:`check_dir`; references to other checkpoints, :func:`check_rel`). Unknown keys and kinds
 are refused (a newer writer's manifest is refused by its version number first). Parsing is the
-one validator: ``parse(encode(m), location, 2) == m`` for every valid record.
+one validator: ``parse(encode(m), location, v) == m`` for every valid record (v = 2, 3).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import numpy as np
 from .._layout import pieces as _pieces
 from .._errors import CheckpointError
 from .codecs import BLOSC_CNAMES, BLOSC_SHUFFLES
-from .records import (BIT_GENERATORS, DTYPES, FP_BYTES, HASH_BYTES, LEAF_KINDS, MAX_BIGINT_DIGITS,
-                      MAX_CHUNKS, MAX_DEPTH, MAX_DIMS, MAX_ELEMENTS, MAX_PACK_CHUNK, MAX_UP,
-                      PATH_KINDS, PRNG_IMPLS, SCALAR_TYPES, _DATA_NAME, _NAME, Base, Fork, Leaf,
-                      Manifest, Pack, Packed, Pieces, Sharding, Stored, itemsize)
+from .records import (BIT_GENERATORS, DTYPES, FP_BYTES, HASH_ALGS, HASH_BYTES, LEAF_KINDS,
+                      MAX_BIGINT_DIGITS, MAX_CHUNKS, MAX_DEPTH, MAX_DIMS, MAX_ELEMENTS,
+                      MAX_PACK_CHUNK, MAX_UP, PATH_KINDS, PRNG_IMPLS, RUN_BYTES, SCALAR_TYPES,
+                      _DATA_NAME, _NAME, Base, Fork, Leaf, Manifest, Pack, Packed, Pieces,
+                      Sharding, Stored, itemsize)
+from .runs import RUN
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
 __all__ = ["parse", "parse_values", "check_dir", "check_rel"]
@@ -122,6 +124,22 @@ def _hash(v: Any, what: str, n: int = HASH_BYTES) -> bytes:
 _TOP_V1 = ("format", "version", "created", "process_count", "versions", "metadata", "leaves")
 _TOP_V2 = _TOP_V1 + ("data", "packs")
 _TOP_V2_OPTIONAL = ("bases", "fork", "meshes")
+_TOP_V3 = _TOP_V2 + ("hash",)
+
+
+def _top_keys(version: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(required, optional) top-level keys of a manifest of ``version``."""
+  if version == 1:
+    return _TOP_V1, ()
+  return (_TOP_V2 if version == 2 else _TOP_V3), _TOP_V2_OPTIONAL
+
+
+def _alg(v: Any) -> str:
+  """Format 3's ``hash``: an algorithm of the allow-list."""
+  _req(isinstance(v, str) and v in HASH_ALGS,
+       lambda: f"'hash' names the content hash algorithm {_short(v)}, which this fnckpt does "
+       f"not know (known: {sorted(HASH_ALGS)})")
+  return v
 
 
 def parse(m: Any, location: str, reader_version: int) -> Manifest:
@@ -129,8 +147,9 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   try:
     version = _int(m.get("version") if isinstance(m, dict) else None, "'version'", 1,
                    reader_version)
-    top = _keys(m, "it", _TOP_V1 if version == 1 else _TOP_V2,
-                () if version == 1 else _TOP_V2_OPTIONAL)
+    top = _keys(m, "it", *_top_keys(version))
+    alg = _alg(top["hash"]) if version >= 3 else None
+    hn = HASH_ALGS[alg] if alg is not None else HASH_BYTES
     _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
     created = top["created"]
     _req(isinstance(created, (int, float)) and not isinstance(created, bool)
@@ -143,8 +162,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     data = check_dir(top["data"], "'data'") if version >= 2 else None
     bases = _bases(top.get("bases", []))
     fork = _fork(top.get("fork"))
-    packs = tuple(_pack(p, i, bases, nproc) for i, p in enumerate(_list(top.get("packs", []),
-                                                                         "'packs'")))
+    packs = tuple(_pack(p, i, bases, nproc, version)
+                  for i, p in enumerate(_list(top.get("packs", []), "'packs'")))
     _req(len({p.process for p in packs if p.process is not None}) ==
          sum(p.process is not None for p in packs), "two 'packs' name the same 'process'")
     meshes = _meshes(top.get("meshes", []), nproc)
@@ -154,7 +173,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   leaves = []
   for i, rec in enumerate(raw):
     try:
-      leaves.append(_leaf(i, rec, version, packs, bases, meshes))
+      leaves.append(_leaf(i, rec, version, packs, bases, meshes, hn))
     except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
       raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
           from None
@@ -165,9 +184,11 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     _check_tree([l.path for l in leaves])
   except _Bad as e:
     raise _error(location, str(e)) from None
-  layout = _check_pieces(location, leaves, packs, meshes, nproc)
+  layout = _check_pieces(location, leaves, packs, meshes, nproc, version == 2)
+  if version >= 3 and layout is not None:
+    _check_runs(location, leaves, packs, layout, hn)
   return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
-                  tuple(leaves), data, packs, bases, fork, meshes, layout)
+                  tuple(leaves), data, packs, bases, fork, meshes, layout, alg)
 
 
 def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
@@ -183,8 +204,9 @@ def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
 
 
 def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...],
-                  meshes: tuple[np.ndarray, ...], nproc: int) -> Any:
-  """The layout of the pieced leaves; every writer's region inside its pack."""
+                  meshes: tuple[np.ndarray, ...], nproc: int, regions: bool = True) -> Any:
+  """The layout of the pieced leaves; with ``regions`` (format 2), every writer's region
+  inside its pack."""
   todo = [_pieces.PieceLeaf(l.index, l.pieces.mesh, l.sharding.sizes,
                             l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
                             _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
@@ -196,6 +218,8 @@ def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...]
     layout = _pieces.build(meshes, todo, nproc)
   except ValueError as e:
     raise _error(location, f"its pieced leaves cannot be laid out: {e}") from None
+  if not regions:
+    return layout
   own = {p.process: (k, p) for k, p in enumerate(packs) if p.process is not None}
   for proc in np.flatnonzero(layout.region).tolist():
     size = int(layout.region[proc])
@@ -217,6 +241,47 @@ def _pieces_error(location: str, leaves: Sequence[Leaf], layout: Any, proc: int,
       layout.position[l.index]]].counts[proc]))
   return _error(location, f"the record of {keystr(leaves[first.index].path)} is invalid: "
                 f"{what}")
+
+
+def _check_runs(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...], layout: Any,
+                hn: int) -> None:
+  """Format 3: each pieced leaf's ``runs`` and ``hashes`` have one entry per process writing
+  its chunks (rule 1), and each run lies inside the pack it names (all runs of all leaves
+  checked at once, numpy)."""
+  pieced = [leaves[pl.index] for pl in layout.leaves]
+  counts: dict[int, np.ndarray] = {}             # group -> chunks of each writing process
+  runs, sizes = [], []
+  for j, (rec, pl) in enumerate(zip(pieced, layout.leaves)):
+    g = layout.group_of[j]
+    if g not in counts:
+      c = layout.groups[g].counts
+      counts[g] = c[c > 0]
+    w, p = len(counts[g]), rec.pieces
+    if len(p.runs) != RUN_BYTES * w or len(p.hashes) != hn * w:
+      raise _error(location, f"the record of {rec.where} is invalid: 'pieces'.runs and "
+                   f"'pieces'.hashes must hold {RUN_BYTES} and {hn} bytes per process writing "
+                   f"its chunks ({w} processes), found {len(p.runs)} and {len(p.hashes)}")
+    runs.append(p.runs)
+    sizes.append(counts[g] * pl.nbytes)
+  got = np.frombuffer(b"".join(runs), RUN)
+  size = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+  k, off = got["pack"].astype(np.int64), got["offset"]
+  known = k < len(packs)
+  room = np.array([p.nbytes for p in packs] + [0], np.int64)[np.where(known, k, len(packs))]
+  inside = known & (off <= room.astype(np.uint64))
+  inside &= size <= room - np.where(inside, off, 0).astype(np.int64)
+  bad = np.flatnonzero(~inside)
+  if bad.size:
+    first = int(bad[0])
+    ends = np.cumsum([len(r) // RUN_BYTES for r in runs])
+    j = int(np.searchsorted(ends, first, side="right"))
+    w = first - (int(ends[j - 1]) if j else 0)
+    proc = int(np.flatnonzero(layout.groups[layout.group_of[j]].counts)[w])
+    kk, o, n = int(k[first]), int(off[first]), int(size[first])
+    what = (f"names pack {kk}, but there are {len(packs)} packs" if kk >= len(packs) else
+            f"bytes [{o}, {o + n}) lie outside pack {kk} ({packs[kk].nbytes} bytes)")
+    raise _error(location, f"the record of {pieced[j].where} is invalid: 'pieces'.runs[{w}] "
+                 f"(process {proc}'s chunks) {what}")
 
 
 def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
@@ -284,8 +349,10 @@ def _base_of(v: Any, d: str, what: str, bases: tuple[Base, ...]) -> int | None:
   return k
 
 
-def _pack(p: Any, i: int, bases: tuple[Base, ...] = (), nproc: int = 1 << 24) -> Pack:
-  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"), ("base", "process", "pieces"))
+def _pack(p: Any, i: int, bases: tuple[Base, ...] = (), nproc: int = 1 << 24,
+          version: int = 2) -> Pack:
+  _keys(p, f"'packs'[{i}]", ("dir", "nbytes", "chunk", "inner"),
+        ("base",) if version >= 3 else ("base", "process", "pieces"))
   nbytes = _int(p["nbytes"], f"'packs'[{i}].nbytes", 1)
   chunk = _int(p["chunk"], f"'packs'[{i}].chunk", 1, min(nbytes, MAX_PACK_CHUNK))
   inner = _int(p["inner"], f"'packs'[{i}].inner", 1, chunk)
@@ -325,7 +392,10 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
-          bases: tuple[Base, ...] = (), meshes: tuple[np.ndarray, ...] = ()) -> Leaf:
+          bases: tuple[Base, ...] = (), meshes: tuple[np.ndarray, ...] = (),
+          hn: int = HASH_BYTES) -> Leaf:
+  """One leaf record (``hn``: bytes of a content hash: SHA-256's in format 2, else the
+  manifest's ``hash`` algorithm's)."""
   _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
   _req(isinstance(kind, str) and kind in LEAF_KINDS,
@@ -337,7 +407,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
     _keys(rec, "it", common)
     return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs, bases, meshes)
+    return _array(i, path, rec, version, packs, bases, meshes, hn)
   if kind == "empty":
     _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
@@ -391,11 +461,12 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs, bases=(), meshes=()) -> Leaf:
+def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES) -> Leaf:
   kind = rec["kind"]
   storage = ("inline", "store", "pack") + (("pieces",) if version >= 2 else ())
-  optional = (("impl",) if kind == "key" else ()) + (
-      ("hash", "chunk_hashes", "chunk_fps") if version >= 2 else ())
+  hashes = (() if version == 1 else ("hash", "chunk_hashes") if version >= 3 else
+            ("hash", "chunk_hashes", "chunk_fps"))
+  optional = (("impl",) if kind == "key" else ()) + hashes
   _keys(rec, "it", ("path", "kind", "dtype", "shape", "source", "sharding"),
         storage + optional)
   where = [k for k in storage if k in rec]
@@ -412,45 +483,75 @@ def _array(i, path, rec, version, packs, bases=(), meshes=()) -> Leaf:
   sharding = _sharding(rec["sharding"], len(shape), meshes)
   _req(sharding is None or sharding.mesh is None or "pieces" in rec,
        "'sharding'.mesh belongs to pieced leaves only")
-  nbytes = math.prod(shape) * itemsize(dtype)
   leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl)
-  if "pieces" in rec:
-    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "a pieced array has no 'hash'")
-    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding))
   if "inline" in rec:
+    nbytes = math.prod(shape) * itemsize(dtype)
     _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
          lambda: f"'inline' must hold {nbytes} bytes")
     _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
     return dataclasses.replace(leaf, inline=rec["inline"])
+  if version >= 3:   # every array stored outside the manifest carries its hash
+    _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
+         "array has one)")
   if "hash" in rec:
-    leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'"))
+    leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'", hn))
+  if "pieces" in rec:
+    _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
+         "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
+    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version,
+                                                    hn))
   if "store" in rec:
-    stored = _stored(rec["store"], shape, dtype, version, bases)
-    if "chunk_hashes" in rec:
-      n = math.prod(-(-s // c) for s, c in zip(shape, stored.chunks)) if all(shape) else 0
-      _req(leaf.hash is not None, "'chunk_hashes' needs 'hash'")
-      leaf = dataclasses.replace(leaf, chunk_hashes=_hash(
-          rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", HASH_BYTES * n))
-      if "chunk_fps" in rec:
-        leaf = dataclasses.replace(leaf, chunk_fps=_hash(
-            rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
-    _req("chunk_fps" not in rec or "chunk_hashes" in rec, "'chunk_fps' needs 'chunk_hashes'")
-    return dataclasses.replace(leaf, stored=stored)
+    return _stored_leaf(leaf, rec, version, bases, hn)
   _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
        "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
-  p = _keys(rec["pack"], "'pack'", ("index", "offset"))
+  return dataclasses.replace(leaf, packed=_packed(rec["pack"], leaf.nbytes, packs))
+
+
+def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hn: int) -> Leaf:
+  """A stored array's record: its ``store`` and chunk hashes (required in format 3)."""
+  stored = _stored(rec["store"], leaf.shape, leaf.dtype, version, bases)
+  _req(version < 3 or "chunk_hashes" in rec,
+       f"it lacks 'chunk_hashes' (format {version}: every stored array has them)")
+  if "chunk_hashes" in rec:
+    shape = leaf.shape
+    n = math.prod(-(-s // c) for s, c in zip(shape, stored.chunks)) if all(shape) else 0
+    _req(leaf.hash is not None, "'chunk_hashes' needs 'hash'")
+    leaf = dataclasses.replace(leaf, chunk_hashes=_hash(
+        rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", hn * n))
+    if "chunk_fps" in rec:
+      leaf = dataclasses.replace(leaf, chunk_fps=_hash(
+          rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
+  _req("chunk_fps" not in rec or "chunk_hashes" in rec, "'chunk_fps' needs 'chunk_hashes'")
+  return dataclasses.replace(leaf, stored=stored)
+
+
+def _packed(p: Any, nbytes: int, packs: tuple[Pack, ...]) -> Packed:
+  """A packed array's ``pack``: a byte range inside an existing pack."""
+  p = _keys(p, "'pack'", ("index", "offset"))
   k = _int(p["index"], "'pack'.index", 0, max(len(packs) - 1, 0))
   _req(k < len(packs), "'pack'.index names no pack")
   offset = _int(p["offset"], "'pack'.offset", 0, packs[k].nbytes)
   _req(offset + nbytes <= packs[k].nbytes,
        lambda: f"'pack' bytes [{offset}, {offset + nbytes}) lie "
        f"outside pack {k} ({packs[k].nbytes} bytes)")
-  return dataclasses.replace(leaf, packed=Packed(k, offset, nbytes))
+  return Packed(k, offset, nbytes)
 
 
-def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None) -> Pieces:
-  _keys(p, "'pieces'", ("chunks",))
+def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None, version: int = 2,
+            hn: int = HASH_BYTES) -> Pieces:
+  """A pieced array's ``pieces``; format 3's ``runs`` and ``hashes`` (their lengths, one
+  entry per writing process, are checked with the layout: :func:`_check_runs`)."""
+  _keys(p, "'pieces'", ("chunks", "runs", "hashes") if version >= 3 else ("chunks",))
+  runs = hashes = None
+  if version >= 3:
+    runs, hashes = p["runs"], p["hashes"]
+    _req(isinstance(runs, bytes) and len(runs) % RUN_BYTES == 0,
+         lambda: f"'pieces'.runs must be bytes, {RUN_BYTES} per writing process, found "
+         f"{_short(runs)}")
+    _req(isinstance(hashes, bytes) and len(hashes) % hn == 0,
+         lambda: f"'pieces'.hashes must be bytes, {hn} per writing process, found "
+         f"{_short(hashes)}")
   chunks = tuple(_int(c, "a 'pieces' chunk dimension", 1, MAX_ELEMENTS)
                  for c in _list(p["chunks"], "'pieces'.chunks", MAX_DIMS))
   _req(sharding is not None and sharding.mesh is not None,
@@ -461,7 +562,7 @@ def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None) -> Pieces
   _req(all(n % g == 0 for n, g in zip(shape, grid)) and chunks == implied and all(implied),
        lambda: f"'pieces'.chunks must be the shard shape {list(implied)} its sharding implies "
        f"(non-empty), found {list(chunks)}")
-  return Pieces(chunks, sharding.mesh)
+  return Pieces(chunks, sharding.mesh, runs, hashes)
 
 
 def _stored(s: Any, shape, dtype: str, version: int, bases=()) -> Stored:
