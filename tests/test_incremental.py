@@ -65,35 +65,50 @@ def assert_same(got, want):
 
 
 def hashed_save(tree, path, **kwargs):
-  """A full save that records content hashes (as an incremental manager's full saves do)."""
-  return _save.start(tree, path, hashes=True, **kwargs)
+  """A full save (every save records its content hashes since format 3)."""
+  return fnckpt.save(tree, path, **kwargs)
 
 
 # --- save(base=) --------------------------------------------------------------------------------
 
-def test_a_plain_save_records_no_hashes_and_a_base_without_them_is_written_whole(tmp_path):
-  """Full saves pay nothing for hashing; save(base=) of such a base writes everything (and
-  records hashes), so the save after it reuses."""
-  a, b, c = (str(tmp_path / n) for n in "abc")
+def test_a_plain_save_records_hashes_and_is_a_base(tmp_path):
+  """Every save records XXH3-128 hashes of what it stores, so any checkpoint is a base: the
+  save after a plain one writes only what changed."""
+  a, b = (str(tmp_path / n) for n in "ab")
   fnckpt.save(lora_tree(1), a).wait()
-  assert all(l.hash is None and l.chunk_hashes is None
-             for l in _records_of(a).leaves if l.is_array)
-  stats = fnckpt.save(lora_tree(1), b, base=a).wait()
-  assert stats.bytes_reused == 0 and stats.bytes_written >= FROZEN.nbytes
-  m = _records_of(b)
-  assert not m.bases and all(l.hash is not None for l in m.leaves if l.is_array
-                             and l.inline is None)
-  stats = fnckpt.save(lora_tree(2), c, base=b).wait()
+  m = _records_of(a)
+  assert m.version == 3 and m.hash == "xxh3-128"
+  stored = [l for l in m.leaves if l.is_array and l.inline is None]
+  assert stored and all(l.hash is not None and len(l.hash) == 16 for l in stored)
+  stats = fnckpt.save(lora_tree(2), b, base=a).wait()
   assert stats.bytes_reused >= FROZEN.nbytes
-  assert_same(fnckpt.restore(c), lora_tree(2))
-  assert_same(fnckpt.restore(b), lora_tree(1))
-  for incremental in (False, True):   # a manager's saves hash only when incremental
+  assert stats.bytes_written < FROZEN.nbytes / 10
+  assert_same(fnckpt.restore(b), lora_tree(2))
+  assert_same(fnckpt.restore(a), lora_tree(1))
+  for incremental in (False, True):   # a manager's saves hash whether incremental or not
     run = str(tmp_path / f"run{incremental}")
     with fnckpt.CheckpointManager(run, incremental=incremental) as mgr:
       mgr.save(0, lora_tree(0))
     hashed = [l.hash is not None for l in _records_of(f"{run}/0").leaves
               if l.is_array and l.inline is None]
-    assert hashed and all(hashed) == incremental and any(hashed) == incremental
+    assert hashed and all(hashed)
+
+
+def test_a_format2_base_is_written_in_full_with_a_warning(tmp_path):
+  """A base written by format 2 (no XXH3 hashes): the save writes everything, says so, and
+  records its hashes (the next save with it as base reuses)."""
+  import shutil
+  src = os.path.join(os.path.dirname(__file__), "fixtures", "format2", "plain")
+  base = str(tmp_path / "old")
+  shutil.copytree(src, base)
+  tree = fnckpt.restore(base)
+  with pytest.warns(RuntimeWarning, match=r"written in fnckpt format 2, which records no "
+                    r"XXH3-128 content hashes.*writes everything"):
+    stats = fnckpt.save(tree, str(tmp_path / "new"), base=base).wait()
+  assert stats.bytes_reused == 0 and not _records_of(str(tmp_path / "new")).bases
+  assert_same(fnckpt.restore(str(tmp_path / "new")), tree)
+  again = fnckpt.save(tree, str(tmp_path / "next"), base=str(tmp_path / "new")).wait()
+  assert again.bytes_written == 0 and again.bytes_reused > 0
 
 
 def _records_of(path):
@@ -231,7 +246,7 @@ def _stored(m):
     (lambda m: _stored(m)["store"].update(base=5), r"'store'.base must be an integer in"),
     (lambda m: _stored(m)["store"].update(dir="data-" + "0" * 32 + "/a/0"),
      r"'store'.dir .* lies outside the referenced data"),
-    (lambda m: _stored(m).update(hash=b"short"), "'hash' must be 32 bytes"),
+    (lambda m: _stored(m).update(hash=b"short"), "'hash' must be 16 bytes"),
     (lambda m: _stored(m).update(chunk_hashes=b"x" * 31), r"'chunk_hashes' \(one hash per"),
     (lambda m: m.update(fork={"run": "../a", "step": -1}), r"'fork'.step must be an integer"),
     (lambda m: m.update(fork={"run": "x/..", "step": 1}), r"'fork'.run must be"),
@@ -240,7 +255,7 @@ def test_references_are_validated(tmp_path, edit, match):
   m = _manifest_of(tmp_path)
   edit(m)
   with pytest.raises(fnckpt.CheckpointError, match=match):
-    _parse.parse(m, "loc", 2)
+    _parse.parse(m, "loc", 3)
 
 
 def test_a_reference_above_the_storage_root_is_refused():
