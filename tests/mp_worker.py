@@ -487,7 +487,6 @@ def mode_attempts(cfg):
   import jax
   import fnckpt
   from fnckpt import _state
-  from fnckpt._save import save as save_mod
   mesh = make_mesh(*cfg["mesh"])
   outcomes: list[Any] = []
   pending: list[tuple[int, Any]] = []
@@ -502,9 +501,8 @@ def mode_attempts(cfg):
     real_phase, fault = _state.hooks.on_phase, attempt.get("fault")
     if fault and fault["process"] == jax.process_index():
       install_fault(fault["phase"], fault["action"])
-    kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes", "base", "hashes")
-              if k in attempt}
-    save_fn = save_mod.start if "hashes" in kwargs else fnckpt.save  # (a manager's full save)
+    kwargs = {k: attempt[k] for k in ("overwrite", "pack_bytes", "base") if k in attempt}
+    save_fn = fnckpt.save
     time.sleep(attempt.get("delay_s", {}).get(str(jax.process_index()), 0))
     barrier_s = attempt.get("barrier_s", cfg.get("barrier_s", 120))
     started = _outcome(lambda: save_fn(state, attempt["path"], barrier_timeout_s=barrier_s,
