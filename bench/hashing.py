@@ -6,9 +6,12 @@
 Arms (:data:`ARMS`: name -> callable ``(tree, path) -> SaveHandle``; the first is the
 baseline, every other arm is compared with it; add an arm with one line):
 
-- ``A``: ``fnckpt._save.save.start(tree, path, hashes=False)``: a plain save, nothing hashed.
-- ``B``: ``start(..., hashes=True)``: the content hash of every chunk and packed leaf recorded
-  (what an ``incremental=True`` manager's full saves do).
+- ``none``: ``fnckpt.save`` with hashing replaced by a no-op (``_state.hooks.hashing =
+  False``, a private bench-only hook: the checkpoint records zeros; never for real saves).
+- ``xxh3``: ``fnckpt.save`` as shipped: the XXH3-128 of every stored chunk, packed leaf and
+  pieces run recorded (format 3; every save).
+(Before format 3, the arms were ``start(hashes=False)`` and ``start(hashes=True)``: SHA-256;
+``bench/results/2026-11-25-hashing-before.md``.)
 
 One warm-up save per arm, then ``--pairs`` rounds, each saving once per arm, in ABBA order
 (the arms' order reversed every other round), each to a fresh path deleted after it is
@@ -43,11 +46,32 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from bench import states  # noqa: E402
-from fnckpt._save import save as _save  # noqa: E402
+import fnckpt  # noqa: E402
+from fnckpt import _state  # noqa: E402
+
+
+class _Waited:
+  """A save whose hook setting stays in force until ``wait()`` returns (the background
+  writer hashes after ``save`` returned)."""
+
+  def __init__(self, tree, path, hashing: bool):
+    _state.hooks.hashing = hashing
+    self.handle = fnckpt.save(tree, path)
+
+  def wait(self):
+    try:
+      return self.handle.wait()
+    finally:
+      _state.hooks.hashing = True
+
+
+def _save_with(hashing: bool) -> Callable:
+  return lambda tree, path: _Waited(tree, path, hashing)
+
 
 ARMS: dict[str, Callable] = {
-    "A": lambda tree, path: _save.start(tree, path, hashes=False),  # plain: no hashing
-    "B": lambda tree, path: _save.start(tree, path, hashes=True),   # SHA-256 of every chunk
+    "none": _save_with(False),   # hashing a no-op (the baseline)
+    "xxh3": _save_with(True),    # as shipped
 }
 
 

@@ -25,7 +25,8 @@ data:
   bytes and byte ranges read from packs for pieces (tests read them).
 ``hooks`` (``_save``)
   ``on_phase(name)``, called as a save passes each phase ("staging", "staged", "written",
-  "manifest", "committing", "committed"): a no-op that fault-injection tests replace.
+  "manifest", "committing", "committed"): a no-op that fault-injection tests replace;
+  ``hashing`` (bench/hashing.py's baseline arm only).
 ``memo`` caches (``_layout.chunks``, ``_save``, ``_restore``)
   pure functions memoised across calls, each a bounded LRU keyed by sharding or mesh objects;
   :func:`memos` lists them all.
@@ -106,6 +107,9 @@ class _Hooks:
 
   def __init__(self) -> None:
     self.on_phase: Callable[[str], None] = _no_op
+    # bench/hashing.py only: False makes the writer record zeros for content hashes (the
+    # cost of a save without hashing, measured against one with it; never for real saves)
+    self.hashing: bool = True
 
 
 def _no_op(name: str) -> None:

@@ -29,6 +29,7 @@ from .._layout import packing as _packing
 from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
 from .._io import collective as _collective, arrays as _store
 from .._errors import CheckpointError
+from .. import _state
 
 __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
 
@@ -63,6 +64,24 @@ class Plan:
 
 # Threads hashing chunks beside the writer thread (xxhash releases the GIL from 64 KiB).
 HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+def _array_digest(host: np.ndarray) -> bytes:
+  return _hashes.array_digest(host) if _state.hooks.hashing else bytes(_hashes.NBYTES)
+
+
+def _digest(data: Any) -> bytes:
+  return _hashes.digest(data) if _state.hooks.hashing else bytes(_hashes.NBYTES)
+
+
+class _NoHash:
+  """(bench/hashing.py's baseline) a hasher that hashes nothing."""
+
+  def update(self, data: Any) -> None:
+    del data
+
+  def digest(self) -> bytes:
+    return bytes(_hashes.NBYTES)
 
 
 class _Countdown:
@@ -101,19 +120,31 @@ class Delta:
     self._hashers: dict[int, Any] = {}
     self._lock = threading.Lock()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._ordered: concurrent.futures.ThreadPoolExecutor | None = None
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
 
   # stored chunks ------------------------------------------------------------------------
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
-            host: np.ndarray, write: Callable[[], ts.Future]) -> None:
+            host: np.ndarray, write: Callable[[], ts.Future],
+            spans: list[tuple[int, int, int]] | None = None) -> None:
     """Write one staged chunk and hash it, on a small thread pool: a candidate's chunk is
     hashed first and written only if it differs from the base's; any other stored chunk is
     written at once and hashed meanwhile. Its budget ``cost`` is given back once it is both
-    hashed and durable (or skipped). (``leaf`` None: a pack chunk, hashed as assembled.)"""
+    hashed and durable (or skipped). ``leaf`` None: a pack chunk, written at once while
+    its ``spans`` (record, offset, bytes) are hashed in order on one more thread (a leaf's
+    bytes may continue in the next chunk)."""
     if leaf is None:
-      self._track(write(), cost)
+      fut = write()
+      if not spans:
+        self._track(fut, cost)
+        return
+      done = _Countdown(2, lambda: self._release(cost))
+      fut.add_done_callback(lambda _f: done())
+      with self._lock:
+        self._writes.append(fut)
+      self._jobs.append(self._in_order().submit(self._hash_spans, host, spans, done))
       return
     if expect is None:
       fut = write()
@@ -128,7 +159,7 @@ class Delta:
 
   def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
     try:
-      h = _hashes.array_digest(host)
+      h = _array_digest(host)
       with self._lock:
         self.report.chunks.setdefault(leaf, {})[pos] = h
     finally:
@@ -136,7 +167,7 @@ class Delta:
 
   def _decide(self, leaf, pos, host, expect, nbytes, cost, write) -> None:
     try:
-      h = _hashes.array_digest(host)
+      h = _array_digest(host)
     except BaseException:
       self._release(cost)
       raise
@@ -171,23 +202,39 @@ class Delta:
       for job in self._jobs:
         job.result()
     finally:
-      if self._executor is not None:
-        self._executor.shutdown(wait=True)
-        self._executor = None
+      for pool in (self._executor, self._ordered):
+        if pool is not None:
+          pool.shutdown(wait=True)
+      self._executor = self._ordered = None
     with self._lock:
       return list(self._writes)
+
+  def _hash_spans(self, host: np.ndarray, spans: list[tuple[int, int, int]],
+                  done: Callable[[], None]) -> None:
+    try:
+      for i, offset, n in spans:
+        self.hash_piece(i, host[offset:offset + n])
+    finally:
+      done()
+
+  def _in_order(self) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread hashing pack chunks' spans in the order they were written."""
+    if self._ordered is None:
+      self._ordered = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix="fnckpt-hash-pack")
+    return self._ordered
 
   def hash_piece(self, leaf: int, data: np.ndarray) -> None:
     """Bytes of a packed leaf, or of this process's run of a pieced leaf, in a (plan-laid)
     pack, in order."""
     if leaf not in self._hashers:
-      self._hashers[leaf] = _hashes.hasher()
+      self._hashers[leaf] = _hashes.hasher() if _state.hooks.hashing else _NoHash()
     self._hashers[leaf].update(memoryview(data))
 
   # pack segments ------------------------------------------------------------------------
 
   def pack_leaf(self, item: PackLeaf) -> list[ts.Future]:
-    h = _hashes.digest(memoryview(item.staged.raw()))
+    h = _digest(memoryview(item.staged.raw()))
     if h == item.expect:
       self.report.maybe[item.leaf] = (h, -1, 0)
       self.reused_pack_bytes += item.staged.nbytes

@@ -87,8 +87,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
     end = min(start + pack.chunk, pack.nbytes)
     cost = CHUNK_COST * (end - start)
     got = charge(budget, cost, writer, lambda: parts(start, end))
-    writer.put(Chunk(fut, ((start, end),), Assemble(end - start, got, writer.delta.hash_piece),
-                     cost))
+    writer.put(Chunk(fut, ((start, end),), Assemble(end - start, got), cost))
     del got  # (while staging the next chunk) the writer frees them once assembled
     count_staged(handle, budget, end - start)
     while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
@@ -130,17 +129,19 @@ def leaf_nbytes(data: Any) -> int:
 @dataclasses.dataclass
 class Assemble:
   """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
-  staged leaf (record ``i``), at ``offset`` in the chunk; each piece is hashed in order."""
+  staged leaf (record ``i``), at ``offset`` in the chunk. Once built, ``spans`` lists (record,
+  offset, bytes) of each piece, in order, for hashing."""
   nbytes: int
   pieces: list[tuple[int, Staged, int, int, int]]
-  hash_piece: Any = None
+  spans: list[tuple[int, int, int]] | None = None
 
   def __call__(self) -> np.ndarray:
     buf = np.zeros(self.nbytes, np.uint8)
+    self.spans = []
     for offset, leaf, lo, hi, i in self.pieces:
       buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
-      if self.hash_piece is not None:
-        self.hash_piece(i, buf[offset:offset + hi - lo])
+      self.spans.append((i, offset, hi - lo))
+    self.pieces = []
     return buf
 
 

@@ -151,11 +151,13 @@ class Writer:
 
   def _write(self, item: Chunk) -> None:
     """Hand one chunk to the delta: hashed, and written unless equal to the base's."""
-    host = item.host() if callable(item.host) else item.host
+    make = item.host
+    host = make() if callable(make) else make
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
     store = item.store.result()
     self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
-                     lambda: _store.write_chunk(store, item.index, host))
+                     lambda: _store.write_chunk(store, item.index, host),
+                     getattr(make, "spans", None))
 
   def _run(self) -> None:
     error: BaseException | None = None
