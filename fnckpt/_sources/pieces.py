@@ -1,7 +1,9 @@
 """Reading slices of pieced leaves (README "Pieces"): a wanted slice is the chunks it
 intersects, each read as byte ranges of its writer's pack (only the chunk's rows the slice
 needs; only its contiguous runs when those are large and rows would read much more), then
-copied into the slice.
+copied into the slice. Where a chunk lies: format 2 computes it (the writer's pieces region),
+format 3 records it (the writer's run, :func:`fnckpt._format.runs.locate`); a format-3 read of
+a writer's whole run is checked against the run's recorded hash.
 Opened by ``read.Opener`` (restore, export, verify and diff read pieces through it), with the
 interface of ``_store.read_slice``."""
 
@@ -16,7 +18,8 @@ import numpy as np
 import tensorstore as ts
 
 from .. import _state
-from .._format import leaves as _leaves, records as _records
+from .._format import hashes as _hashes, leaves as _leaves, records as _records, \
+    runs as _runs
 from .._io import arrays as _store
 from .._layout.chunks import Index
 
@@ -50,8 +53,11 @@ class SliceReader:
   """
 
   def __init__(self, manifest: _records.Manifest, leaf: _records.Leaf,
-               open_pack: Callable[[int], ts.TensorStore]):
+               open_pack: Callable[[int], ts.TensorStore],
+               damaged: Callable[[str], Exception] | None = None):
     self.manifest, self.leaf, self.open_pack = manifest, leaf, open_pack
+    self.damaged = damaged   # (given: whole runs read are checked; what a mismatch raises)
+    self._runs: dict | None = None
     self.dtype = _leaves.dtype_of(leaf.dtype)
     self.chunk = leaf.pieces.chunks
     self.grid = tuple(-(-n // c) for n, c in zip(leaf.shape, self.chunk))
@@ -59,12 +65,26 @@ class SliceReader:
   def __call__(self, index: Index, batch: ts.Batch | None = None) -> "_Pending":
     shape = tuple(b - a for a, b in index)
     parts = self.parts(index) if all(shape) else []
+    reads = _merged(parts)
     futures = []
-    for p in parts:
-      futures.append(_store.read_slice(self.open_pack(p.pack), ((p.lo, p.hi),), batch))
-      _state.reads.bytes_read += p.hi - p.lo  # (every reader of this process: for tests)
+    for k, lo, hi in reads:
+      futures.append(_store.read_slice(self.open_pack(k), ((lo, hi),), batch))
+      _state.reads.bytes_read += hi - lo  # (every reader of this process: for tests)
       _state.reads.ranges += 1
-    return _Pending(_store.aligned_empty(shape, self.dtype), parts, futures, self.leaf)
+    checks = [self.run_hash(r) for r in reads] if self.damaged is not None else None
+    return _Pending(_store.aligned_empty(shape, self.dtype), parts, reads, futures, self.leaf,
+                    checks, self.damaged)
+
+  def run_hash(self, read: tuple[int, int, int]) -> tuple[int, bytes] | None:
+    """(writer process, recorded hash) when ``read`` (pack, lo, hi) is a writer's whole run
+    (format 3)."""
+    if self.leaf.pieces.runs is None:
+      return None
+    if self._runs is None:
+      n, hashes = _records.HASH_ALGS[self.manifest.hash], self.leaf.pieces.hashes
+      self._runs = {(r.pack, r.lo, r.hi): (r.process, hashes[w * n:(w + 1) * n])
+                    for w, r in enumerate(_runs.writer_runs(self.manifest, self.leaf))}
+    return self._runs.get(tuple(read))
 
   def parts(self, index: Index) -> list[_Part]:
     """The byte ranges to read for slice ``index`` and where each lands."""
@@ -72,11 +92,9 @@ class SliceReader:
     cells = list(itertools.product(*blocks))
     numbers = (np.ravel_multi_index(tuple(np.array(x) for x in zip(*cells)), self.grid)
                if self.grid else np.zeros(len(cells), np.int64))
-    procs, offsets = self.manifest.layout.locate(self.leaf.index, np.asarray(numbers))
+    packs, starts = _runs.locate(self.manifest, self.leaf, np.asarray(numbers))
     out = []
-    for cell, proc, off in zip(cells, procs.tolist(), offsets.tolist()):
-      k = self.manifest.pack_of(proc)
-      start = self.manifest.packs[k].pieces + off
+    for cell, k, start in zip(cells, packs.tolist(), starts.tolist()):
       inter = tuple((max(a, b * c) - b * c, min(e, (b + 1) * c) - b * c)
                     for (a, e), b, c in zip(index, cell, self.chunk))
       dest = tuple(slice(b * c + lo - a, b * c + hi - a)
@@ -126,22 +144,51 @@ class SliceReader:
     return dim, runs
 
 
-class _Pending:
-  """A slice being read: ``result()`` copies each landed range into it (once)."""
+def _merged(parts: list[_Part]) -> list[list[int]]:
+  """The byte ranges to read for ``parts``, in order: consecutive parts that continue each
+  other in one pack are one range (a writer's chunks of a slice of whole chunks lie back to
+  back: a read of a writer's whole run is one range, checked against its hash).
 
-  def __init__(self, out: np.ndarray, parts: list[_Part], futures: list[Any],
-               leaf: _records.Leaf):
-    self.out, self.parts, self.futures, self.leaf = out, parts, futures, leaf
+  >>> _merged([_Part(0, 0, 8, (), (), ()), _Part(0, 8, 16, (), (), ()), _Part(1, 16, 24, (), (), ())])
+  [[0, 0, 16], [1, 16, 24]]
+  """
+  reads: list[list[int]] = []
+  for p in parts:
+    if reads and reads[-1][0] == p.pack and reads[-1][2] == p.lo:
+      reads[-1][2] = p.hi
+    else:
+      reads.append([p.pack, p.lo, p.hi])
+  return reads
+
+
+class _Pending:
+  """A slice being read: ``result()`` copies each landed range into it (once), after checking
+  each range that is a writer's whole run against its hash (``checks``: per read, the writer
+  and the hash, or None)."""
+
+  def __init__(self, out: np.ndarray, parts: list[_Part], reads: list[list[int]],
+               futures: list[Any], leaf: _records.Leaf, checks: list | None = None,
+               damaged: Callable[[str], Exception] | None = None):
+    self.out, self.parts, self.reads, self.futures, self.leaf = out, parts, reads, futures, leaf
+    self.checks, self.damaged = checks, damaged
 
   def done(self) -> bool:
     return all(f.done() for f in self.futures)
 
   def result(self) -> np.ndarray:
-    for p, f in zip(self.parts, self.futures):
-      raw = f.result()
-      got = raw.view(self.out.dtype).reshape(p.shape)
+    landed = [f.result() for f in self.futures]
+    for (k, lo, hi), raw, check in zip(self.reads, landed, self.checks or [None] * len(landed)):
+      if check is not None and _hashes.array_digest(raw) != check[1]:
+        raise self.damaged(f"the chunks process {check[0]} wrote (bytes [{lo}, {hi}) of pack "
+                           f"{k})")
+    j = 0
+    for p in self.parts:
+      while not (self.reads[j][0] == p.pack and self.reads[j][1] <= p.lo < self.reads[j][2]):
+        j += 1
+      at = p.lo - self.reads[j][1]
+      got = landed[j][at:at + p.hi - p.lo].view(self.out.dtype).reshape(p.shape)
       self.out[p.dest] = got[p.take]
     if self.parts:  # bool bytes other than 0/1 are damage (checksums cannot tell)
       _leaves.checked_bools(self.out, self.leaf)
-    self.futures, self.parts = [], []
+    self.futures, self.parts, self.reads = [], [], []
     return self.out

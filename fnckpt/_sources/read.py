@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import os
 import posixpath
@@ -38,8 +39,10 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
+from .. import _state
 from .._layout import blocks as _blocks, chunks as _layout
-from .._format import leaves as _leaves, records as _records, refs as _refs
+from .._format import hashes as _hashes, leaves as _leaves, records as _records, refs as _refs, \
+    runs as _runs
 from .._io import arrays as _store, commit as _commit, paths as _paths
 from .._errors import CheckpointError, DamagedError
 from . import pieces as _pieces_read
@@ -150,6 +153,7 @@ class _Inline(StoredLeaf):
 class _Packed(StoredLeaf):
   pack: ts.TensorStore = None
   offset: int = 0
+  digest: bytes | None = None   # checked when the whole leaf is read (format 3)
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
     size = self.dtype.itemsize
@@ -164,6 +168,9 @@ class _Packed(StoredLeaf):
                                                               # patch it)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    if self.digest is not None and index == tuple((0, n) for n in self.shape) and \
+        _hashes.array_digest(raw) != self.digest:
+      raise hash_damage(self, "its bytes")
     return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
                                  self.rec)
 
@@ -180,6 +187,7 @@ class _Pieced(StoredLeaf):
 class _Stored(StoredLeaf):
   array: ts.TensorStore = None
   chunks: tuple[int, ...] = ()
+  hashes: bytes | None = None   # each chunk's, checked when read whole (format 3)
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
     """A slice of whole stored chunks (no other slice reads their files) straight into an
@@ -190,7 +198,37 @@ class _Stored(StoredLeaf):
     return _store.read_slice(self.array, index, batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
-    return _store.from_storage(raw, self.rec.dtype)
+    out = _store.from_storage(raw, self.rec.dtype)
+    if self.hashes is not None and _store.on_grid(index, self.chunks, self.shape):
+      _check_chunks(self, out, index)
+    return out
+
+
+def _check_chunks(leaf: _Stored, data: np.ndarray, index: Index) -> None:
+  """Each whole chunk in ``data`` (the region ``index``, on the chunk grid) that is one C-order
+  range of it (all of it when the region is one chunk) against its recorded hash."""
+  n, chunks, shape = _hashes.NBYTES, leaf.chunks, leaf.shape
+  grid = tuple(-(-s // c) for s, c in zip(shape, chunks))
+  cells = itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(index, chunks)))
+  for cell in cells:
+    box = tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(cell, chunks, shape))
+    view = data[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(box, index))]
+    if not view.flags.c_contiguous:
+      continue   # (hashing it would copy it)
+    pos = int(np.ravel_multi_index(cell, grid)) if grid else 0
+    if _hashes.array_digest(view) != leaf.hashes[pos * n:(pos + 1) * n]:
+      raise hash_damage(leaf, f"its chunk [{', '.join(f'{lo}:{hi}' for lo, hi in box)}]")
+
+
+def hash_damage(leaf: StoredLeaf, what: str) -> DamagedError:
+  """The damage a read whose bytes do not hash to the recorded hash reports: restore raises
+  it as it does missing data (a self-healing restore falls back to an earlier step)."""
+  src = leaf.src
+  return DamagedError(
+      f"Cannot restore {leaf.name} from {leaf.where!r}: {what} does not match its recorded "
+      f"content hash ({src.manifest.hash}): the data was changed after it was saved. The "
+      f"checkpoint is damaged; restore an earlier one (fnckpt verify {src.location} lists "
+      "every damaged leaf).")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -220,10 +258,14 @@ class Opener:
   """Opens leaves' stored bytes for one operation: each pack once, no I/O (the manifest says
   everything) unless ``check_metadata`` (verify: each array's zarr.json is read and compared
   with the manifest). An open error is :func:`leaf_error`'s, or raw with ``check_metadata``
-  (verify words it itself)."""
+  (verify words it itself). With ``check_hashes`` (and format 3's hashes), every read that
+  covers a whole hashed unit (a packed leaf, a stored chunk, a writer's run of pieces) is
+  checked against its recorded hash in the thread that finishes it (:func:`hash_damage`)."""
 
-  def __init__(self, src: Source, *, check_metadata: bool = False):
+  def __init__(self, src: Source, *, check_metadata: bool = False, check_hashes: bool = True):
     self.src, self.check = src, check_metadata
+    self.hashes = check_hashes and _state.hooks.check_hashes and src.reader is None and \
+        getattr(src.manifest, "hash", None) is not None
     self._packs: dict[int, ts.TensorStore] = {}
 
   def leaf(self, rec: _records.Leaf) -> StoredLeaf:
@@ -254,16 +296,22 @@ class Opener:
     if rec.packed is not None:
       p = man.packs[rec.packed.pack]
       return _Packed(*head, "packed", shape, dtype, None, data_location(src, p.base, p.dir),
-                     pack=self._pack(rec.packed.pack), offset=rec.packed.offset)
+                     pack=self._pack(rec.packed.pack), offset=rec.packed.offset,
+                     digest=rec.hash if self.hashes else None)
     if rec.pieces is not None:
-      return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks),
-                     _stored_at(src, rec)[1],
-                     reader=_pieces_read.SliceReader(man, rec, self._pack))
+      where = _stored_at(src, rec)[1]
+      damaged = None
+      if self.hashes:
+        def damaged(what: str, rec=rec, where=where) -> DamagedError:
+          return hash_damage(StoredLeaf(src, rec, "pieces", shape, dtype, None, where), what)
+      return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
+                     reader=_pieces_read.SliceReader(man, rec, self._pack, damaged))
     st = rec.stored
     array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
                                          rec.shape))
     return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
-                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks))
+                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks),
+                   hashes=rec.chunk_hashes if self.hashes else None)
 
   def _pack(self, k: int) -> ts.TensorStore:
     if k not in self._packs:
@@ -442,7 +490,7 @@ def base_of(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
   if rec.packed is not None:
     return manifest.packs[rec.packed.pack].base
   if rec.pieces is not None:
-    k = _pieces_pack(manifest)
+    k = _pieces_pack(manifest, rec)
     return None if k is None else manifest.packs[k].base
   return None
 
@@ -462,9 +510,14 @@ def data_location(src: Source, base: int | None, d: str) -> str:
   return f"{_refs.display(src.location, src.manifest.bases[base].dir)}/{d}"
 
 
-def _pieces_pack(manifest: _records.Manifest) -> int | None:
-  """A pack holding pieces (a fork's all refer to its parent's)."""
-  return next((k for k, p in enumerate(manifest.packs) if p.process is not None), None)
+def _pieces_pack(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
+  """A pack holding pieces of ``rec`` (format 2: a fork's all refer to its parent's; format 3:
+  a referenced one if any of its runs is)."""
+  if rec.pieces.runs is None:
+    return next((k for k, p in enumerate(manifest.packs) if p.process is not None), None)
+  packs = sorted(set(_runs.pieces_runs(manifest, rec)[0].tolist()))
+  return next((k for k in packs if manifest.packs[k].base is not None), packs[0] if packs
+              else None)
 
 
 def _stored_at(src: Source, rec: _records.Leaf) -> tuple[int | None, str]:
@@ -474,7 +527,7 @@ def _stored_at(src: Source, rec: _records.Leaf) -> tuple[int | None, str]:
   if rec.packed is not None:
     return base, data_location(src, base, man.packs[rec.packed.pack].dir)
   if rec.pieces is not None:
-    k = _pieces_pack(man)
+    k = _pieces_pack(man, rec)
     d = posixpath.dirname(man.packs[k].dir) if k is not None else f"{man.data}/p"
     return base, f"{data_location(src, base, d)} (pieces of {rec.where})"
   if rec.stored is not None:
