@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import queue
 import threading
 from typing import Any, Callable
 
@@ -84,6 +85,44 @@ class _NoHash:
     return bytes(_hashes.NBYTES)
 
 
+class _Workers:
+  """``n`` threads running submitted calls in order of submission (each a
+  ``concurrent.futures.Future``). Not ``ThreadPoolExecutor``: that refuses new work once the
+  interpreter begins to exit, and a save still pending then must finish (fnckpt.wait at exit)."""
+
+  def __init__(self, n: int, name: str):
+    self._n, self._name = n, name
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._threads: list[threading.Thread] = []
+
+  def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    self._queue.put((fut, fn, args))
+    if len(self._threads) < self._n:
+      t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
+                           daemon=True)
+      self._threads.append(t)
+      t.start()
+    return fut
+
+  def _run(self) -> None:
+    while (item := self._queue.get()) is not None:
+      fut, fn, args = item
+      if fut.set_running_or_notify_cancel():
+        try:
+          fut.set_result(fn(*args))
+        except BaseException as e:  # (handed to whoever waits on it)
+          fut.set_exception(e)
+      del item, fut, fn, args  # (not held while waiting for the next: a chunk's bytes)
+
+  def shutdown(self) -> None:
+    """Finish what was submitted, then stop the threads."""
+    for _ in self._threads:
+      self._queue.put(None)
+    for t in self._threads:
+      t.join()
+
+
 class _Countdown:
   """Call ``fn`` once after ``n`` calls (from any threads)."""
 
@@ -119,8 +158,8 @@ class Delta:
     self._buffer: list[PackLeaf] = []
     self._hashers: dict[int, Any] = {}
     self._lock = threading.Lock()
-    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-    self._ordered: concurrent.futures.ThreadPoolExecutor | None = None
+    self._executor: _Workers | None = None
+    self._ordered: _Workers | None = None
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
 
@@ -190,10 +229,9 @@ class Delta:
     with self._lock:
       self._writes.append(fut)
 
-  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+  def _pool(self) -> "_Workers":
     if self._executor is None:
-      self._executor = concurrent.futures.ThreadPoolExecutor(
-          max_workers=HASH_THREADS, thread_name_prefix="fnckpt-hash")
+      self._executor = _Workers(HASH_THREADS, "fnckpt-hash")
     return self._executor
 
   def settle(self) -> list[ts.Future]:
@@ -204,7 +242,7 @@ class Delta:
     finally:
       for pool in (self._executor, self._ordered):
         if pool is not None:
-          pool.shutdown(wait=True)
+          pool.shutdown()
       self._executor = self._ordered = None
     with self._lock:
       return list(self._writes)
@@ -217,11 +255,10 @@ class Delta:
     finally:
       done()
 
-  def _in_order(self) -> concurrent.futures.ThreadPoolExecutor:
+  def _in_order(self) -> "_Workers":
     """One thread hashing pack chunks' spans in the order they were written."""
     if self._ordered is None:
-      self._ordered = concurrent.futures.ThreadPoolExecutor(
-          max_workers=1, thread_name_prefix="fnckpt-hash-pack")
+      self._ordered = _Workers(1, "fnckpt-hash-pack")
     return self._ordered
 
   def hash_piece(self, leaf: int, data: np.ndarray) -> None:
