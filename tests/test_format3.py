@@ -131,7 +131,7 @@ def test_referenced_data_of_an_incremental_save(tmp_path):
 def test_a_changed_packed_leaf_is_damage(tmp_path):
   path, tree = saved_v3(tmp_path, "packed")
   v3util.tamper_packed(path, "w")
-  with pytest.raises(DamagedError, match=r"Cannot restore \['w'\] from '.*/p/0': its bytes "
+  with pytest.raises(DamagedError, match=r"Cannot restore \['w'\] from '.*/p/0': its data "
                      r"does not match its recorded content hash \(xxh3-128\)"):
     fnckpt.restore(path, tree)
   rc, out = verify(path)
@@ -156,8 +156,8 @@ def test_a_changed_pieces_run_is_damage(tmp_path):
   path, tree = saved_v3(tmp_path, "pieces")
   r = v3util.tamper_run(path, "q")
   host = jax.tree.map(np.asarray, tree)
-  with pytest.raises(DamagedError, match=r"Cannot restore \['q'\] from .*: the chunks process 0 "
-                     r"wrote \(bytes \[\d+, \d+\) of pack 0\) does not match its recorded content "
+  with pytest.raises(DamagedError, match=r"Cannot restore \['q'\] from .*: the run of chunks "
+                     r"process 0 wrote \(bytes \[\d+, \d+\) of pack 0\) does not match its recorded content "
                      r"hash"):
     fnckpt.restore(path, host)   # onto the host: each writer's run is read whole
   rc, out = verify(path)
@@ -191,3 +191,21 @@ def test_a_checkpoint_without_hashes_verifies_by_crc32c_only(tmp_path):
   fnckpt.save(v3util.trees()["packed"], path).wait()
   rc, out = verify(path)
   assert rc == 0 and "(crc32c only: this checkpoint records no content hashes)" in out, out
+
+
+def test_the_manager_falls_back_past_a_step_whose_data_changed(tmp_path):
+  """A hash mismatch is damage: the manager's restore of the latest step skips it (marked,
+  with a warning naming the mismatch) and restores the one before."""
+  run = str(tmp_path / "run")
+  trees = [{"w": v3util.trees()["packed"]["w"] + i, "step": i} for i in (1, 2)]
+  with fnckpt.CheckpointManager(run) as mgr:
+    for i, t in zip((1, 2), trees):
+      mgr.save(i, t)
+  for i in (1, 2):
+    v3util.upgrade(f"{run}/{i}")
+  v3util.tamper_packed(f"{run}/2", "w")
+  with fnckpt.CheckpointManager(run) as mgr:
+    with pytest.warns(RuntimeWarning, match=r"Step 2 .* is damaged: .*\['w'\].*does not match its recorded content hash"):
+      got = mgr.restore(target=trees[0])
+  assert got["step"] == 1
+  assert_same(got, trees[0])

@@ -170,7 +170,7 @@ class _Packed(StoredLeaf):
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
     if self.digest is not None and index == tuple((0, n) for n in self.shape) and \
         _hashes.array_digest(raw) != self.digest:
-      raise hash_damage(self, "its bytes")
+      raise hash_damage(self, "its data")
     return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
                                  self.rec)
 

@@ -1,0 +1,71 @@
+"""What restore's format-3 hash checks cost (README "Version 3"): the bench transformer state
+saved, made format 3 (``tests/v3util.upgrade`` until the format-3 writer lands), then restored
+onto mesh ``a`` (as saved), mesh ``b`` (other specs) and the host, alternating checks on / off
+(``_state.hooks.check_hashes``), warm page cache (the worst case for the checks' share).
+
+  python -m bench.restore_hashes [--mode quick|full] [--pairs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from bench import runners
+
+jax = runners.setup_jax()
+
+import numpy as np  # noqa: E402
+
+import fnckpt  # noqa: E402
+from fnckpt import _state  # noqa: E402
+from bench import states  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+import v3util  # noqa: E402
+
+
+def _restore(path: str, target) -> float:
+  t = time.perf_counter()
+  jax.block_until_ready(fnckpt.restore(path, target))
+  return time.perf_counter() - t
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mode", default="quick")
+  ap.add_argument("--pairs", type=int, default=5)
+  args = ap.parse_args()
+  leaves = states.leaves_for("transformer", args.mode)
+  mesh = states.make_mesh("a")
+  tree = states.build(leaves, mesh)
+  path = os.path.join(tempfile.mkdtemp(), "t")
+  fnckpt.save(tree, path).wait()
+  m = v3util.upgrade(path)
+  kinds = {k: sum(1 for l in m.leaves if l.is_array and getattr(l, k) is not None)
+           for k in ("inline", "packed", "pieces", "stored")}
+  print(f"state {states.state_bytes(leaves) / 2**20:.0f} MiB, leaves {kinds}")
+  del tree
+  targets = {"a": states.target(leaves, mesh, "a"),
+             "b": states.target(leaves, states.make_mesh("b"), "b"),
+             "host": None}
+  for name, target in targets.items():
+    _restore(path, target)   # warm
+    on, off = [], []
+    for i in range(args.pairs):
+      for check in ((True, False) if i % 2 == 0 else (False, True)):
+        _state.hooks.check_hashes = check
+        (on if check else off).append(_restore(path, target))
+    _state.hooks.check_hashes = True
+    ratios = [a / b for a, b in zip(on, off)]
+    print(f"restore onto {name}: checks on {statistics.median(on):.3f} s, off "
+          f"{statistics.median(off):.3f} s (medians of {args.pairs}); paired ratio median "
+          f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+
+
+if __name__ == "__main__":
+  main()
