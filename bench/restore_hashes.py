@@ -6,6 +6,13 @@ Then, checks on, the time spent hashing (every ``hashes.array_digest`` call time
 the restore's: the checks' cost without the noise of a shared machine.
 
   python -m bench.restore_hashes [--mode quick|full] [--pairs 5]
+
+Measured (--mode full --pairs 8, 1.45 GiB state, the shared 2-core CI machine, warm cache):
+with stored chunks hashed too, hashing took 0.102 s of a 1.94 s restore onto mesh a (5.2%;
+paired on/off ratio median 1.235, range 0.91-1.31), so restore no longer hashes stored chunks.
+Packed leaves and whole pieces runs only: 0.008 s of 1.92 s onto a (0.4%, 120 MiB hashed),
+0.006 s of 1.24 s onto b (0.5%), 0.014 s of 1.67 s onto the host (0.9%, 200 MiB: runs read
+whole); paired ratios within noise (medians 1.02, 0.84, 0.87; ranges 0.5-2.0).
 """
 
 from __future__ import annotations
