@@ -179,8 +179,8 @@ class _Pending:
     landed = [f.result() for f in self.futures]
     for (k, lo, hi), raw, check in zip(self.reads, landed, self.checks or [None] * len(landed)):
       if check is not None and _hashes.array_digest(raw) != check[1]:
-        raise self.damaged(f"the chunks process {check[0]} wrote (bytes [{lo}, {hi}) of pack "
-                           f"{k})")
+        raise self.damaged(f"the run of chunks process {check[0]} wrote (bytes [{lo}, {hi}) "
+                           f"of pack {k})")
     j = 0
     for p in self.parts:
       while not (self.reads[j][0] == p.pack and self.reads[j][1] <= p.lo < self.reads[j][2]):

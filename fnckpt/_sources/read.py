@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import os
 import posixpath
@@ -170,7 +169,7 @@ class _Packed(StoredLeaf):
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
     if self.digest is not None and index == tuple((0, n) for n in self.shape) and \
         _hashes.array_digest(raw) != self.digest:
-      raise hash_damage(self, "its bytes")
+      raise hash_damage(self, "its data")
     return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
                                  self.rec)
 
@@ -187,7 +186,6 @@ class _Pieced(StoredLeaf):
 class _Stored(StoredLeaf):
   array: ts.TensorStore = None
   chunks: tuple[int, ...] = ()
-  hashes: bytes | None = None   # each chunk's, checked when read whole (format 3)
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
     """A slice of whole stored chunks (no other slice reads their files) straight into an
@@ -198,26 +196,7 @@ class _Stored(StoredLeaf):
     return _store.read_slice(self.array, index, batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
-    out = _store.from_storage(raw, self.rec.dtype)
-    if self.hashes is not None and _store.on_grid(index, self.chunks, self.shape):
-      _check_chunks(self, out, index)
-    return out
-
-
-def _check_chunks(leaf: _Stored, data: np.ndarray, index: Index) -> None:
-  """Each whole chunk in ``data`` (the region ``index``, on the chunk grid) that is one C-order
-  range of it (all of it when the region is one chunk) against its recorded hash."""
-  n, chunks, shape = _hashes.NBYTES, leaf.chunks, leaf.shape
-  grid = tuple(-(-s // c) for s, c in zip(shape, chunks))
-  cells = itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(index, chunks)))
-  for cell in cells:
-    box = tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(cell, chunks, shape))
-    view = data[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(box, index))]
-    if not view.flags.c_contiguous:
-      continue   # (hashing it would copy it)
-    pos = int(np.ravel_multi_index(cell, grid)) if grid else 0
-    if _hashes.array_digest(view) != leaf.hashes[pos * n:(pos + 1) * n]:
-      raise hash_damage(leaf, f"its chunk [{', '.join(f'{lo}:{hi}' for lo, hi in box)}]")
+    return _store.from_storage(raw, self.rec.dtype)
 
 
 def hash_damage(leaf: StoredLeaf, what: str) -> DamagedError:
@@ -258,9 +237,12 @@ class Opener:
   """Opens leaves' stored bytes for one operation: each pack once, no I/O (the manifest says
   everything) unless ``check_metadata`` (verify: each array's zarr.json is read and compared
   with the manifest). An open error is :func:`leaf_error`'s, or raw with ``check_metadata``
-  (verify words it itself). With ``check_hashes`` (and format 3's hashes), every read that
-  covers a whole hashed unit (a packed leaf, a stored chunk, a writer's run of pieces) is
-  checked against its recorded hash in the thread that finishes it (:func:`hash_damage`)."""
+  (verify words it itself). With ``check_hashes`` (and format 3's hashes), every read of a
+  whole packed leaf or of a writer's whole run of pieces is checked against its recorded hash
+  in the thread that finishes it (:func:`hash_damage`). Stored chunks are not: their data is
+  most of a large state's bytes, and hashing them cost 5.2% of a restore of the bench's
+  transformer state (``bench/restore_hashes.py``); their crc32c checksums are checked on every
+  read, and ``fnckpt verify`` checks their hashes."""
 
   def __init__(self, src: Source, *, check_metadata: bool = False, check_hashes: bool = True):
     self.src, self.check = src, check_metadata
@@ -310,8 +292,7 @@ class Opener:
     array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
                                          rec.shape))
     return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
-                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks),
-                   hashes=rec.chunk_hashes if self.hashes else None)
+                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks))
 
   def _pack(self, k: int) -> ts.TensorStore:
     if k not in self._packs:

@@ -1,6 +1,9 @@
 """``fnckpt verify PATH``: read every chunk of a checkpoint (or of every committed step of a
 run directory) through the one reader, checking crc32c checksums, bool bytes, per-process
-values and content hashes; every problem is reported, naming the leaf and its storage path."""
+values and content hashes (format 3: XXH3-128 of every stored chunk, packed leaf and pieces
+run; format 2: SHA-256 where an incremental save recorded them); every problem is reported,
+naming the leaf and its storage path. A checkpoint without content hashes is checked by its
+checksums only, and says so."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .._layout import blocks as _blocks, chunks as _layout
-from .._format import manifest as _manifest, perprocess as _perprocess, records as _records, \
-    refs as _refs
+from .._format import hashes as _hashes, manifest as _manifest, perprocess as _perprocess, \
+    records as _records, refs as _refs, runs as _runs
 from .._io import commit as _commit, paths as _paths
 from .._sources import read as _read, source as _source
 from .._manager import steps as _steps
@@ -102,21 +105,39 @@ def _units(src: _source.Source) -> list[_Unit]:
   return units
 
 
-def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> list[str]:
-  """Every problem found in one checkpoint (each names the leaf), after reading all of it.
-  Values were validated with the manifest (an invalid one makes the whole checkpoint
-  unreadable, reported as such). When something could not be read because the checkpoint
-  was replaced or deleted meanwhile (its commit marker changed), that is the one problem."""
+def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool
+                ) -> tuple[list[str], str]:
+  """(every problem found in one checkpoint (each names the leaf), after reading all of it;
+  what was checked, for the OK line). Values were validated with the manifest (an invalid
+  one makes the whole checkpoint unreadable, reported as such). When something could not be
+  read because the checkpoint was replaced or deleted meanwhile (its commit marker changed),
+  that is the one problem."""
   try:
     src = _source.open_source(path, options)
   except CheckpointError as e:
-    return [f"{_paths.display(path)}: {e}"]
-  opener = _read.Opener(src)   # (bools and hashes: the arrays' zarr.json was checked before)
+    return [f"{_paths.display(path)}: {e}"], ""
+  # (bools and hashes: the arrays' zarr.json was checked before; hashes are checked by
+  # _verify_hashes alone, which names every mismatch)
+  opener = _read.Opener(src, check_hashes=False)
   problems = (_verify_arrays(src, quiet) + _verify_bools(src, opener)
               + _verify_per_process(src) + _verify_hashes(src, opener))
   if problems and not _commit.unchanged(src.kv, src.commit):
-    return [f"{src.location}: {_commit.changed_error(src.location)}"]
-  return problems
+    return [f"{src.location}: {_commit.changed_error(src.location)}"], ""
+  return problems, _checked(src.manifest)
+
+
+def _checked(m: _records.Manifest) -> str:
+  """What verify could check of ``m``'s data beyond reading it: content hashes, or only the
+  storage's crc32c checksums."""
+  stored = [l for l in m.leaves if l.is_array and l.inline is None]
+  if not stored:
+    return ""
+  if m.hash is not None:
+    return f" (crc32c and {m.hash} content hashes)"
+  hashed = sum(l.hash is not None for l in stored)
+  if not hashed:
+    return " (crc32c only: this checkpoint records no content hashes)"
+  return f" (crc32c; SHA-256 content hashes of {hashed} of {len(stored)} stored leaves)"
 
 
 def _open_text(e: BaseException) -> str:
@@ -133,7 +154,7 @@ def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
   damaged: dict[int, list] = {}                # unit -> [damaged chunks, the first, its error]
 
   def regions() -> Iterator[_read.Region]:
-    opener = _read.Opener(src, check_metadata=True)
+    opener = _read.Opener(src, check_metadata=True, check_hashes=False)
     for k, u in enumerate(units):
       try:
         leaf = u.open(opener)
@@ -190,14 +211,15 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
 
 
 def _verify_hashes(src: _source.Source, opener: _read.Opener) -> list[str]:
-  """Every recorded content hash (README "References and hashes") against the bytes read:
-  each chunk of a stored array, each packed leaf (referenced data too)."""
+  """Every recorded content hash (README "Version 3", "References and hashes") against the
+  bytes read: each chunk of a stored array, each packed leaf, each writer's run of pieces
+  (referenced data too)."""
   problems = []
   for rec in src.manifest.leaves:
-    if rec.hash is None or (rec.stored is None and rec.packed is None):
+    if rec.hash is None:
       continue
     try:
-      bad = _hash_mismatch(opener, rec)
+      bad = _hash_mismatch(src, opener, rec)
     except Exception as e:  # a read or reference error was reported by the checksum pass
       bad = None if isinstance(e, (ValueError, CheckpointError)) else f"{type(e).__name__}: {e}"
     if bad:
@@ -208,28 +230,71 @@ def _verify_hashes(src: _source.Source, opener: _read.Opener) -> list[str]:
   return problems
 
 
-def _hash_mismatch(opener: _read.Opener, rec: _records.Leaf) -> str | None:
-  """How ``rec``'s bytes differ from its recorded hash (None: they do not); a packed leaf is
-  read whole, a stored one a write chunk at a time, several in flight."""
-  leaf = opener.leaf(rec)
+@dataclasses.dataclass(frozen=True)
+class _Alg:
+  """A checkpoint's content hash: format 3's XXH3-128, or format 2's SHA-256."""
+  name: str
+  nbytes: int
+  digest: Callable[[Any], bytes]
+  array_digest: Callable[[np.ndarray], bytes]
+
+
+def _alg(m: _records.Manifest) -> _Alg:
+  if m.hash is not None:
+    return _Alg(m.hash, _records.HASH_ALGS[m.hash], _hashes.digest, _hashes.array_digest)
+  return _Alg("SHA-256", _records.HASH_BYTES, _refs.digest, _refs.array_digest)
+
+
+def _hash_mismatch(src: _source.Source, opener: _read.Opener, rec: _records.Leaf) -> str | None:
+  """How ``rec``'s bytes differ from its recorded hash (None: they do not), naming the chunk
+  or writer and the storage path; a packed leaf is read whole, a stored one a write chunk at
+  a time and pieces a writer's run at a time, several in flight."""
+  alg = _alg(src.manifest)
   window = _read.Window(_source.READ_WINDOW_BYTES)
   if rec.packed is not None:
+    leaf = opener.leaf(rec)
     whole = tuple((0, n) for n in rec.shape)
     (got,) = _read.read_regions([_read.Region(leaf, whole, rec.nbytes)], window)
-    got_hash = _refs.digest(np.ascontiguousarray(got.data).reshape(-1).view(np.uint8))
-    return None if got_hash == rec.hash else "its bytes do not hash to the recorded SHA-256"
+    if alg.array_digest(got.data) == rec.hash:
+      return None
+    return (f"its bytes [{rec.packed.offset}, {rec.packed.offset + rec.nbytes}) of the pack at "
+            f"{leaf.where} do not hash to the recorded {alg.name}")
+  if rec.pieces is not None:
+    return _runs_mismatch(src, opener, rec, alg, window)
   if rec.chunk_hashes is None:
     return None
-  if _refs.digest(rec.chunk_hashes) != rec.hash:
+  if alg.digest(rec.chunk_hashes) != rec.hash:
     return "its chunk hashes do not hash to its recorded hash"
-  n, size = _records.HASH_BYTES, _records.itemsize(rec.dtype)
+  leaf = opener.leaf(rec)
+  n, size = alg.nbytes, _records.itemsize(rec.dtype)
   regions = (_read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], size), pos)
              for pos, index in enumerate(_blocks.grid(rec.shape, rec.stored.chunks)))
   for got in _read.read_regions(regions, window):
     pos = got.region.tag
     want = rec.chunk_hashes[pos * n:(pos + 1) * n]
-    if want != _refs.NO_HASH and _refs.array_digest(got.data) != want:
-      return f"chunk {region(got.region.index)} differs from what was saved"
+    if want != _refs.NO_HASH and alg.array_digest(got.data) != want:
+      return (f"chunk {region(got.region.index)} ({leaf.where}) differs from what was saved")
+  return None
+
+
+def _runs_mismatch(src: _source.Source, opener: _read.Opener, rec: _records.Leaf, alg: _Alg,
+                   window: _read.Window) -> str | None:
+  """The first writer's run of pieced ``rec`` (format 3) whose bytes differ from its hash."""
+  hashes = rec.pieces.hashes
+  if hashes is None:
+    return None
+  if alg.digest(hashes) != rec.hash:
+    return "its runs' hashes do not hash to its recorded hash"
+  runs = _runs.writer_runs(src.manifest, rec)
+  regions = (_read.Region(opener.pack(r.pack), ((r.lo, r.hi),), r.hi - r.lo, w)
+             for w, r in enumerate(runs))
+  n = alg.nbytes
+  for got in _read.read_regions(regions, window):
+    w = got.region.tag
+    if alg.digest(got.data) != hashes[w * n:(w + 1) * n]:
+      r = runs[w]
+      return (f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
+              f"{got.region.leaf.where}) differ from what was saved")
   return None
 
 
@@ -275,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
               "not verified.")
   failed = 0
   for path in targets:
-    problems = _verify_one(path, options, args.quiet)
+    problems, checked = _verify_one(path, options, args.quiet)
     where = _paths.display(path)
     if problems:
       failed += 1
@@ -283,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"DAMAGED {p}")
       print(f"FAILED {where}: {len(problems)} problem(s).")
     else:
-      print(f"OK {where}")
+      print(f"OK {where}{checked}")
   if len(targets) > 1:
     print(f"{len(targets) - failed} of {len(targets)} checkpoints OK.")
   return 1 if failed else 0
