@@ -32,7 +32,6 @@ def child(mode: str, directory: str, mib: int, budget_mib: int) -> None:
   import psutil
   from jax.sharding import NamedSharding, PartitionSpec as P
   import fnckpt
-  from fnckpt._save import save as _save
 
   sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
 
@@ -53,7 +52,7 @@ def child(mode: str, directory: str, mib: int, budget_mib: int) -> None:
   threading.Thread(target=sample, daemon=True).start()
   t0 = time.perf_counter()
   if mode == "base":
-    handle = _save.start({"x": x}, f"{directory}/1", hashes=True, budget_bytes=budget_mib << 20)
+    handle = fnckpt.save({"x": x}, f"{directory}/1", budget_bytes=budget_mib << 20)
   else:
     handle = fnckpt.save({"x": x}, f"{directory}/2", base=f"{directory}/1",
                          budget_bytes=budget_mib << 20)

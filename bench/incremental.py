@@ -9,21 +9,20 @@ Three measurements, each a median over ``--runs`` (8 virtual CPU devices, a (2, 
   LoRA adapters and their AdamW moments (packed leaves). A full save, then an incremental
   save (``base=`` the full one) after the adapters and moments changed. Reported: bytes on
   disk under each new checkpoint (``du``: data, zarr.json, shard indexes, manifest, marker),
-  the changed bytes (the adapters and moments), their ratio, and time to committed (the full
-  save records hashes, as an ``incremental=True`` manager's full saves do). Then a
+  the changed bytes (the adapters and moments), their ratio, and time to committed (every
+  save records hashes since format 3). Then a
   manager (``incremental=True, max_to_keep=3``) saves 6 steps; its run's bytes on disk
   against one full state plus the deltas.
 - ``dense``: the same matrices, all changed before every save, saved by a plain
-  ``fnckpt.save`` (no base: nothing hashed), as a full save that records hashes (an
-  incremental manager's full save: ``fnckpt._save.save.start(hashes=True)``) and as an
-  incremental save on the previous state (fingerprints show every chunk changed): time to committed, time
-  the caller is blocked, CPU seconds; runs rotated.
+  ``fnckpt.save`` (which hashes everything) and as an incremental save on the previous state
+  (every chunk hashed before it is written, all changed): time to committed, time the
+  caller is blocked, CPU seconds; runs rotated.
 - ``fork``: ``CheckpointManager.fork`` of the LoRA run's newest step: wall time and bytes the
   fork wrote.
 - ``small``: 200 float32 leaves of 128 KiB, each sharded over the (2, 4) mesh (16 KiB device
   shards), 5 of them changed: bytes an incremental save writes (``save(base=previous)``) over
-  the changed bytes, when the base is a plain save and when it is a hashed one; with
-  ``pack_bytes`` 64 KiB (the leaves are then *pieces* in a plain save, as they are on several
+  the changed bytes, the base a plain save; with
+  ``pack_bytes`` 64 KiB (the leaves are then *pieces*, as they are on several
   processes, where no process sees a leaf whole) and with the default 4 MiB (on one process a
   128 KiB leaf is then packed whole).
 - ``loop``: a manager (``incremental=True, max_to_keep=3``) saves 8 steps of the LoRA state
@@ -61,7 +60,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import fnckpt  # noqa: E402
-from fnckpt._save import save as _save  # noqa: E402
 
 MiB = 1 << 20
 
@@ -106,7 +104,7 @@ def bench_lora(root: str, base: dict, runs: int) -> dict:
   for r in range(runs):
     d = os.path.join(root, f"lora{r}")
     t0 = time.perf_counter()
-    _save.start({"frozen": base, "lora": adapters(1), "step": 1}, f"{d}/1", hashes=True).wait()
+    fnckpt.save({"frozen": base, "lora": adapters(1), "step": 1}, f"{d}/1").wait()
     full_t.append(time.perf_counter() - t0)
     full_b.append(du(f"{d}/1"))
     t0 = time.perf_counter()
@@ -146,22 +144,21 @@ def cpu_s() -> float:
 
 
 def bench_dense(root: str, mib: int, runs: int) -> dict:
-  """Per run a new state (every byte changed): a plain save (no base: nothing hashed), a full
-  save recording hashes (every chunk hashed), and incrementally (base= the previous run's
-  hashed save: fingerprints find every chunk changed, so nothing is hashed); order rotated."""
-  modes = ("plain", "hashed", "incremental")
+  """Per run a new state (every byte changed): a plain save (format 3: it hashes everything)
+  and incrementally (base= the previous run's save: every chunk hashed before it is written,
+  all found changed); order rotated."""
+  modes = ("plain", "incremental")
   out = {m: ([], [], []) for m in modes}
   prev = None
   for r in range(runs + 1):
     state = frozen_base(mib * MiB, salt=float(r + 1))
-    order = modes[r % 3:] + modes[:r % 3]
+    order = modes[r % 2:] + modes[:r % 2]
     for mode in order:
       if mode == "incremental" and prev is None:
         continue
       d = os.path.join(root, f"dense{r}{mode}")
       c0, t0 = cpu_s(), time.perf_counter()
-      h = _save.start(state, d, base=prev if mode == "incremental" else None,
-                      hashes=mode != "plain")
+      h = fnckpt.save(state, d, base=prev if mode == "incremental" else None)
       blocked = time.perf_counter() - t0
       h.wait()
       if r > 0:  # (run 0: warm-up, and the first base)
@@ -170,8 +167,8 @@ def bench_dense(root: str, mib: int, runs: int) -> dict:
         out[mode][2].append(cpu_s() - c0)
     if prev is not None:
       shutil.rmtree(prev)
-    prev = os.path.join(root, f"dense{r}hashed")
-    for mode in ("plain", "incremental"):
+    prev = os.path.join(root, f"dense{r}plain")
+    for mode in ("incremental",):
       shutil.rmtree(os.path.join(root, f"dense{r}{mode}"), ignore_errors=True)
   med = {k: tuple(statistics.median(x) for x in v) for k, v in out.items()}
   best = {k: tuple(min(x) for x in v) for k, v in out.items()}
@@ -196,16 +193,16 @@ def small_state(version: int) -> dict:
 
 
 def bench_small(root: str) -> list[dict]:
-  """Per ``pack_bytes`` and kind of base (plain, hashed): an incremental save of the state
-  with 5 leaves changed on that base; bytes on disk and array bytes written, over changed."""
+  """Per ``pack_bytes``: an incremental save of the state with 5 leaves changed on a plain
+  save; bytes on disk and array bytes written, over changed."""
   v1, v2 = small_state(1), small_state(2)
   changed = len(SMALL_CHANGED) * v1["l000"].nbytes
   rows = []
   for pack_kib in (64, 4096):
     kw = {"pack_bytes": pack_kib << 10}
-    for kind in ("plain", "hashed"):
+    for kind in ("plain",):
       d = os.path.join(root, f"small-{pack_kib}-{kind}")
-      _save.start(v1, f"{d}/1", hashes=kind == "hashed", **kw).wait()
+      fnckpt.save(v1, f"{d}/1", **kw).wait()
       stats = fnckpt.save(v2, f"{d}/2", base=f"{d}/1", **kw).wait()
       meta = fnckpt.metadata(f"{d}/1").tree["l001"]
       rows.append({"pack_kib": pack_kib, "base": kind, "base_layout": meta.stored.split(" ")[0],
@@ -232,7 +229,7 @@ def bench_loop(root: str, base: dict, steps: int = 8, wait_each: bool = False) -
   """A manager (``incremental=True, max_to_keep=3``) saves ``steps`` steps of the LoRA state,
   only the adapters changing, waiting after each save or only at the end."""
   full = os.path.join(root, "loop-full")
-  _save.start({"frozen": base, "lora": adapters(0), "step": 0}, full, hashes=True).wait()
+  fnckpt.save({"frozen": base, "lora": adapters(0), "step": 0}, full).wait()
   full_bytes = du(full)
   shutil.rmtree(full)
   run = os.path.join(root, f"loop-{'wait' if wait_each else 'nowait'}")
@@ -292,7 +289,7 @@ def print_dense(root: str, args: argparse.Namespace) -> None:
   med, best = dense["med"], dense["best"]
   print(f"dense ({args.mib} MiB, every byte changed), medians: committed s / blocked s / "
         "CPU s of the process")
-  for mode in ("plain", "hashed", "incremental"):
+  for mode in ("plain", "incremental"):
     c, b, cpu = med[mode]
     print(f"  {mode:12s} {c:.3f} / {b:.3f} / {cpu:.2f}  ({100 * (c / med['plain'][0] - 1):+.1f}%"
           f" committed, {100 * (cpu / med['plain'][2] - 1):+.1f}% CPU vs plain); best "
