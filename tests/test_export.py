@@ -21,7 +21,7 @@ from safetensors import TensorSpec, deserialize, safe_open, serialize
 from safetensors.numpy import load_file
 
 import fnckpt
-from fnckpt._format import records as _records
+from fnckpt._format import records as _records, runs as _runs
 from fnckpt._layout import blocks as _blocks
 from fnckpt._sources import slices as _slices, source as _source
 from fnckpt._export import plan as _export_plan
@@ -362,12 +362,17 @@ def test_damaged_checkpoint_leaves_no_output(saved, tmp_path):
   path, _ = saved
   copy = tmp_path / "ckpt"
   shutil.copytree(path, copy)
-  # the kernel is pieces: flip a byte of its first piece (its writer's pack's pieces region,
-  # inner chunks in order in the pack's chunk file, each followed by its crc32c)
+  # the kernel is pieces: flip a byte of its first piece (the start of process 0's run of its
+  # chunks, recorded in the leaf (format 3); inner chunks in order in the pack's chunk file,
+  # each followed by its crc32c)
   m = _records_of(str(copy))
-  pack = next(p for p in m.packs if p.process == 0)
-  at = pack.pieces + 5
-  chunk = copy / m.data / "p" / "0" / "c" / str(at // pack.chunk)
+  kernel = next(l for l in m.leaves if l.path[-1] == ("dict", "kernel"))
+  assert kernel.pieces is not None
+  run = _runs.writer_runs(m, kernel)[0]
+  assert run.process == 0
+  pack = m.packs[run.pack]
+  at = run.lo + 5
+  chunk = copy / pack.dir / "c" / str(at // pack.chunk)
   data = bytearray(chunk.read_bytes())
   q = at % pack.chunk
   data[q // pack.inner * (pack.inner + 4) + q % pack.inner] ^= 1

@@ -25,7 +25,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._format import manifest as _manifest, parse as _parse
+from fnckpt._format import manifest as _manifest, parse as _parse, runs as _runs
+from fnckpt._sources import source as _source
 from fnckpt._io import paths as _paths
 from fnckpt import _state
 from fnckpt._save import save as _save
@@ -485,8 +486,10 @@ def test_contract_on_memory_and_object_stores(kind, request):
 # --- two processes ------------------------------------------------------------------------------
 
 def test_two_processes_incremental_save(tmp_path):
-  """A leaf sharded over both processes: unchanged -> reused (no chunk written by either);
-  changed on process 1 only -> process 0 copies its chunks from the base; all restore."""
+  """A leaf sharded over both processes (pieces: 64 KiB device shards): unchanged -> reused
+  (no chunk written by either); changed on process 1 only -> process 1 writes its run of the
+  leaf's chunks and process 0's run is the base's, reused (format 3: pieces stay on with a
+  base, each writer's run reused or written on its own); all restore."""
   import test_collective_mp as cmp
   leaves = {"a": {"shape": [64, 1024], "spec": ["x", "y"]},     # 256 KiB, chunks on both
             "b": {"shape": [128, 64], "spec": "replicated"},      # packed
@@ -505,7 +508,25 @@ def test_two_processes_incremental_save(tmp_path):
   half = fnckpt.restore(str(tmp_path / "half"))["a"]
   equal_rows = [np.array_equal(full[r], half[r]) for r in range(64)]
   assert any(equal_rows) and not all(equal_rows)
-  assert fnckpt.metadata(str(tmp_path / "half")).leaves[0].stored.base is None
+  ms = {k: _source.open_source(str(tmp_path / k)).manifest for k in ("full", "same", "half")}
+  a = {k: next(l for l in m.leaves if l.path == (("dict", "a"),)) for k, m in ms.items()}
+  assert all(l.pieces is not None for l in a.values()), a
+  runs = {k: _runs.writer_runs(ms[k], a[k]) for k in ms}
+  assert [r.process for r in runs["half"]] == [0, 1]
+  based = lambda k, r: ms[k].packs[r.pack].base is not None  # noqa: E731
+  assert not any(based("full", r) for r in runs["full"])
+  assert all(based("same", r) for r in runs["same"])           # both runs reused
+  assert a["same"].pieces.hashes == a["full"].pieces.hashes
+  p0, p1 = runs["half"]
+  assert based("half", p0) and not based("half", p1), runs["half"]   # 0 reused, 1 written
+  assert a["half"].pieces.hashes[:16] == a["full"].pieces.hashes[:16]
+  assert a["half"].pieces.hashes[16:] != a["full"].pieces.hashes[16:]
+  assert ms["half"].packs[p0.pack].dir == ms["full"].packs[runs["full"][0].pack].dir
+  assert p0.lo == runs["full"][0].lo
+  half0, half1 = (p[2]["ok"] for p in outcomes)
+  assert half0["bytes_written"] == half0["chunks_written"] == 0, half0
+  assert half0["bytes_reused"] >= p0.hi - p0.lo, half0
+  assert half1["bytes_written"] >= p1.hi - p1.lo, half1
   assert cli_main(["verify", str(tmp_path / "half")]) == 0
 
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt._layout import chunks as _layout
-from fnckpt._format import manifest as _manifest, records as _records
+from fnckpt._format import hashes as _hashes, manifest as _manifest, records as _records
 
 from tree_utils import CountIO, assert_trees_all_equal
 
@@ -543,7 +543,8 @@ def test_manifest_is_versioned_and_describes_each_leaf(tmp_path):
   fnckpt.save({"p": {"w": x}}, tmp_path / "c", metadata={"run": "r1"}, inline_bytes=0,
               pack_bytes=0).wait()
   m = _read_manifest(tmp_path / "c")
-  assert isinstance(m, _records.Manifest) and m.version == _manifest.FORMAT_VERSION == 2
+  assert isinstance(m, _records.Manifest) and m.version == _manifest.FORMAT_VERSION == 3
+  assert m.hash == "xxh3-128"
   assert set(m.versions) >= {"fnckpt", "jax", "tensorstore"}
   assert m.versions["jax"] == jax.__version__ and m.versions["fnckpt"] == fnckpt.__version__
   assert m.metadata == {"run": "r1"} and m.process_count == 1
@@ -555,23 +556,30 @@ def test_manifest_is_versioned_and_describes_each_leaf(tmp_path):
   assert rec.sharding == _records.Sharding("named", ("a", "b"), (2, 4), (("b", "a"),), 8)
   assert rec.stored == _records.Stored(f"{m.data}/a/0", (2, 64), (2, 64), None)
   assert rec.inline is None and rec.packed is None
+  # format 3: the xxh3-128 of each (zero) chunk's 2 x 64 bf16 bytes, C order over the 8 x 1
+  # chunk grid, and the hash of those hashes
+  chunk_hashes = _hashes.digest(bytes(2 * 64 * 2)) * 8
+  assert rec.chunk_hashes == chunk_hashes and rec.hash == _hashes.digest(chunk_hashes)
+  assert len(rec.hash) == 16 and rec.chunk_fps is None
   # the bytes on disk: exactly the README's keys and record fields
   with open(tmp_path / "c" / _manifest.MANIFEST, "rb") as f:
     raw = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
   assert set(raw) == {"format", "version", "created", "process_count", "versions",
-                      "metadata", "data", "packs", "leaves"}
-  assert raw["format"] == "fnckpt" and raw["version"] == 2 and raw["data"] == m.data
+                      "metadata", "data", "packs", "leaves", "hash"}
+  assert raw["format"] == "fnckpt" and raw["version"] == 3 and raw["data"] == m.data
+  assert raw["hash"] == "xxh3-128"
   assert isinstance(raw["created"], float) and raw["packs"] == []
   assert raw["leaves"] == [{
       "path": [["dict", "p"], ["dict", "w"]], "kind": "array", "dtype": "bfloat16",
       "shape": [16, 64], "source": "jax",
       "sharding": {"type": "named", "axes": ["a", "b"], "sizes": [2, 4], "spec": [["b", "a"]]},
-      "store": {"dir": f"{m.data}/a/0", "chunks": [2, 64], "inner": [2, 64], "zstd": None}}]
+      "store": {"dir": f"{m.data}/a/0", "chunks": [2, 64], "inner": [2, 64], "zstd": None},
+      "hash": _hashes.digest(chunk_hashes), "chunk_hashes": chunk_hashes}]
   # the commit marker names this manifest
   with open(tmp_path / "c" / _manifest.COMMIT, "rb") as f:
     commit = _manifest.decode_commit(f.read(), "c")
   assert set(commit) == {"format", "version", "manifest_sha256", "committed"}
-  assert commit["version"] == 2
+  assert commit["version"] == 3
   with open(tmp_path / "c" / _manifest.MANIFEST, "rb") as f:
     assert commit["manifest_sha256"] == _manifest.digest(f.read())
 

@@ -31,11 +31,13 @@ DATA = "data-" + "0123456789abcdef" * 2
 VERSIONS = {"fnckpt": "0.2.0", "jax": jax.__version__, "tensorstore": "0.1"}
 
 
-def _manifest_dict(leaves=(), packs=(), **extra):
-  """A format-2 manifest with every top-level key the README lists."""
-  return {"format": _manifest.FORMAT_NAME, "version": _manifest.FORMAT_VERSION,
+def _manifest_dict(leaves=(), packs=(), version=_manifest.FORMAT_VERSION, **extra):
+  """A manifest of ``version`` (by default the one fnckpt writes) with every top-level key
+  the README lists for it: format 3 adds ``hash``."""
+  alg = {"hash": _hashes.ALG} if version >= 3 else {}
+  return {"format": _manifest.FORMAT_NAME, "version": version,
           "created": 1.5, "process_count": 1, "versions": dict(VERSIONS), "metadata": None,
-          "data": DATA, "packs": list(packs), "leaves": list(leaves), **extra}
+          "data": DATA, "packs": list(packs), "leaves": list(leaves), **alg, **extra}
 
 
 def _v1_dict(leaves=(), **extra):
@@ -50,10 +52,18 @@ def _scalar(key, value):
           "value": value}
 
 
-def _array(key, **storage):
-  """A float32[4] record (16 bytes) stored as ``storage`` says."""
-  return {"path": [["dict", key]], "kind": "array", "dtype": "float32", "shape": [4],
-          "source": "numpy", "sharding": None, **storage}
+def _array(key, version=_manifest.FORMAT_VERSION, **storage):
+  """A float32[4] record (16 bytes) stored as ``storage`` says; in format 3 a packed or
+  stored one carries its content hashes (16 bytes each; a stored one one per chunk)."""
+  rec = {"path": [["dict", key]], "kind": "array", "dtype": "float32", "shape": [4],
+         "source": "numpy", "sharding": None, **storage}
+  if version >= 3 and "pack" in storage:
+    rec["hash"] = _hashes.digest(bytes(16))
+  if version >= 3 and "store" in storage:
+    chunks = -(-4 // storage["store"]["chunks"][0])
+    rec["chunk_hashes"] = _hashes.digest(bytes(16)) * chunks
+    rec["hash"] = _hashes.digest(rec["chunk_hashes"])
+  return rec
 
 
 def _wire_v1(m):
@@ -156,8 +166,10 @@ def _divisors(n):
 
 @st.composite
 def _manifests(draw):
-  """A valid format-2 manifest of a random pytree, as a writer would build it: every leaf
-  record from leaf_record, each array inline, in its own zarr array, or in one of the packs."""
+  """A valid format-2 or format-3 manifest of a random pytree, as a writer would build it:
+  every leaf record from leaf_record, each array inline, in its own zarr array, or in one of
+  the packs; in format 3 each stored or packed one with its content hashes."""
+  version = draw(st.sampled_from([2, 3]))
   records, used = [], {}
   turn = draw(st.integers(0, 2))  # storages in turn: every manifest with arrays mixes them
   for i, (path, leaf) in enumerate(_tree.flatten(draw(_trees))[0]):
@@ -179,11 +191,18 @@ def _manifests(draw):
           rec["store"]["blosc"] = {"cname": draw(st.sampled_from(["lz4", "zstd"])),
                                    "clevel": draw(st.integers(0, 9)),
                                    "shuffle": draw(st.sampled_from(["shuffle", "bitshuffle"]))}
+        if version >= 3:   # one hash per chunk of the grid (none if the array is empty)
+          n = math.prod(-(-s // c) for s, c in zip(rec["shape"], chunks)) if all(
+              rec["shape"]) else 0
+          rec["chunk_hashes"] = draw(st.binary(min_size=16 * n, max_size=16 * n))
+          rec["hash"] = _hashes.digest(rec["chunk_hashes"])
       else:
         k = draw(st.integers(0, 2))
         offset = used.get(k, 0) + draw(st.integers(0, 3))  # leaves may have gaps between
         used[k] = offset + len(raw)
         rec["pack"] = {"index": k, "offset": offset}
+        if version >= 3:
+          rec["hash"] = _hashes.digest(raw)
     records.append(rec)
   packs = []
   for k in range(max(used, default=-1) + 1):
@@ -191,7 +210,7 @@ def _manifests(draw):
     inner = draw(st.sampled_from(_divisors(nbytes)))
     chunk = inner * draw(st.integers(1, nbytes // inner))
     packs.append({"dir": f"{DATA}/p/{k}", "nbytes": nbytes, "chunk": chunk, "inner": inner})
-  return _manifest_dict(records, packs, created=draw(st.floats(0, 1e10)),
+  return _manifest_dict(records, packs, version, created=draw(st.floats(0, 1e10)),
                         process_count=draw(st.integers(1, 4096)), metadata=draw(_data))
 
 
@@ -457,7 +476,7 @@ def test_manifest_bytes_are_plain_msgpack():
 def test_constants_name_the_files():
   assert (_manifest.MANIFEST, _manifest.COMMIT) == ("manifest.msgpack", "COMMIT")
   assert (_manifest.DATA_DIR, _manifest.DATA_PREFIX) == ("d", "data-")  # format 1, format 2
-  assert _manifest.FORMAT_VERSION == 2
+  assert _manifest.FORMAT_VERSION == _manifest.READ_VERSION == 3
   # the leaf kinds and path kinds the README lists (a reader refuses any other)
   assert _records.LEAF_KINDS == {"array", "key", "scalar", "bigint", "npscalar", "npgen",
                                  "empty", "perprocess"}
@@ -584,7 +603,7 @@ def test_decode_rejects_a_newer_format_version_and_says_to_upgrade():
 def test_decode_reads_older_format_versions():
   """Format 1 (fnckpt 0.1.0): no 'data' or 'packs', arrays at d/<n>."""
   store = {"dir": "d/1", "chunks": [4], "inner": [2], "zstd": None}
-  manifest = _v1_dict([_scalar("step", 3), _array("w", store=store)])
+  manifest = _v1_dict([_scalar("step", 3), _array("w", 1, store=store)])
   decoded = _manifest.decode(_manifest.pack(manifest), LOC)
   assert decoded.version == 1 and decoded.data is None and decoded.packs == ()
   assert decoded.leaves[1].stored == _records.Stored("d/1", (4,), (2,), None)
@@ -594,9 +613,9 @@ def test_decode_reads_older_format_versions():
   # ... and only format 1: format-2 keys and records are refused in it
   for bad, match in [
       ({**manifest, "data": DATA}, r"it has an unknown field 'data'"),
-      (_v1_dict([_array("w", pack={"index": 0, "offset": 0})]),
+      (_v1_dict([_array("w", 1, pack={"index": 0, "offset": 0})]),
        r"the record of \['w'\] is invalid: 'pack' needs format 2"),
-      (_v1_dict([_array("w", store={**store, "dir": f"{DATA}/a/1"})]),
+      (_v1_dict([_array("w", 1, store={**store, "dir": f"{DATA}/a/1"})]),
        r"the record of \['w'\] is invalid: 'store'\.dir must be d/<n>"),
       (_v1_dict([{"path": [["dict", "w"]], "kind": "perprocess"}]),
        r"the record of \['w'\] is invalid: kind 'perprocess' needs format 2")]:
@@ -625,7 +644,7 @@ def _is_decoded_or_refused(data):
     assert LOC in str(e)
     return False
   assert isinstance(manifest, _records.Manifest)
-  assert manifest.version in (1, _manifest.FORMAT_VERSION)
+  assert manifest.version in range(1, _manifest.READ_VERSION + 1)
   assert isinstance(manifest.leaves, tuple)
   assert all(isinstance(l, _records.Leaf) for l in manifest.leaves)
   return True

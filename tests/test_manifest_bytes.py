@@ -4,9 +4,15 @@ forks) are saved, and their manifests, normalised (``created``, ``versions`` and
 ``data-<hex>`` names), must equal the golden bytes in ``tests/fixtures/manifests``: written by
 the code before the save side built records (commit 0dbbe26), but for ``inc2``, ``fork_parent``
 and ``fork``, whose reused packed leaves now have ``hash`` after ``pack`` as every other leaf
-(it came first; the maps are otherwise equal). A changed golden is a format change: regenerate
-them only on purpose, with ``FNCKPT_WRITE_GOLDEN=1`` (then review the diff). And the manifest
-the writer builds as records is the one a reader parses from its bytes.
+(it came first; the maps are otherwise equal). Regenerated for format 3 (the writer's
+switch): ``version`` 3, top-level ``hash: "xxh3-128"``, 16-byte hashes on every stored,
+packed and pieced leaf (no ``chunk_fps``), pieces with recorded ``runs``/``hashes`` and packs
+without ``process``/``pieces``, pieces kept in the incremental saves and the incremental
+manager's fork (only compression and ``pack_bytes=0`` store them as zarr arrays); reviewed
+leaf by leaf against the format-2 goldens, and ``fnckpt verify`` passed on every case. A
+changed golden is a format change: regenerate them only on purpose, with
+``FNCKPT_WRITE_GOLDEN=1`` (then review the diff). And the manifest the writer builds as records
+is the one a reader parses from its bytes.
 """
 
 import enum
@@ -94,8 +100,8 @@ def _cases(tmp) -> dict[str, str]:
                        ("blosc", {"compression": "blosc"}), ("zstd", {"zstd": 3})]:
     out[name] = f"{tmp}/{name}"
     fnckpt.save(_tree(), out[name], metadata={"note": name, "n": [1, 2.5]}, **kwargs).wait()
-  # incremental: a base without hashes (everything written, hashes recorded), then one that
-  # reuses most of it (stored and packed leaves referring to the base's data, a segment)
+  # incremental: a plain save as the base (format 3: every save records hashes), then one
+  # that reuses all of it, then one that reuses part (leaves and runs referring to a base)
   fnckpt.save(_tree(), f"{tmp}/inc0").wait()
   for k in (1, 2):
     out[f"inc{k}"] = f"{tmp}/inc{k}"
@@ -127,6 +133,16 @@ def test_saved_manifests_equal_the_golden_bytes(tmp_path):
     got = _normalised(_manifest_bytes(path))
     assert got == want, (name, msgpack.unpackb(got, raw=False, strict_map_key=False),
                          msgpack.unpackb(want, raw=False, strict_map_key=False))
+    # the goldens are the format save writes: every leaf outside the manifest hashed
+    m = _manifest.decode(want, name)
+    assert (m.version, m.hash) == (_manifest.FORMAT_VERSION, "xxh3-128"), name
+    for leaf in m.leaves:
+      if leaf.is_array and leaf.inline is None:
+        assert len(leaf.hash) == 16, (name, leaf.path)
+        assert leaf.stored is None or leaf.chunk_fps is None, (name, leaf.path)
+        assert leaf.pieces is None or (leaf.pieces.runs is not None and
+                                       len(leaf.pieces.hashes) % 16 == 0), (name, leaf.path)
+    assert all(p.process is None and p.pieces is None for p in m.packs), name
 
 
 @pytest.mark.parametrize("name", sorted(n[:-len(".msgpack")] for n in os.listdir(GOLDEN)))

@@ -207,8 +207,21 @@ def test_2_processes_save_pieces_then_2_restore_onto_another_mesh(tmp_path):
   assert pieced == {"['a']", "['b']", "['f']"}
   from fnckpt._sources import source as _source
   manifest = _source.open_source(path).manifest
-  assert sorted(p.process for p in manifest.packs) == [0, 1]
-  assert manifest.layout.region.tolist()[0] > 0 and manifest.layout.region.tolist()[1] > 0
+  # format 3: each pieced leaf records one run per writing process (both write chunks of
+  # each); every run of process p lies in p's own pack (p/<p>), the 2 packs distinct
+  from fnckpt._format import runs as _runs
+  packs_of = {0: set(), 1: set()}
+  for leaf in manifest.leaves:
+    if leaf.pieces is not None:
+      runs = _runs.writer_runs(manifest, leaf)
+      assert [r.process for r in runs] == [0, 1], leaf.path
+      for r in runs:
+        assert 0 <= r.lo < r.hi <= manifest.packs[r.pack].nbytes, (leaf.path, r)
+        packs_of[r.process].add(r.pack)
+  assert [len(v) for v in packs_of.values()] == [1, 1] and len(manifest.packs) == 2
+  assert packs_of[0] != packs_of[1]
+  for p, (k,) in packs_of.items():
+    assert manifest.packs[k].dir == f"{manifest.data}/p/{p}" and manifest.packs[k].base is None
   assert [len(x) for x in manifest.meshes] == [8]
   restored = ok(hp.run_group({
       "mode": "restore", "devices": 4, "mesh": [[4, 2], ["x", "y"]], "leaves": LEAVES,

@@ -1,5 +1,7 @@
 """Pieces (README "Pieces"): small device shards of sharded arrays stored as byte ranges of
-the per-process packs, placed by a pure function of the sharding (no offsets recorded).
+the per-process packs: which process writes each chunk is a pure function of the sharding;
+where its chunks lie is recorded as one run per writing process (format 3; format 2 computed
+it from per-process pieces regions, still read).
 
 On 8 virtual devices: several shardings (fully sharded, replicated over some axes, replicated
 over all), bf16 and a dtype stored as bits; restores onto the same mesh (exactly the bytes
@@ -20,9 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt._layout import chunks as _layout, pieces as _pieces
-from fnckpt._format import manifest as _manifest
+from fnckpt._format import hashes as _hashes, manifest as _manifest, runs as _runs
+from fnckpt._sources import read as _read, source as _source
 from fnckpt import _state
 from fnckpt._errors import DamagedError
+
+import v3util
 
 MiB = 1 << 20
 
@@ -111,12 +116,29 @@ def test_small_shards_are_pieces_in_one_pack(saved):
   for key in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"):
     r = rec(m, key)
     assert "store" not in r and "pack" not in r, key
-    assert r["pieces"] == {"chunks": list(t[key].sharding.shard_shape(t[key].shape))}, key
+    assert set(r["pieces"]) == {"chunks", "runs", "hashes"}, key
+    assert r["pieces"]["chunks"] == list(t[key].sharding.shard_shape(t[key].shape)), key
     assert r["sharding"]["mesh"] == 0
   assert "inline" in rec(m, "small")
   assert m["meshes"] == [[0] * 8]
-  assert [(p["process"], p["pieces"]) for p in m["packs"]] == [(0, 0)]
+  # format 3: one pack, no 'process'/'pieces' in it; each leaf's one writer (process 0)
+  # records a run, and the runs lie back to back from byte 0 of pack 0, in leaf order
+  (pack,) = m["packs"]
+  assert set(pack) == {"dir", "nbytes", "chunk", "inner"}
+  src = _source.open_source(path)
+  opener = _read.Opener(src, check_hashes=False)
+  end = 0
+  for r in m["leaves"]:
+    if "pieces" not in r:
+      continue
+    (k, offset), = np.frombuffer(r["pieces"]["runs"], _runs.RUN).tolist()
+    assert (k, offset) == (0, end), r["path"]
+    end += nb(t[r["path"][-1][1]])
+    run = v3util.read_pack(opener, 0, offset, end)    # the run's hash is of its bytes
+    assert r["pieces"]["hashes"] == _hashes.array_digest(run), r["path"]
+    assert r["hash"] == _hashes.digest(r["pieces"]["hashes"]), r["path"]
   region = sum(nb(t[k]) for k in ("fsdp_tp", "tp", "mu", "rep", "f8", "i4"))
+  assert end == region
   assert m["packs"][0]["nbytes"] >= region
   data = [f for f in files(path) if f.startswith("data-")]
   assert all("/p/0/" in f for f in data), data  # no zarr array of its own for any leaf
@@ -234,16 +256,32 @@ def test_cli_inspect_and_verify_show_pieces(saved, capsys):
   assert meta["tp"].stored == "pieces" and meta["tp"].shape == (2048, 1024)
 
 
-def test_no_pieces_with_compression_or_hashes_and_a_pieced_base_works(tmp_path):
+def test_no_pieces_with_compression_or_no_packs_and_a_based_save_keeps_pieces(tmp_path):
+  """Format 3: only ``compression=`` and ``pack_bytes=0`` store pieces as zarr arrays; a save
+  with a base keeps them, reusing the base's run of an unchanged leaf and writing the run of
+  a changed one."""
   t = {k: v for k, v in state().items() if k in ("fsdp_tp", "tp")}
-  fnckpt.save(t, str(tmp_path / "z"), compression="blosc").wait()
-  assert all("store" in r for r in manifest(str(tmp_path / "z"))["leaves"])
+  for name, opts in [("z", {"compression": "blosc"}), ("n", {"pack_bytes": 0})]:
+    fnckpt.save(t, str(tmp_path / name), **opts).wait()
+    m = manifest(str(tmp_path / name))
+    assert all("store" in r and "pieces" not in r for r in m["leaves"]), name
+    assert "meshes" not in m, name
   fnckpt.save(t, str(tmp_path / "a")).wait()
   assert all("pieces" in r for r in manifest(str(tmp_path / "a"))["leaves"])
   t2 = {**t, "tp": t["tp"] + 1}
   fnckpt.save(t2, str(tmp_path / "b"), base=str(tmp_path / "a")).wait()
-  m = manifest(str(tmp_path / "b"))
-  assert all("store" in r and "hash" in r for r in m["leaves"]) and "meshes" not in m
+  a, m = manifest(str(tmp_path / "a")), manifest(str(tmp_path / "b"))
+  assert all("pieces" in r and "store" not in r and "hash" in r for r in m["leaves"])
+  assert m["meshes"] == [[0] * 8]
+  runs = {k: np.frombuffer(rec(m, k)["pieces"]["runs"], _runs.RUN).tolist() for k in t}
+  (kf, of), = runs["fsdp_tp"]
+  (kt, ot), = runs["tp"]
+  assert m["packs"][kf].get("base") is not None     # unchanged: the base's run, reused
+  assert m["packs"][kf]["dir"] == a["packs"][0]["dir"]
+  assert np.frombuffer(rec(a, "fsdp_tp")["pieces"]["runs"], _runs.RUN).tolist() == [(0, of)]
+  assert rec(m, "fsdp_tp")["pieces"]["hashes"] == rec(a, "fsdp_tp")["pieces"]["hashes"]
+  assert m["packs"][kt].get("base") is None         # changed: written by this save
+  assert rec(m, "tp")["pieces"]["hashes"] != rec(a, "tp")["pieces"]["hashes"]
   got = fnckpt.restore(str(tmp_path / "b"))
   same(got["fsdp_tp"], t["fsdp_tp"])
   same(got["tp"], t2["tp"])
@@ -295,11 +333,51 @@ def _rewrite(path, change):
   with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
     f.write(data)
   with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
-    f.write(_manifest.encode_commit(data, 0.0))
+    f.write(_manifest.encode_commit(data, 0.0, m["version"]))
 
 
 def _set(getter, key, value):
   return lambda m: getter(m).__setitem__(key, value)
+
+
+def _as_format_2(m):
+  """A format-3 manifest of one process whose runs lie back to back from byte 0 of pack 0 in
+  leaf order, rewritten as the format-2 manifest of the same bytes (README "Pieces" rule 2:
+  process 0's pieces region at 'packs'[0].pieces = 0; no content hashes)."""
+  end = 0
+  for r in m["leaves"]:
+    if "pieces" in r:
+      (run,) = np.frombuffer(r["pieces"]["runs"], _runs.RUN).tolist()
+      assert run == (0, end), "not format-2 placement"
+      end += int(np.prod(r["shape"])) * np.dtype(jnp.dtype(r["dtype"])).itemsize
+      r["pieces"] = {"chunks": r["pieces"]["chunks"]}
+    for k in ("hash", "chunk_hashes"):
+      r.pop(k, None)
+  del m["hash"]
+  m["version"] = 2
+  m["packs"][0].update(process=0, pieces=0)
+
+
+def _v2(change):
+  """``change`` applied to the format-2 form of the manifest (:func:`_as_format_2`)."""
+  return lambda m: (_as_format_2(m), change(m))
+
+
+def _runs_of(key, runs):
+  return _set(lambda m: rec(m, key)["pieces"], "runs", np.array(runs, _runs.RUN).tobytes())
+
+
+def test_the_format_2_form_of_a_pieced_save_reads(tmp_path):
+  """(The base of the format-2 cases below: unchanged, it restores the saved values.)"""
+  path = str(tmp_path / "c")
+  t = {k: v for k, v in state().items() if k in ("fsdp_tp", "tp")}
+  fnckpt.save(t, path).wait()
+  _rewrite(path, _as_format_2)
+  assert _manifest.decode(open(os.path.join(path, _manifest.MANIFEST), "rb").read(),
+                          path).version == 2
+  got = fnckpt.restore(path)
+  same(got["fsdp_tp"], t["fsdp_tp"])
+  same(got["tp"], t["tp"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -317,15 +395,28 @@ def _set(getter, key, value):
      r"record of \['tp'\] is invalid: 'pieces' has an unknown field 'offsets'"),
     (lambda m: rec(m, "tp")["sharding"].pop("mesh"),
      r"record of \['tp'\] is invalid: a pieced array needs a named 'sharding' with 'mesh'"),
-    (lambda m: [m["packs"][0].pop(k) for k in ("process", "pieces")],
+    # format 3: the recorded runs (fsdp_tp's 8 MiB at 0, tp's 8 MiB at 8 MiB of one pack)
+    (_runs_of("tp", [(1, 8 * MiB)]),
+     r"record of \['tp'\] is invalid: 'pieces'.runs\[0\] \(process 0's chunks\) names pack 1, "
+     r"but there are 1 packs"),
+    (_runs_of("tp", [(0, 8 * MiB + 4096)]),
+     r"record of \['tp'\] is invalid: 'pieces'.runs\[0\] \(process 0's chunks\) bytes "
+     r"\[8392704, 16781312\) lie outside pack 0 \(\d+ bytes\)"),
+    (_set(lambda m: rec(m, "tp")["pieces"], "runs", bytes(24)),
+     r"record of \['tp'\] is invalid: 'pieces'.runs and 'pieces'.hashes must hold 12 and 16 "
+     r"bytes per process writing its chunks \(1 processes\), found 24 and 16"),
+    (_set(lambda m: m["packs"][0], "process", 0),
+     r"'packs'\[0\] has an unknown field 'process'"),
+    # format 2: pieces regions computed from the packs' 'process' and 'pieces'
+    (_v2(lambda m: [m["packs"][0].pop(k) for k in ("process", "pieces")]),
      r"record of \['fsdp_tp'\] is invalid: 'pieces' are written by process 0, which has no "
      r"pack with 'process': 0"),
-    (_set(lambda m: m["packs"][0], "pieces", 4096),
+    (_v2(_set(lambda m: m["packs"][0], "pieces", 4096)),
      r"record of \['fsdp_tp'\] is invalid: process 0's pieces region \(\d+ bytes from "
      r"'packs'\[0\].pieces = 4096\) lies outside its pack"),
-    (_set(lambda m: m["packs"][0], "process", 3),
+    (_v2(_set(lambda m: m["packs"][0], "process", 3)),
      r"'packs'\[0\].process must be an integer in \[0, 0\]"),
-    (lambda m: m["packs"][0].pop("pieces"),
+    (_v2(lambda m: m["packs"][0].pop("pieces")),
      r"'packs'\[0\] needs both 'process' and 'pieces' or neither"),
 ])
 def test_hostile_pieces_manifests_are_refused_naming_the_field(tmp_path, change, message):
@@ -406,9 +497,10 @@ def test_a_fork_whose_parent_pieces_are_gone_says_it_refers_to_them(tmp_path):
 
 
 def test_a_pieced_bool_with_a_byte_other_than_0_and_1_is_that_damage(tmp_path, capsys):
-  """A pieced bool leaf (valid checksums) holding the byte 2: restore and export raise the
-  bool check's own error naming the leaf, as for inline and packed bools (not 'reading
-  failed (CheckpointError: ...)'); verify reports it."""
+  """A pieced bool leaf (valid checksums and content hash) holding the byte 2: restore and
+  export raise the bool check's own error naming the leaf, as for inline and packed bools (not
+  'reading failed (CheckpointError: ...)'); verify reports it. (Changed after the save, the
+  byte is first the run's content hash mismatch; the crafted checkpoint records its hash.)"""
   from fnckpt._io import arrays as _store
   from fnckpt.cli import main
   import tensorstore as ts
@@ -419,10 +511,23 @@ def test_a_pieced_bool_with_a_byte_other_than_0_and_1_is_that_damage(tmp_path, c
   m = manifest(path)
   assert "pieces" in rec(m, "mask")
   (pk,) = m["packs"]
+  ((k, lo),) = np.frombuffer(rec(m, "mask")["pieces"]["runs"], _runs.RUN).tolist()
+  assert k == 0
   pack = _store.open_array(_store.pack_spec({"driver": "file", "path": path + "/"}, pk["dir"],
                                             pk["nbytes"], pk["chunk"], pk["inner"]),
                            ts.Context(), mode="write").result()
-  pack[pk["pieces"] + 77:pk["pieces"] + 78].write(np.array([2], np.uint8)).result()
+  pack[lo + 77:lo + 78].write(np.array([2], np.uint8)).result()
+  with pytest.raises(DamagedError, match=r"the run of chunks process 0 wrote \(bytes \[0, "
+                     r"8388608\) of pack 0\) does not match its recorded content hash"):
+    fnckpt.restore(path)
+  run = v3util.read_pack(_read.Opener(_source.open_source(path), check_hashes=False),
+                         0, lo, lo + 8 * MiB)
+  assert run[77] == 2
+
+  def rehash(m):
+    rec(m, "mask")["pieces"]["hashes"] = _hashes.array_digest(run)
+    rec(m, "mask")["hash"] = _hashes.digest(_hashes.array_digest(run))
+  _rewrite(path, rehash)
   msg = r"^\['mask'\]: a bool array holds a byte other than 0 and 1.*damaged"
   with pytest.raises(fnckpt.CheckpointError, match=msg):
     fnckpt.restore(path)

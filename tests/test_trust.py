@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
-from fnckpt._format import manifest as _manifest, records as _records
+from fnckpt._format import hashes as _hashes, manifest as _manifest, records as _records
 from fnckpt._io import arrays as _store, paths as _paths
 from fnckpt import _state
 from fnckpt._errors import DamagedError, SaveOutcome
@@ -223,7 +223,7 @@ def test_cli_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
                      capture_output=True, text=True, timeout=120,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0 and r.stderr == "", r.stderr
-  assert "fnckpt format 2" in r.stdout
+  assert f"fnckpt format {_manifest.FORMAT_VERSION}," in r.stdout and _manifest.FORMAT_VERSION == 3
 
 
 def test_a_failed_save_gives_back_its_budget_and_the_next_save_runs(tmp_path, monkeypatch):
@@ -392,8 +392,10 @@ def test_a_stored_bool_array_with_a_byte_other_than_0_and_1_is_corrupt(tmp_path,
 
 @pytest.mark.parametrize("where", ["inline", "packed"])
 def test_bool_bytes_other_than_0_and_1_are_damage(tmp_path, capsys, where):
-  """A crafted checkpoint (valid checksums) whose bool array holds the byte 2: restore, export
-  and verify call it damage naming the leaf, never return a bool that is neither value."""
+  """A crafted checkpoint (valid checksums and content hashes) whose bool array holds the byte
+  2: restore, export and verify call it damage naming the leaf, never return a bool that is
+  neither value. (The packed byte changed after the save is first its content hash mismatch;
+  the crafted checkpoint then records the leaf's new hash.)"""
   from fnckpt.cli import main
   path = str(tmp_path / "c")
   n = 4 if where == "inline" else 40_000   # 40 KB: over the inline limit, into the pack
@@ -408,6 +410,16 @@ def test_bool_bytes_other_than_0_and_1_are_damage(tmp_path, capsys, where):
                                               pk["nbytes"], pk["chunk"], pk["inner"]),
                              __import__("tensorstore").Context(), mode="write").result()
     pack[at + 7:at + 8].write(np.array([2], np.uint8)).result()   # checksummed by TensorStore
+    with pytest.raises(DamagedError, match=r"\['mask'\] .*its data does not match its recorded "
+                       r"content hash \(xxh3-128\)"):
+      fnckpt.restore(path)
+    data = _store.open_array(_store.pack_spec({"driver": "file", "path": path + "/"}, pk["dir"],
+                                              pk["nbytes"], pk["chunk"], pk["inner"]),
+                             __import__("tensorstore").Context(), mode="read").result()[
+                                 at:at + n].read().result()
+    assert data[7] == 2
+    _rewrite_manifest(path, lambda m: _leaf(m, "mask").__setitem__(
+        "hash", _hashes.array_digest(data)))
   msg = r"\['mask'\]: a bool array holds a byte other than 0 and 1.*damaged"
   with pytest.raises(fnckpt.CheckpointError, match=msg):
     fnckpt.restore(path)
