@@ -23,7 +23,7 @@ from .._format import (leaves as _leaves, manifest as _manifest, perprocess as _
                        records as _records, refs as _refs, tree as _tree)
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
-from . import delta as _delta, pieces as _pieces_save
+from . import delta as _delta, pending as _pending, pieces as _pieces_save
 from .. import _state
 from .._errors import CheckpointError
 from .._version import __version__
@@ -126,6 +126,13 @@ class _Base:
   loc: _refs.Location
   new_loc: _refs.Location
   source: Any = None              # the opened base (its commit marker as read at the start)
+  pending: Any = None             # a base still in flight here (``pending.Pending``): no manifest
+
+  def candidates(self, records) -> tuple[dict, dict]:
+    """The leaves that may reuse the base's data (``refs.candidates``; in flight: by layout)."""
+    if self.pending is not None:
+      return self.pending.candidates(records)
+    return _refs.candidates(records, self.manifest, self.loc, self.new_loc)
 
   def check(self) -> None:
     """Before the new checkpoint commits: the base is still the committed checkpoint read at
@@ -187,8 +194,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  stored_c, packed_c = (_refs.candidates(records, base.manifest, base.loc, base.new_loc)
-                        if base is not None else ({}, {}))
+  stored_c, packed_c = base.candidates(records) if base is not None else ({}, {})
   maybe = [c for c in candidates if c[0] in packed_c]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
   packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in packed_c],
@@ -305,12 +311,14 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
           pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
           zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
           storage_options: dict[str, Any] | None = None, base: str | None = None,
-          hashes: bool = False, barrier_location: str | None = None) -> SaveHandle:
+          hashes: bool = False, barrier_location: str | None = None,
+          base_handle: Any = None) -> SaveHandle:
   """:func:`save`; ``hashes``: record the content hashes of what is written even without a
   base (the saves of an ``incremental=True`` manager: its full saves are the next saves'
   bases). Every process passes the same ``hashes``. ``barrier_location`` (the manager's local
   tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
-  paths that differ between processes."""
+  paths that differ between processes. ``base_handle``: whether ``base`` is a save in flight
+  (``pending.open_pending``; None: this process's saves say, process 0's word)."""
   t0 = time.perf_counter()
   location = _paths.display(path)
   handle = begin(location)  # (once the save before it to this location has finished)
@@ -327,11 +335,12 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
     where = "reading the base checkpoint"
-    based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
+    based = _base_of(base, base_handle, session, kv_spec, storage_options, location)
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
                  based, pieces=pack_bytes > 0 and not (hashes or based is not None or
                                                        any(codecs)))
+    handle.planned = plan.records   # (a later save may take this one as its base)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -341,6 +350,10 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
                                 hashing=hashes or base is not None, budget=budget)
+    if based is not None and based.pending is not None:
+      writer.pending = based.pending
+      based.pending.attach(writer, lambda src: _Base(src.manifest, based.loc, based.new_loc,
+                                                     src).check)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
@@ -362,6 +375,18 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+def _base_of(base: Any, handle: Any, session, kv_spec: dict, storage_options,
+             location: str) -> _Base | None:
+  """The base of a save: None, a save in flight in this process (``pending``), or a
+  committed checkpoint."""
+  if base is None:
+    return None
+  pend = _pending.open_pending(base, handle, session, kv_spec, storage_options, location)
+  if pend is not None:
+    return _Base(None, pend.loc, pend.new_loc, None, pend)
+  return _open_base(base, kv_spec, storage_options, location)
 
 
 def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
@@ -447,8 +472,10 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       (lambda records, packs, bases: _manifest.encode(_manifest_record(
           plan, metadata, records, packs, bases))) if is_main else None,
       based.check if based is not None else None)
-  return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
-                                            writer.location), creating, is_main)
+  pend = based.pending if based is not None else None
+  return Commit(kv, lambda: _delta.conclude(
+      writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
+      ctx, writer.location), creating, is_main)
 
 
 def _skeleton(rec: _records.Leaf) -> bytes:
