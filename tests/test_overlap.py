@@ -149,3 +149,31 @@ def test_save_with_a_base_in_flight_refers_to_it(tmp_path, monkeypatch):
   assert sum(files_under(b).values()) < FROZEN.nbytes // 2
   assert_same(fnckpt.restore(b), tree(2))
   assert_same(fnckpt.restore(a), tree(1))
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_overlapping_manager_saves_chain(tmp_path):
+  """Every process sees the same base outcome; process 0 decides reuse; all restore."""
+  import json
+  import sys
+  import helpers_proc as hp
+  import mp_manager_worker as mw
+  import mp_worker
+  worker = os.path.join(hp.HERE, "mp_manager_worker.py")
+  root = str(tmp_path / "run")
+  cfg = {"mode": "overlap", "root": root, "barrier_s": 60, "port": hp.free_port(),
+         "num_processes": 2}
+  procs = [hp.start([sys.executable, worker, json.dumps({**cfg, "process_id": i})],
+                    hp.child_env()) for i in range(2)]
+  for r in hp.finish(procs, timeout=240):
+    assert r.returncode == 0 and not r.timed_out and r.result, r.describe()
+    assert r.result["steps"] == [0, 1, 2, 3, 4]
+    assert r.result["reused"][0] == 0 and all(n > 0 for n in r.result["reused"][1:])
+  for step in range(5):
+    got = fnckpt.restore(f"{root}/{step}")
+    for name, leaf in mw.OVERLAP_LEAVES.items():
+      want = mp_worker.expected(name, leaf["shape"], "float32", 0)
+      assert np.asarray(got[name]).tobytes() == want.tobytes(), (step, name)
+    assert np.asarray(got["e"]).tobytes() == np.full((4096,), step, np.float32).tobytes()
+    if step:
+      assert _bases(f"{root}/{step}") == ["0"]   # flat: the frozen data is step 0's
