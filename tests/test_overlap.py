@@ -177,3 +177,27 @@ def test_two_processes_overlapping_manager_saves_chain(tmp_path):
     assert np.asarray(got["e"]).tobytes() == np.full((4096,), step, np.float32).tobytes()
     if step:
       assert _bases(f"{root}/{step}") == ["0"]   # flat: the frozen data is step 0's
+
+
+@pytest.mark.timeout(300)
+def test_replacing_a_base_in_flight_is_refused(tmp_path, monkeypatch):
+  root = str(tmp_path / "run")
+  gates, reached, hold = _hold_writers(monkeypatch)
+  mgr = fnckpt.CheckpointManager(root, incremental=True)
+  mgr.save(0, tree(0))
+  mgr.wait()
+  hold("1")
+  h1 = mgr.save(1, tree(1))
+  h2 = mgr.save(2, tree(2))   # refers to step 1, in flight
+  try:
+    assert not h1.done()
+    with pytest.raises(fnckpt.CheckpointError, match="Step 1 of .* cannot be replaced: an "
+                       "incremental save in flight refers to its data"):
+      mgr.save(1, tree(11), force=True)
+  finally:
+    gates["1"].set()
+  mgr.wait()
+  assert "1" in _bases(f"{root}/2")   # "slow" changed at step 1, kept at step 2
+  for v in range(3):
+    assert_same(mgr.restore(v), tree(v))
+  mgr.close()

@@ -129,13 +129,14 @@ def check_replace(index: Any, claims: Any, step: int,
   kept) while other steps, forks or (``incremental``) saves in flight refer to its data:
   replacing it would break them. A deleted step whose kept data nothing refers to any more
   is cleared (so that it can be saved)."""
-  if not index.exists(step):
-    return
+  # (first: a base still in flight may have written no file yet)
   if incremental is not None and incremental.in_flight_base(step):
     raise CheckpointError(
         f"Step {step} of {index.display!r} cannot be replaced: an incremental save in flight "
         "refers to its data (it is that save's base). Wait for it (manager.wait()); then "
         "delete the steps that refer to it first, or save a new step.")
+  if not index.exists(step):
+    return
   listing = index.list(in_flight=claims.saving())
   kept = index.refs.kept(listing, {step}).get(step)
   if kept:
