@@ -201,3 +201,32 @@ def test_replacing_a_base_in_flight_is_refused(tmp_path, monkeypatch):
   for v in range(3):
     assert_same(mgr.restore(v), tree(v))
   mgr.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_overlapping_save_gives_its_held_bytes_back(tmp_path, monkeypatch):
+  """Staging fails after items were held for the base in flight: the save fails, its held
+  bytes go back to the budget, and the base commits as usual."""
+  from fnckpt._save import staging as _staging
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  two = lambda v: {**tree(v), "frozen2": FROZEN + 1}  # noqa: E731  (two stored leaves)
+  gates, reached, hold = _hold_writers(monkeypatch)
+  hold("a")
+  h1 = _save.start(two(1), a, hashes=True)
+  calls, stage = [], _staging.stage_unit
+
+  def failing(*args):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("injected staging failure")
+    return stage(*args)
+
+  monkeypatch.setattr(_staging, "stage_unit", failing)
+  with pytest.raises(fnckpt.CheckpointError, match="injected staging failure"):
+    fnckpt.save(two(2), b, base=a)
+  gates["a"].set()
+  h1.wait()
+  fnckpt.wait()
+  assert _state.saves.budget.held == 0 and _state.saves.budget._spillers == []
+  assert_same(fnckpt.restore(a), two(1))
+  assert not os.path.exists(f"{b}/COMMIT")

@@ -289,6 +289,9 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       with a base hashes its data (a plain save pays nothing for hashing); a base saved
       without hashes (a plain save) has nothing to compare with, so that save writes
       everything, and records its hashes so that the next save with it as base can reuse.
+      The base may also be a save still in flight in this process: this save then refers
+      to it once it commits (its writer waits for it, not the caller), or, if it fails,
+      is written in full.
 
   >>> import jax.numpy as jnp, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
