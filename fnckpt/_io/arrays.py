@@ -283,6 +283,7 @@ class ByteBudget:
         self._spillers.append(fn)
 
   def remove_spiller(self, fn: Callable[[], Any]) -> None:
+    """Stop calling ``fn`` (it holds nothing any more)."""
     with self._cv:
       if fn in self._spillers:
         self._spillers.remove(fn)

@@ -30,8 +30,8 @@ from .._format import records as _records, refs as _refs
 from .._io import paths as _paths
 from .._sources import source as _source
 
-__all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "Pending", "open_pending",
-           "WAKE"]
+__all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "layout_of", "Pending",
+           "open_pending", "WAKE"]
 
 # The expectation of an item whose base is still in flight (never equal to a real hash).
 PENDING = b"(pending base)"
@@ -87,6 +87,12 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
     elif s is None and rec.inline is None and rec.pieces is None and _base_packs(old):
       packed[i] = PendingPacked()
   return stored, packed
+
+
+def layout_of(records: Sequence[_records.Leaf]) -> tuple[_records.Leaf, ...]:
+  """A save's planned records as a later save's base needs them (``SaveHandle.planned``):
+  their layout, without inline bytes."""
+  return tuple(dataclasses.replace(r, inline=b"") if r.inline else r for r in records)
 
 
 def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_options: Any,
@@ -154,6 +160,7 @@ class Pending:
       self.handle.add_done_callback(self._base_done)
 
   def _base_done(self) -> None:
+    """The base's save finished (committed or failed): wake the writer."""
     self._done.set()
     self._signal()
 
