@@ -332,5 +332,45 @@ def mode_incremental(cfg):
   child.close()
 
 
+OVERLAP_LEAVES = {"w": {"shape": [64, 1024], "spec": ["x", "y"]},   # stored, on both
+                  "r": {"shape": [128, 64], "spec": "replicated"}}   # packed
+
+
+def mode_overlap(cfg):
+  """An incremental manager saving 5 steps without waiting, each save's writer held at
+  "written" until the next save has started (on every process): overlapping saves chain.
+  "w" and "r" never change; "e" (numpy) changes at every step."""
+  import threading
+  import jax
+  import fnckpt
+  from fnckpt import _state
+  mesh = mp_worker.make_mesh([jax.process_count(), 2], ["x", "y"])
+  frozen = mp_worker.make_state(OVERLAP_LEAVES, mesh, seed=0)
+  gates: dict[str, threading.Event] = {}
+
+  def hook(phase):
+    me = threading.current_thread().name.rsplit("/", 1)[-1]
+    if phase == "written" and me in gates:
+      gates[me].wait(60)
+
+  _state.hooks.on_phase = hook
+  mgr = fnckpt.CheckpointManager(cfg["root"], incremental=True,
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  handles = []
+  for step in range(5):
+    gates[str(step)] = threading.Event()
+    handles.append(mgr.save(step, {**frozen, "e": np.full((4096,), step, np.float32),
+                                   "step": step}))
+    if step:
+      assert not handles[step - 1].done()
+      gates[str(step - 1)].set()
+  gates["4"].set()
+  mgr.wait()
+  result({"process": jax.process_index(), "steps": mgr.all_steps(),
+          "reused": [h.stats.bytes_reused for h in handles],
+          "written": [h.stats.bytes_written for h in handles]})
+  mgr.close()
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

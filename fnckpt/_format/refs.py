@@ -430,17 +430,19 @@ def _place_packed(records: list[_records.Leaf], reports: Sequence[Report],
 def _runs(rec: _records.Leaf, reports: Sequence[Report], cand: RunCand | None, layout: Any,
           regions: Any, own: Mapping[int, int], packs: Sequence[_records.Pack],
           place: _Placer, location: str) -> _records.Leaf:
-  """A pieced leaf's record with each writer's run (where, hash): a candidate's from the
-  writers' reports (segment or the base's), another's in its writer's own pack region."""
+  """A pieced leaf's record with each writer's run (where, hash): one written apart (a
+  candidate) from the writers' reports (segment or the base's), another's in its writer's own
+  pack region."""
   i, runs, hashes = rec.index, [], []
+  apart = any(i in r.maybe for r in reports)   # (written apart: it was a candidate)
   for proc in run_writers(layout, i).tolist():
     r = reports[proc]
-    if cand is not None:
+    if apart:
       if i not in r.maybe:
         raise CheckpointError(f"Saving to {location!r}: process {proc} did not report its "
                               f"pieces of leaf {rec.where}.")
       h, seg, offset = r.maybe[i]
-      k, at = place.place(proc, seg, offset, cand.runs.get(proc))
+      k, at = place.place(proc, seg, offset, cand.runs.get(proc) if cand is not None else None)
     else:
       if i not in r.packed:
         raise CheckpointError(f"Saving to {location!r}: process {proc} did not report the "

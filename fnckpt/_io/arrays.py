@@ -253,17 +253,40 @@ class ByteBudget:
   def __init__(self, limit: int):
     self.limit = int(limit)
     self.held = 0
+    self.waiting = 0          # callers of acquire waiting now
+    self._spillers: list[Callable[[], Any]] = []
     self._cv = threading.Condition()
 
   def acquire(self, n: int, on_wait: Callable[[], Any] | None = None) -> None:
     """Take ``n`` bytes; if that has to wait, call ``on_wait()`` first (under the lock, so
-    it cannot miss the wait), e.g. to start the writer that will free some."""
+    it cannot miss the wait), e.g. to start the writer that will free some, and every
+    registered spiller (:meth:`add_spiller`)."""
     with self._cv:
       fits = lambda: self.held == 0 or self.held + n <= self.limit  # noqa: E731
-      if on_wait is not None and not fits():
-        on_wait()
-      self._cv.wait_for(fits)
+      if not fits():
+        if on_wait is not None:
+          on_wait()
+        for spill in list(self._spillers):
+          spill()
+        self.waiting += 1
+        try:
+          self._cv.wait_for(fits)
+        finally:
+          self.waiting -= 1
       self.held += n
+
+  def add_spiller(self, fn: Callable[[], Any]) -> None:
+    """``fn()`` is called (under the lock: it must only signal) before anyone waits: a holder
+    of bytes that could write them instead of holding them (an overlapping save's writer)."""
+    with self._cv:
+      if fn not in self._spillers:
+        self._spillers.append(fn)
+
+  def remove_spiller(self, fn: Callable[[], Any]) -> None:
+    """Stop calling ``fn`` (it holds nothing any more)."""
+    with self._cv:
+      if fn in self._spillers:
+        self._spillers.remove(fn)
 
   def release(self, n: int) -> None:
     with self._cv:

@@ -24,6 +24,7 @@ class Base:
   reading (so retention and deletes spare it) until the save has committed or failed."""
   step: int
   claim: Any = None
+  in_flight: bool = False   # process 0 chose a save still in flight in this manager
 
 
 class Incremental:
@@ -51,8 +52,10 @@ class Incremental:
 
   def choose(self, index: Any, claims: Any, step: int, timeout_s: float) -> Base | None:
     """The base of a save of ``step`` into the :class:`fnckpt._manager.steps.StepIndex` ``index``
-    (None: a full save). Collective: process 0 decides (the newest committed step before
-    ``step``, never one marked damaged) and claims it in ``claims`` for reading."""
+    (None: a full save). Collective: process 0 decides (the newest step before ``step``
+    that is committed, never one marked damaged, or in flight in this manager: the new save
+    then refers to it once it commits, ``fnckpt._save.pending``) and claims it in ``claims``
+    for reading (a step in flight too: retention spares it once committed)."""
     if not self.enabled:
       return None
     with self._lock:
@@ -60,27 +63,30 @@ class Incremental:
           self._since_full is None or self._since_full + 1 >= self.full_every)
     claimed: list[Any] = []
 
-    def decide() -> int | None:
+    def decide() -> list | None:
       if full:
         return None
       older = [s for s in index.list(in_flight=claims.saving()).steps if s < step]
-      if not older:
+      flying = _flying(index, claims, step)
+      if not older and not flying:
         return None
-      cm = claims.reading(older[-1])
+      chosen = max(older[-1:] + flying)
+      cm = claims.reading(chosen)
       cm.__enter__()
-      if not _commit.is_committed(_paths.open_kvstore(index.path(older[-1]),
-                                                      index.storage_options)):
+      if chosen not in flying and not _commit.is_committed(
+          _paths.open_kvstore(index.path(chosen), index.storage_options)):
         cm.__exit__(None, None, None)  # deleted meanwhile: a full save then
         return None
       claimed.append(cm)
       with self._lock:
-        self._bases[older[-1]] += 1
-      return older[-1]
+        self._bases[chosen] += 1
+      return [chosen, chosen in flying]
 
     chosen = _coordination.from_process_0(index.path(step), "base", decide, timeout_s)
     with self._lock:
       self._since_full = 0 if chosen is None else (self._since_full or 0) + 1
-    return None if chosen is None else Base(chosen, claimed[0] if claimed else None)
+    return None if chosen is None else Base(chosen[0], claimed[0] if claimed else None,
+                                            bool(chosen[1]))
 
   def release(self, base: Base | None) -> None:
     if base is not None and base.claim is not None:
@@ -90,6 +96,17 @@ class Incremental:
         if self._bases[base.step] <= 0:
           del self._bases[base.step]
       claim.__exit__(None, None, None)
+
+
+def _flying(index: Any, claims: Any, step: int) -> list[int]:
+  """(Process 0.) Steps before ``step`` whose save to ``index`` is in flight in this manager."""
+  out = []
+  for s in claims.saving():
+    h = claims.handle(s)
+    if s < step and h not in (None, False) and not h.done() and (
+        h.location == _paths.display(index.path(s))):
+      out.append(s)
+  return out
 
 
 def fork(index: Any, step: int, directory: str) -> None:
@@ -112,13 +129,14 @@ def check_replace(index: Any, claims: Any, step: int,
   kept) while other steps, forks or (``incremental``) saves in flight refer to its data:
   replacing it would break them. A deleted step whose kept data nothing refers to any more
   is cleared (so that it can be saved)."""
-  if not index.exists(step):
-    return
+  # (first: a base still in flight may have written no file yet)
   if incremental is not None and incremental.in_flight_base(step):
     raise CheckpointError(
         f"Step {step} of {index.display!r} cannot be replaced: an incremental save in flight "
         "refers to its data (it is that save's base). Wait for it (manager.wait()); then "
         "delete the steps that refer to it first, or save a new step.")
+  if not index.exists(step):
+    return
   listing = index.list(in_flight=claims.saving())
   kept = index.refs.kept(listing, {step}).get(step)
   if kept:

@@ -48,6 +48,7 @@ class Saver:
     self.save_options, self.timeout_s = dict(save_options), timeout_s
     self.last_saved: int | None = None
     self._warned_tiers = False   # (incremental with local tiers on several processes)
+    self._recent: dict[int, Any] = {}   # step -> handle of the latest saves (their bases)
 
   def due(self, step: int) -> bool:
     """Whether ``step`` is on an interval (durable or local)."""
@@ -118,18 +119,28 @@ class Saver:
       handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
                            storage_options=index.storage_options, **self.save_options,
                            base=index.path(base.step) if base else None,
-                           barrier_location=key)
+                           barrier_location=key, base_handle=self._base_handle(base))
     except BaseException:
       self.claims.release_save(step)
       inc.release(base)
       raise
     self.claims.set_handle(step, handle)
     self.last_saved = step
+    self._recent.pop(step, None)
+    self._recent[step] = handle
+    self._recent = dict(list(self._recent.items())[-4:])
     if self.local and durable and index is not self.index:
       self.local.begin(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
                           step, handle, durable, index, base)
     return handle
+
+  def _base_handle(self, base: Any) -> Any:
+    """``save(base_handle=)``: False (a committed base), or, when process 0 chose a step in
+    flight, this process's handle of that save (True: none here: its committed manifest)."""
+    if base is None or not base.in_flight:
+      return False
+    return self._recent.get(base.step, True)
 
   def _copy(self, step: int) -> float:
     try:

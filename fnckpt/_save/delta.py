@@ -163,6 +163,11 @@ class Delta:
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
 
+  @property
+  def me(self) -> int:
+    """This process's index."""
+    return self._me
+
   # stored chunks ------------------------------------------------------------------------
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,

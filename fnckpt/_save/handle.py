@@ -58,6 +58,17 @@ class SaveHandle:
     self._error: BaseException | None = None
     self._seq = next(_state.saves.order)  # fnckpt.wait() reports failures in the save order
     self.replaced = False      # overwrite=True removed what was at the location
+    self.planned: tuple | None = None   # its planned leaf records (a later save's base)
+    self._callbacks: list = []
+
+  def add_done_callback(self, fn) -> None:
+    """Call ``fn()`` once the save has finished (at once if it has; from the thread that
+    finishes it otherwise: ``fn`` must not block)."""
+    with _state.saves.lock:
+      if not self._event.is_set():
+        self._callbacks.append(fn)
+        return
+    fn()
 
   def done(self) -> bool:
     """Whether the save has finished (committed or failed); never blocks."""
@@ -91,7 +102,10 @@ class SaveHandle:
         saves.pending.discard(self)
       if saves.latest.get(self.location) is self:
         del saves.latest[self.location]
-    self._event.set()
+      self._event.set()
+      callbacks, self._callbacks = self._callbacks, []
+    for fn in callbacks:
+      fn()
 
   def __repr__(self) -> str:
     state = "failed" if self._error else "committed" if self.done() else "pending"

@@ -25,7 +25,7 @@ from .._format import (hashes as _hashes, leaves as _leaves, manifest as _manife
                        tree as _tree)
 from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
 from .._sources import source as _source
-from . import delta as _delta, pieces as _pieces_save
+from . import delta as _delta, pending as _pending, pieces as _pieces_save
 from .. import _state
 from .._errors import CheckpointError
 from .._version import __version__
@@ -130,6 +130,19 @@ class _Base:
   loc: _refs.Location
   new_loc: _refs.Location
   source: Any = None              # the opened base (its commit marker as read at the start)
+  pending: Any = None             # a base still in flight here (``pending.Pending``): no manifest
+
+  def candidates(self, records, meshes=()) -> _refs.Candidates:
+    """The leaves that may reuse the base's data (``refs.candidates``; in flight: by layout).
+    ``meshes``: the new save's meshes of pieced leaves."""
+    if self.pending is not None:
+      return self.pending.candidates(records, meshes)
+    return _refs.candidates(records, self.manifest, self.loc, self.new_loc, meshes)
+
+  @property
+  def where(self) -> str:
+    """The base's location, for messages."""
+    return self.source.location if self.source is not None else self.pending.path
 
   def check(self) -> None:
     """Before the new checkpoint commits: the base is still the committed checkpoint read at
@@ -191,13 +204,12 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  cands = (_refs.candidates(records, base.manifest, base.loc, base.new_loc, pieced.meshes)
-           if base is not None else _refs.Candidates())
+  cands = base.candidates(records, pieced.meshes) if base is not None else _refs.Candidates()
   if cands.not_compared and me == 0:
     where, why = cands.not_compared[0]
     more = len(cands.not_compared) - 1
     warnings.warn(
-        f"save(base={base.source.location!r}): {where}{f' (and {more} more leaves)' if more else ''}"
+        f"save(base={base.where!r}): {where}{f' (and {more} more leaves)' if more else ''}"
         f" cannot reuse the base's data: {why}. Such leaves are written in full; save with the "
         "same settings and shardings as the base to write only what changed.",
         RuntimeWarning, stacklevel=4)
@@ -294,7 +306,9 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       equals the base's data (by content hash: every save records the XXH3-128 of what it
       stores, in the background) is not written again; the new checkpoint refers to the
       base's data instead. The base must outlive it (the manager's retention keeps
-      referenced data; see README "Incremental saves and forks").
+      referenced data; see README "Incremental saves and forks"). The base may also be a
+      save still in flight in this process: this save then refers to it once it commits
+      (its writer waits for it, not the caller), or, if it fails, is written in full.
 
   >>> import jax.numpy as jnp, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -318,10 +332,11 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
           pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
           zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
           storage_options: dict[str, Any] | None = None, base: str | None = None,
-          barrier_location: str | None = None) -> SaveHandle:
+          barrier_location: str | None = None, base_handle: Any = None) -> SaveHandle:
   """:func:`save`; ``barrier_location`` (the manager's local
   tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
-  paths that differ between processes."""
+  paths that differ between processes. ``base_handle``: whether ``base`` is a save in flight
+  (``pending.open_pending``; None: this process's saves say, process 0's word)."""
   t0 = time.perf_counter()
   location = _paths.display(path)
   handle = begin(location)  # (once the save before it to this location has finished)
@@ -338,10 +353,11 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     kv_spec, ctx, kv = _paths.resolve(path, storage_options)
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
     where = "reading the base checkpoint"
-    based = _open_base(base, kv_spec, storage_options, location) if base is not None else None
+    based = _base_of(base, base_handle, session, kv_spec, storage_options, location)
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
                  based, pieces=pack_bytes > 0 and not any(codecs))
+    handle.planned = _pending.layout_of(plan.records)  # (a later save's base, in flight)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
@@ -351,6 +367,10 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
                                 budget=budget)
+    if based is not None and based.pending is not None:
+      writer.pending = based.pending
+      based.pending.attach(writer, lambda src: _Base(src.manifest, based.loc, based.new_loc,
+                                                     src).check)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
@@ -372,6 +392,18 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+def _base_of(base: Any, handle: Any, session, kv_spec: dict, storage_options,
+             location: str) -> _Base | None:
+  """The base of a save: None, a save in flight in this process (``pending``), or a
+  committed checkpoint."""
+  if base is None:
+    return None
+  pend = _pending.open_pending(base, handle, session, kv_spec, storage_options, location)
+  if pend is not None:
+    return _Base(None, pend.loc, pend.new_loc, None, pend)
+  return _open_base(base, kv_spec, storage_options, location)
 
 
 def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
@@ -474,8 +506,10 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       (lambda records, packs, bases: _manifest.encode(_manifest_record(
           plan, metadata, records, packs, bases))) if is_main else None,
       based.check if based is not None else None, plan.layout, plan.regions)
-  return Commit(kv, lambda: _delta.conclude(writer.session, dplan, writer.delta, kv, ctx,
-                                            writer.location), creating, is_main)
+  pend = based.pending if based is not None else None
+  return Commit(kv, lambda: _delta.conclude(
+      writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
+      ctx, writer.location), creating, is_main)
 
 
 def _skeleton(rec: _records.Leaf) -> bytes:

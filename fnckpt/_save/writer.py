@@ -78,6 +78,7 @@ class Writer:
     self.write_s = 0.0
     self.commit_s = 0.0
     self.delta: _delta.Delta | None = None   # set before start()
+    self.pending: Any = None   # ``pending.Pending``: the base is a save in flight (held items)
     self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
 
   def start(self) -> None:
@@ -111,22 +112,19 @@ class Writer:
     self._queue.put(_END)
     self._drain.set()
 
+  def nudge(self, marker: Any) -> None:
+    """Queue a marker for ``pending`` (from any thread; never blocks)."""
+    self._queue.put(marker)
+
   def _write_all(self) -> list[ts.Future]:
     commits = []
     self._drain.wait()
     while (item := self._next(commits)) is not _END:
-      if self.error is not None or self.aborted:
-        self.budget.release(item.cost)
-        continue
-      try:
-        if isinstance(item, _delta.PackLeaf):
-          commits += self.delta.pack_leaf(item)
-          continue
-        self._write(item)
-      except BaseException as e:
-        self.budget.release(item.cost)
-        self.error = e
-        continue
+      for ready in (self.pending.admit(item) if self.pending is not None else (item,)):
+        self._write_one(ready, commits)
+    if self.pending is not None:  # items held for a base in flight: once it is done
+      for ready in self.pending.drain(lambda: self.error is not None or self.aborted):
+        self._write_one(ready, commits)
     try:  # (after a failure too: every hashing job ends and gives its budget back)
       commits += self.delta.settle()
       if self.error is None and not self.aborted:
@@ -134,6 +132,20 @@ class Writer:
     except BaseException as e:
       self.error = self.error or e
     return commits
+
+  def _write_one(self, item: Any, commits: list) -> None:
+    """Write (or hand to the delta) one staged item; after a failure give its budget back."""
+    if self.error is not None or self.aborted:
+      self.budget.release(item.cost)
+      return
+    try:
+      if isinstance(item, _delta.PackLeaf):
+        commits += self.delta.pack_leaf(item)
+        return
+      self._write(item)
+    except BaseException as e:
+      self.budget.release(item.cost)
+      self.error = e
 
   def _next(self, commits: list) -> Any:
     """The next queued item; before blocking on an empty queue, write the buffered pack
