@@ -101,7 +101,7 @@ def test_a_failed_base_makes_the_overlapping_save_full(tmp_path, monkeypatch):
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   gates, reached, hold = _hold_writers(monkeypatch, fail=("a",))
   hold("a")
-  h1 = _save.start(tree(1), a, hashes=True)
+  h1 = fnckpt.save(tree(1), a)
   h2 = fnckpt.save(tree(2), b, base=a)   # a is in flight (held at "written")
   assert not h1.done()
   gates["a"].set()
@@ -138,7 +138,7 @@ def test_save_with_a_base_in_flight_refers_to_it(tmp_path, monkeypatch):
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   gates, reached, hold = _hold_writers(monkeypatch)
   hold("a")
-  h1 = _save.start(tree(1), a, hashes=True)
+  h1 = fnckpt.save(tree(1), a)
   h2 = fnckpt.save(tree(2), b, base=a)
   assert not h1.done()
   gates["a"].set()
@@ -212,7 +212,7 @@ def test_a_failed_overlapping_save_gives_its_held_bytes_back(tmp_path, monkeypat
   two = lambda v: {**tree(v), "frozen2": FROZEN + 1}  # noqa: E731  (two stored leaves)
   gates, reached, hold = _hold_writers(monkeypatch)
   hold("a")
-  h1 = _save.start(two(1), a, hashes=True)
+  h1 = fnckpt.save(two(1), a)
   calls, stage = [], _staging.stage_unit
 
   def failing(*args):
