@@ -87,6 +87,7 @@ def test_base(tmp_path, kind):
     stats = fnckpt.save(tree(kind), b, base=a, **SMALL).wait()
   changed = 0 if kind == "inline" else nbytes(kind)
   assert stats.bytes_written == changed
+  assert (stats.chunks_written > 0) == (changed > 0) and stats.peak_staged_bytes > 0
   assert stats.bytes_reused == sum(2 * nbytes(k) for k in KINDS if k != "inline") - changed
   on_disk = sum(files_under(os.path.join(b, _records_of(b).data)).values()) if changed else 0
   assert on_disk <= changed + 8192   # (+ zarr.json, shard index, pack padding)

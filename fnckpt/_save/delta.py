@@ -149,7 +149,8 @@ class Delta:
     self.copied_bytes = 0     # (array bytes, as skipped_bytes: of the chunks copied after all)
     self.copied_chunks = 0
     self.budget = budget      # copies of skipped chunks hold it while in flight
-    self.written_bytes = 0
+    self.written_bytes = 0    # (pack segments: bytes and chunks)
+    self.written_chunks = 0
     self.reused_pack_bytes = 0
     self.skipped_chunks = 0
     self._kv_spec, self._ctx, self._dir, self._me = kv_spec, ctx, data_dir, me
@@ -318,6 +319,7 @@ class Delta:
       end = min(start + chunk, padded)
       futures.append(_store.write_chunk(store, ((start, end),), _assemble(items, start, end)))
     self.written_bytes += padded
+    self.written_chunks += len(futures)
     cost = sum(b.cost for b in items)
     left = [len(futures)]
     lock = threading.Lock()

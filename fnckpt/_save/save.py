@@ -461,7 +461,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   d = writer.delta
   handle.stats.bytes_reused = d.skipped_bytes - d.copied_bytes + d.reused_pack_bytes
   handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
-  handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks
+  handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks + d.written_chunks
   handle.stats.total_s = time.perf_counter() - t0
   handle._finish(error, writer.committed)
 
@@ -478,23 +478,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
     _stage_array(a, fut, plan.cands.stored.get(a.index), writer, budget, handle)
   if plan.my_pack is not None:
     _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
-  for i, data in plan.maybe_packed:
-    n = _nbytes(data)
-    try:
-      staged = _charge(budget, CHUNK_COST * n, writer, lambda: Staged.of(data))
-    except BaseException as e:
-      raise _at(e, plan.records[i].path)
-    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, plan.cands.packed[i].hash))
-  me = jax.process_index()
-  for i, parts in plan.maybe_runs:
-    n = sum(p.nbytes for p in parts)
-    try:
-      staged = _charge(budget, CHUNK_COST * n, writer, lambda: Run([p.make() for p in parts]))
-    except BaseException as e:
-      raise _at(e, plan.records[i].path)
-    base_run = plan.cands.pieced[i].runs.get(me)
-    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n,
-                               base_run.hash if base_run is not None else None))
+  _stage_apart(plan, writer, budget, handle)
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
@@ -510,6 +494,27 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
       ctx, writer.location), creating, is_main)
+
+
+def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle) -> None:
+  """The items that may equal the base's, each staged whole for the writer to hash and
+  compare: packed leaves, and this process's runs of pieced leaves (their bytes count as
+  written once written: ``_done``)."""
+  me = jax.process_index()
+  items = [(i, _nbytes(data), lambda data=data: Staged.of(data), plan.cands.packed[i].hash)
+           for i, data in plan.maybe_packed]
+  for i, parts in plan.maybe_runs:
+    run = plan.cands.pieced[i].runs.get(me)
+    items.append((i, sum(p.nbytes for p in parts),
+                  lambda parts=parts: Run([p.make() for p in parts]),
+                  run.hash if run is not None else None))
+  for i, n, make, expect in items:
+    try:
+      staged = _charge(budget, CHUNK_COST * n, writer, make)
+    except BaseException as e:
+      raise _at(e, plan.records[i].path)
+    handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
+    writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, expect))
 
 
 def _skeleton(rec: _records.Leaf) -> bytes:
