@@ -190,5 +190,8 @@ def is_committed(kv: ts.KvStore) -> bool:
     raise _paths.io_error(e, _paths.location_of(kv), "reading its commit marker") from e
 
 
-def write_commit(kv: ts.KvStore, manifest_bytes: bytes) -> None:
-  kv.write(_manifest.COMMIT, _manifest.encode_commit(manifest_bytes, time.time())).result()
+def write_commit(kv: ts.KvStore, manifest_bytes: bytes,
+                 version: int = _manifest.FORMAT_VERSION) -> None:
+  """Write the commit marker of ``manifest_bytes`` (of format ``version``)."""
+  kv.write(_manifest.COMMIT, _manifest.encode_commit(manifest_bytes, time.time(),
+                                                     version)).result()

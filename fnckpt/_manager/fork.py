@@ -231,7 +231,7 @@ def fork_step(root: str, step: int, directory: str,
   _copy_per_process(kv, out, manifest, forked.data)
   out.write(_manifest.MANIFEST, body).result()
   _check_parent_unchanged(kv, src_path, commit, forks, name)
-  _commit.write_commit(out, body)
+  _commit.write_commit(out, body, forked.version)
   return name
 
 
