@@ -116,6 +116,31 @@ def test_a_format2_base_is_written_in_full_with_a_warning(tmp_path):
   assert again.bytes_written == 0 and again.bytes_reused == stats.bytes_written
 
 
+def test_a_format2_step_forks_as_format2_and_its_fork_saves_format3(tmp_path):
+  """A fork keeps the format of the step it forks (manifest and commit marker); the fork's
+  next save is format 3, full (with the warning), then incremental again."""
+  import msgpack
+  src = os.path.join(os.path.dirname(__file__), "fixtures", "format2", "run")
+  run = str(tmp_path / "run")
+  shutil.copytree(src, run)
+  mgr = fnckpt.CheckpointManager(run)
+  child = mgr.fork(2, str(tmp_path / "fork"))
+  forked = str(tmp_path / "fork" / "2")
+  assert _records_of(forked).version == 2
+  with open(os.path.join(forked, "COMMIT"), "rb") as f:
+    assert msgpack.unpackb(f.read())["version"] == 2
+  tree = fnckpt.restore(forked)
+  assert_same(tree, fnckpt.restore(f"{run}/2"))
+  small = dict(inline_bytes=64, pack_bytes=4096)   # (as the fixture was saved)
+  with pytest.warns(RuntimeWarning, match="written in fnckpt format 2"):
+    fnckpt.save(tree, str(tmp_path / "fork" / "3"), base=forked, **small).wait()
+  stats = fnckpt.save(tree, str(tmp_path / "fork" / "4"), base=str(tmp_path / "fork" / "3"),
+                      **small).wait()
+  assert stats.bytes_written == 0 and _records_of(str(tmp_path / "fork" / "4")).version == 3
+  child.close()
+  mgr.close()
+
+
 def _records_of(path):
   with open(os.path.join(path, "manifest.msgpack"), "rb") as f:
     return _manifest.decode(f.read(), path)
