@@ -417,11 +417,6 @@ _ONE_FILE_CASES = (
     ("many", {f"l{i:02d}": np.full(1 << 16, i, np.float32) for i in range(40)}, {}))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (fnckpt/cli/verify.py, format 3): verify reads hashed data twice, a crc32c "
-    "pass (_verify_arrays) then a content-hash pass (_verify_hashes), and the hash pass reads "
-    "each packed leaf in its own read_regions, so its pack inner chunk again: 'one' 5 requests "
-    "/ 16.8 MB for 8.4 MB, 'many' 84 requests / 52 MB for 10.5 MB"))
 @pytest.mark.parametrize("name, tree, kw", _ONE_FILE_CASES, ids=["one", "many"])
 def test_verify_reads_a_chunk_file_once(tmp_path, name, tree, kw):
   """verify reads the 8 inner chunks of one chunk file in one request, as restore does (one

@@ -9,8 +9,8 @@ regions need is fetched once) and hands out :class:`Landed` arrays in order.
 :func:`leaf_error` says why a read failed as restore reports it, :func:`base_of` and
 :func:`data_location` where a leaf's bytes are, :func:`check_memory` refuses a read larger
 than this machine's memory. What to read (the regions) and what a read costs stay the
-callers': restore reads the slices its devices need, export C-order blocks, verify every inner
-chunk, diff the same blocks of two checkpoints.
+callers': restore reads the slices its devices need, export C-order blocks, verify every chunk
+once, diff the same blocks of two checkpoints.
 
 >>> import numpy as np, fnckpt, tempfile
 >>> from fnckpt._sources import read, source
@@ -156,7 +156,7 @@ class _Packed(StoredLeaf):
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
     size = self.dtype.itemsize
-    if index == tuple((0, n) for n in self.shape):   # (restore's, hashes': the whole leaf)
+    if index == tuple((0, n) for n in self.shape):   # (restore's: the whole leaf)
       lo, hi = self.offset, self.offset + self.rec.packed.nbytes
     elif _contiguous(index, self.shape):
       lo = self.offset + _blocks.start(index, self.shape) * size

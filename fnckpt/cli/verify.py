@@ -1,6 +1,6 @@
-"""``fnckpt verify PATH``: read every chunk of a checkpoint (or of every committed step of a
-run directory) through the one reader, checking crc32c checksums, bool bytes, per-process
-values and content hashes (format 3: XXH3-128 of every stored chunk, packed leaf and pieces
+"""``fnckpt verify PATH``: read every chunk of a checkpoint once (or of every committed step
+of a run directory) through the one reader, checking crc32c checksums, bool bytes, per-process
+values and, on the same bytes, content hashes (format 3: XXH3-128 of every stored chunk, packed leaf and pieces
 run; format 2: SHA-256 where an incremental save recorded them); every problem is reported,
 naming the leaf and its storage path. A checkpoint without content hashes is checked by its
 checksums only, and says so."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import sys
 import time
@@ -68,13 +69,18 @@ class _Progress:
 
 @dataclasses.dataclass(frozen=True)
 class _Unit:
-  """What verify reads: a stored array, or a pack (labelled with the leaves in it)."""
+  """What verify reads: a stored array, or a pack (labelled with the leaves in it), block by
+  block over ``grid``: a stored array's write chunks where their content hashes are checked
+  (``hashed``: its leaf), else its inner chunks (a damage report then names the inner chunk).
+  ``pack``: the pack's index."""
   label: str
   here: str                                           # its storage path
   open: Callable[[_read.Opener], _read.StoredLeaf]    # opened by an Opener checking zarr.json
   shape: tuple[int, ...]
-  inner: tuple[int, ...]
+  grid: tuple[int, ...]
   itemsize: int
+  hashed: _records.Leaf | None = None
+  pack: int | None = None
 
   @property
   def nbytes(self) -> int:
@@ -83,17 +89,20 @@ class _Unit:
   @property
   def chunks(self) -> int:
     return 0 if 0 in self.shape else math.prod(-(-n // c) for n, c in zip(self.shape,
-                                                                         self.inner))
+                                                                         self.grid))
 
 
-def _units(src: _source.Source) -> list[_Unit]:
+def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
+  """Every stored array (by write chunks where ``hashes`` checks them), then every pack."""
   manifest = src.manifest
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
+      hashed = rec if rec.index in hashes.chunked else None
       units.append(_Unit(rec.where, _read.data_location(src, rec.stored.base, rec.stored.dir),
-                         lambda o, rec=rec: o.leaf(rec), rec.shape, rec.stored.inner,
-                         _records.itemsize(rec.dtype)))
+                         lambda o, rec=rec: o.leaf(rec), rec.shape,
+                         rec.stored.chunks if hashed else rec.stored.inner,
+                         _records.itemsize(rec.dtype), hashed))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     if pack.process is not None and manifest.layout is not None and int(
@@ -101,7 +110,7 @@ def _units(src: _source.Source) -> list[_Unit]:
       names.append(f"pieces of process {pack.process}")
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
     units.append(_Unit(label, _read.data_location(src, pack.base, pack.dir),
-                       lambda o, k=k: o.pack(k), (pack.nbytes,), (pack.inner,), 1))
+                       lambda o, k=k: o.pack(k), (pack.nbytes,), (pack.inner,), 1, pack=k))
   return units
 
 
@@ -116,11 +125,12 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool
     src = _source.open_source(path, options)
   except CheckpointError as e:
     return [f"{_paths.display(path)}: {e}"], ""
-  # (bools and hashes: the arrays' zarr.json was checked before; hashes are checked by
-  # _verify_hashes alone, which names every mismatch)
+  # (bools: the arrays' zarr.json was checked before; content hashes are checked by
+  # _Hashes alone, on the bytes _verify_arrays reads, and it names every mismatch)
   opener = _read.Opener(src, check_hashes=False)
-  problems = (_verify_arrays(src, quiet) + _verify_bools(src, opener)
-              + _verify_per_process(src) + _verify_hashes(src, opener))
+  hashes = _Hashes(src)
+  problems = (_verify_arrays(src, quiet, hashes) + _verify_bools(src, opener)
+              + _verify_per_process(src) + hashes.problems())
   if problems and not _commit.unchanged(src.kv, src.commit):
     return [f"{src.location}: {_commit.changed_error(src.location)}"], ""
   return problems, _checked(src.manifest)
@@ -144,10 +154,11 @@ def _open_text(e: BaseException) -> str:
   return str(e) if isinstance(e, CheckpointError) else cause(e)
 
 
-def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
-  """Every inner chunk of every stored array and pack read (each checked by its crc32c), all
-  in one window; a unit that cannot be opened is a problem, its chunks not enumerated."""
-  units = _units(src)
+def _verify_arrays(src: _source.Source, quiet: bool, hashes: "_Hashes") -> list[str]:
+  """Every stored array and pack read once, all in one window, block by block in order (each
+  inner chunk checked by its crc32c inside the read), each landed block handed to ``hashes``;
+  a unit that cannot be opened is a problem, its blocks not enumerated (nor hash-checked)."""
+  units = _units(src, hashes)
   progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units),
                        src.location, quiet)
   unopened: dict[int, str] = {}
@@ -162,14 +173,17 @@ def _verify_arrays(src: _source.Source, quiet: bool) -> list[str]:
         unopened[k] = _open_text(e)
         progress.advance(u.nbytes, u.chunks)
         continue
-      for index in _blocks.grid(u.shape, u.inner):
-        yield _read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], u.itemsize), k)
+      for pos, index in enumerate(_blocks.grid(u.shape, u.grid)):
+        yield _read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], u.itemsize),
+                           (k, pos))
 
   for got in _read.read_regions(regions(), _read.Window(_source.READ_WINDOW_BYTES),
                                 errors="yield"):
+    k, pos = got.region.tag
     progress.advance(got.region.cost)
     if got.error is not None:
-      damaged.setdefault(got.region.tag, [0, got.region.index, got.error])[0] += 1
+      damaged.setdefault(k, [0, got.region.index, got.error])[0] += 1
+    hashes.landed(units[k], pos, got)
   progress.draw(final=True)
   problems = []
   for k, u in enumerate(units):
@@ -210,26 +224,6 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
   return [found[rec.index] for rec in wanted if rec.index in found]
 
 
-def _verify_hashes(src: _source.Source, opener: _read.Opener) -> list[str]:
-  """Every recorded content hash (README "Version 3", "References and hashes") against the
-  bytes read: each chunk of a stored array, each packed leaf, each writer's run of pieces
-  (referenced data too)."""
-  problems = []
-  for rec in src.manifest.leaves:
-    if rec.hash is None:
-      continue
-    try:
-      bad = _hash_mismatch(src, opener, rec)
-    except Exception as e:  # a read or reference error was reported by the checksum pass
-      bad = None if isinstance(e, (ValueError, CheckpointError)) else f"{type(e).__name__}: {e}"
-    if bad:
-      base = _read.base_of(src.manifest, rec)
-      ref = f" (referenced: {_refs.describe(src.location, src.manifest, base)})" \
-          if base is not None else ""
-      problems.append(f"{rec.where}{ref}: content hash mismatch: {bad}")
-  return problems
-
-
 @dataclasses.dataclass(frozen=True)
 class _Alg:
   """A checkpoint's content hash: format 3's XXH3-128, or format 2's SHA-256."""
@@ -237,65 +231,135 @@ class _Alg:
   nbytes: int
   digest: Callable[[Any], bytes]
   array_digest: Callable[[np.ndarray], bytes]
+  hasher: Callable[[], Any]     # a streaming one: update(bytes), digest()
 
 
 def _alg(m: _records.Manifest) -> _Alg:
+  """``m``'s content hash (format 2 records none in the manifest: SHA-256)."""
   if m.hash is not None:
-    return _Alg(m.hash, _records.HASH_ALGS[m.hash], _hashes.digest, _hashes.array_digest)
-  return _Alg("SHA-256", _records.HASH_BYTES, _refs.digest, _refs.array_digest)
+    return _Alg(m.hash, _records.HASH_ALGS[m.hash], _hashes.digest, _hashes.array_digest,
+                _hashes.hasher)
+  return _Alg("SHA-256", _records.HASH_BYTES, _refs.digest, _refs.array_digest,
+              hashlib.sha256)
 
 
-def _hash_mismatch(src: _source.Source, opener: _read.Opener, rec: _records.Leaf) -> str | None:
-  """How ``rec``'s bytes differ from its recorded hash (None: they do not), naming the chunk
-  or writer and the storage path; a packed leaf is read whole, a stored one a write chunk at
-  a time and pieces a writer's run at a time, several in flight."""
-  alg = _alg(src.manifest)
-  window = _read.Window(_source.READ_WINDOW_BYTES)
-  if rec.packed is not None:
-    leaf = opener.leaf(rec)
-    whole = tuple((0, n) for n in rec.shape)
-    (got,) = _read.read_regions([_read.Region(leaf, whole, rec.nbytes)], window)
-    if alg.array_digest(got.data) == rec.hash:
-      return None
-    return (f"its bytes [{rec.packed.offset}, {rec.packed.offset + rec.nbytes}) of the pack at "
-            f"{leaf.where} do not hash to the recorded {alg.name}")
-  if rec.pieces is not None:
-    return _runs_mismatch(src, opener, rec, alg, window)
-  if rec.chunk_hashes is None:
-    return None
-  if alg.digest(rec.chunk_hashes) != rec.hash:
-    return "its chunk hashes do not hash to its recorded hash"
-  leaf = opener.leaf(rec)
-  n, size = alg.nbytes, _records.itemsize(rec.dtype)
-  regions = (_read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], size), pos)
-             for pos, index in enumerate(_blocks.grid(rec.shape, rec.stored.chunks)))
-  for got in _read.read_regions(regions, window):
-    pos = got.region.tag
-    want = rec.chunk_hashes[pos * n:(pos + 1) * n]
-    if want != _refs.NO_HASH and alg.array_digest(got.data) != want:
-      return (f"chunk {region(got.region.index)} ({leaf.where}) differs from what was saved")
-  return None
+@dataclasses.dataclass
+class _Item:
+  """Bytes ``[lo, hi)`` of a pack that hash to ``want``: packed leaf ``rec``, or a writer's run
+  of its pieces (``order``: the writer's number; the first mismatch of a leaf is reported).
+  ``text``: the mismatch, given the pack's location. ``hasher``: streaming, once its first
+  block lands; None when a block of it failed to read (the crc32c pass reports that)."""
+  lo: int
+  hi: int
+  want: bytes
+  rec: _records.Leaf
+  order: int
+  text: Callable[[str], str]
+  hasher: Any = None
+  spoiled: bool = False
 
 
-def _runs_mismatch(src: _source.Source, opener: _read.Opener, rec: _records.Leaf, alg: _Alg,
-                   window: _read.Window) -> str | None:
-  """The first writer's run of pieced ``rec`` (format 3) whose bytes differ from its hash."""
-  hashes = rec.pieces.hashes
-  if hashes is None:
-    return None
-  if alg.digest(hashes) != rec.hash:
-    return "its runs' hashes do not hash to its recorded hash"
-  runs = _runs.writer_runs(src.manifest, rec)
-  regions = (_read.Region(opener.pack(r.pack), ((r.lo, r.hi),), r.hi - r.lo, w)
-             for w, r in enumerate(runs))
-  n = alg.nbytes
-  for got in _read.read_regions(regions, window):
-    w = got.region.tag
-    if alg.digest(got.data) != hashes[w * n:(w + 1) * n]:
-      r = runs[w]
-      return (f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
-              f"{got.region.leaf.where}) differ from what was saved")
-  return None
+class _Stream:
+  """The items lying in one pack, hashed as its blocks land in order."""
+
+  def __init__(self, items: list[_Item], alg: _Alg):
+    self.waiting = sorted(items, key=lambda it: (it.lo, it.hi))
+    self.next, self.open, self.alg = 0, [], alg
+
+  def feed(self, lo: int, hi: int, data: np.ndarray | None) -> Iterator[_Item]:
+    """Feed block ``[lo, hi)`` of the pack (``data`` None: it failed to read) to the items it
+    overlaps; yield each item, hashed whole, whose last byte it holds (not one spoiled)."""
+    while self.next < len(self.waiting) and self.waiting[self.next].lo <= hi:
+      self.waiting[self.next].hasher = self.alg.hasher()
+      self.open.append(self.waiting[self.next])
+      self.next += 1
+    still = []
+    for it in self.open:
+      a, b = max(it.lo, lo), min(it.hi, hi)
+      if a < b and data is None:
+        it.spoiled = True
+      elif a < b and not it.spoiled:
+        it.hasher.update(memoryview(data[a - lo:b - lo]))
+      if it.hi > hi:
+        still.append(it)
+      elif not it.spoiled:
+        yield it
+    self.open = still
+
+
+class _Hashes:
+  """The recorded content hashes (README "Version 3", "References and hashes") checked against
+  the bytes :func:`_verify_arrays` reads once: each write chunk of a stored array as it lands,
+  each packed leaf and writer's run of pieces (referenced data too) streamed as its pack's
+  blocks land in order. A manifest's hashes of hashes that disagree need no read."""
+
+  def __init__(self, src: _source.Source):
+    self.src, self.alg = src, _alg(src.manifest)
+    self.found: dict[int, tuple[int, str]] = {}   # leaf index -> (order, its first mismatch)
+    self.chunked: set[int] = set()                # stored leaves checked chunk by chunk
+    items: dict[int, list[_Item]] = {}
+    for rec in src.manifest.leaves:
+      if rec.hash is not None:
+        for k, item in self._plan(rec):
+          items.setdefault(k, []).append(item)
+    self.streams = {k: _Stream(v, self.alg) for k, v in items.items()}
+
+  def _plan(self, rec: _records.Leaf) -> list[tuple[int, _Item]]:
+    """(pack, item) of ``rec`` to stream; a stored leaf checked by chunks joins ``chunked``."""
+    alg = self.alg
+    if rec.packed is not None:
+      lo, n = rec.packed.offset, rec.nbytes
+      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "
+                            f"to the recorded {alg.name}")
+      return [(rec.packed.pack, _Item(lo, lo + rec.packed.nbytes, rec.hash, rec, 0, text))]
+    if rec.pieces is not None:
+      hashes, n = rec.pieces.hashes, alg.nbytes
+      if hashes is None:
+        return []
+      if alg.digest(hashes) != rec.hash:
+        self.mismatch(rec, 0, "its runs' hashes do not hash to its recorded hash")
+        return []
+      return [(r.pack, _Item(r.lo, r.hi, hashes[w * n:(w + 1) * n], rec, w, lambda where, r=r: (
+          f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
+          f"{where}) differ from what was saved")))
+              for w, r in enumerate(_runs.writer_runs(self.src.manifest, rec))]
+    if rec.stored is not None and rec.chunk_hashes is not None:
+      if alg.digest(rec.chunk_hashes) != rec.hash:
+        self.mismatch(rec, 0, "its chunk hashes do not hash to its recorded hash")
+      else:
+        self.chunked.add(rec.index)
+    return []
+
+  def mismatch(self, rec: _records.Leaf, order: int, bad: str) -> None:
+    """``rec``'s bytes differ from its hash: ``bad`` says where (the first ``order`` kept)."""
+    if rec.index not in self.found or order < self.found[rec.index][0]:
+      self.found[rec.index] = (order, bad)
+
+  def landed(self, u: _Unit, pos: int, got: _read.Landed) -> None:
+    """Block ``pos`` of unit ``u`` landed (``got.data`` None: it failed to read)."""
+    if u.hashed is not None:
+      rec, n = u.hashed, self.alg.nbytes
+      want = rec.chunk_hashes[pos * n:(pos + 1) * n]
+      if got.data is not None and want != _refs.NO_HASH and \
+          self.alg.array_digest(got.data) != want:
+        self.mismatch(rec, pos, f"chunk {region(got.region.index)} ({u.here}) differs from "
+                                "what was saved")
+    elif u.pack in self.streams:
+      ((lo, hi),) = got.region.index
+      for it in self.streams[u.pack].feed(lo, hi, got.data):
+        if it.hasher.digest() != it.want:
+          self.mismatch(it.rec, it.order, it.text(u.here))
+
+  def problems(self) -> list[str]:
+    """A line for each leaf whose bytes differ from its hash, in the manifest's order."""
+    problems = []
+    for rec in self.src.manifest.leaves:
+      if rec.index in self.found:
+        base = _read.base_of(self.src.manifest, rec)
+        ref = f" (referenced: {_refs.describe(self.src.location, self.src.manifest, base)})" \
+            if base is not None else ""
+        problems.append(f"{rec.where}{ref}: content hash mismatch: {self.found[rec.index][1]}")
+    return problems
 
 
 def _verify_per_process(src: _source.Source) -> list[str]:
