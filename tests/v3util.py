@@ -68,11 +68,14 @@ def kinds(path: str) -> set[str]:
 # --- format 2 -> 3 ---------------------------------------------------------------------------
 
 def upgrade(path: str) -> _records.Manifest:
-  """Rewrite the format-2 checkpoint at local ``path`` as format 3 (same data): xxh3 hashes
+  """Rewrite the format-2 checkpoint at local ``path`` as format 3 (same data; a format-3
+  checkpoint, which every save writes now, is left as it is): xxh3 hashes
   of every stored chunk, packed leaf and pieces run, runs recorded where format 2 computed
   them, packs without ``process``/``pieces``, a new manifest and ``COMMIT``."""
   src = _source.open_source(path)
   m = src.manifest
+  if m.version == 3:   # (saves write format 3 themselves now: nothing to do)
+    return m
   assert m.version == 2, m.version
   opener = _read.Opener(src, check_hashes=False)
   leaves = tuple(_hashed(src, opener, rec) for rec in m.leaves)
