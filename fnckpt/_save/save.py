@@ -204,15 +204,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  cands = base.candidates(records, pieced.meshes) if base is not None else _refs.Candidates()
-  if cands.not_compared and me == 0:
-    where, why = cands.not_compared[0]
-    more = len(cands.not_compared) - 1
-    warnings.warn(
-        f"save(base={base.where!r}): {where}{f' (and {more} more leaves)' if more else ''}"
-        f" cannot reuse the base's data: {why}. Such leaves are written in full; save with the "
-        "same settings and shardings as the base to write only what changed.",
-        RuntimeWarning, stacklevel=4)
+  cands = _candidates(base, records, pieced.meshes)
   maybe = [c for c in candidates if c[0] in cands.packed]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
   packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in cands.packed],
@@ -224,6 +216,25 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
                [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts,
                tuple(pieced.meshes), pieced.layout, pieced.regions,
                pieced.runs(me) if cands.pieced else [])
+
+
+def _candidates(base: _Base | None, records: list[_records.Leaf],
+                meshes: list[np.ndarray]) -> _refs.Candidates:
+  """The leaves that may reuse the base's data; (process 0) one warning for those that cannot
+  because their layout differs (``(key path, why)``)."""
+  if base is None:
+    return _refs.Candidates()
+  cands = base.candidates(records, meshes)
+  leaves = cands.not_compared
+  if not leaves or jax.process_index() != 0:
+    return cands
+  where, why = leaves[0]
+  more = f" (and {len(leaves) - 1} more leaves)" if len(leaves) > 1 else ""
+  warnings.warn(
+      f"save(base={base.where!r}): {where}{more} cannot reuse the base's data: {why}. Such "
+      "leaves are written in full; save with the same settings and shardings as the base to "
+      "write only what changed.", RuntimeWarning, stacklevel=5)
+  return cands
 
 
 def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc: int, me: int,
@@ -367,10 +378,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
                                 budget=budget)
-    if based is not None and based.pending is not None:
-      writer.pending = based.pending
-      based.pending.attach(writer, lambda src: _Base(src.manifest, based.loc, based.new_loc,
-                                                     src).check)
+    _attach_pending(based, writer)
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
@@ -392,6 +400,14 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+def _attach_pending(based: _Base | None, writer: Writer) -> None:
+  """A base in flight: its holding of items goes into the writer (before it starts)."""
+  if based is not None and based.pending is not None:
+    writer.pending = based.pending
+    based.pending.attach(writer, lambda src: _Base(src.manifest, based.loc, based.new_loc,
+                                                   src).check)
 
 
 def _base_of(base: Any, handle: Any, session, kv_spec: dict, storage_options,
@@ -424,7 +440,7 @@ def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Bas
         f"{src.manifest.version}, which records no XXH3-128 content hashes to compare with, so "
         f"this save to {location!r} writes everything (reading the base to compare would cost "
         "about as much as writing it). It records its hashes: the next save with it as base "
-        "writes only what changed.", RuntimeWarning, stacklevel=4)
+        "writes only what changed.", RuntimeWarning, stacklevel=5)
   return _Base(src.manifest, loc, new_loc, src)
 
 
