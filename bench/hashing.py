@@ -56,7 +56,7 @@ class _Waited:
 
   def __init__(self, tree, path, hashing: bool):
     _state.hooks.hashing = hashing
-    self.handle = fnckpt.save(tree, path)
+    self.handle = fnckpt.save(tree, path, **SAVE_OPTIONS)
 
   def wait(self):
     try:
@@ -68,6 +68,8 @@ class _Waited:
 def _save_with(hashing: bool) -> Callable:
   return lambda tree, path: _Waited(tree, path, hashing)
 
+
+SAVE_OPTIONS: dict = {}   # (--pack-bytes)
 
 ARMS: dict[str, Callable] = {
     "none": _save_with(False),   # hashing a no-op (the baseline)
@@ -145,14 +147,22 @@ def main() -> None:
   p.add_argument("--pairs", type=int, default=9, help="rounds (one save per arm each)")
   p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   p.add_argument("--out", default=None, help="also write the markdown report here")
+  p.add_argument("--state", default="transformer", choices=states.STATES)
+  p.add_argument("--pack-bytes", type=int, default=None,
+                 help="save(pack_bytes=...): 0 stores every leaf as a zarr array (chunks "
+                 "hashed on the hashing threads instead of pack spans)")
   args = p.parse_args()
-  leaves = states.leaves_for("transformer", "quick")
+  if args.pack_bytes is not None:
+    SAVE_OPTIONS["pack_bytes"] = args.pack_bytes
+  leaves = states.leaves_for(args.state, "quick")
   tree = states.build(leaves, states.make_mesh("a"))
   root = tempfile.mkdtemp(prefix="fnckpt-hashing-", dir=args.dir)
   head = [f"# Hashing a plain save: {' vs '.join(ARMS)} (paired, ABBA)", "",
-          f"`python bench/hashing.py --pairs {args.pairs}`; fnckpt {git_commit()}; "
+          f"`python bench/hashing.py --pairs {args.pairs} --state {args.state}"
+          + (f" --pack-bytes {args.pack_bytes}" if args.pack_bytes is not None else "")
+          + f"`; fnckpt {git_commit()}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}; {os.cpu_count()} cores, 8 virtual CPU devices; "
-          f"transformer state (quick), {states.state_bytes(leaves) / 2**20:.0f} MiB, "
+          f"{args.state} state (quick), {states.state_bytes(leaves) / 2**20:.0f} MiB, "
           f"{len(leaves)} leaves; load average before {os.getloadavg()}", ""]
   try:
     rounds = run_pairs(tree, root, args.pairs)
