@@ -1,0 +1,156 @@
+"""Child processes of ``tests/test_broadcast_mp.py`` and ``bench/broadcast.py``: one restore,
+with or without ``broadcast``, measured by the kernel (``/proc/self/io``: ``rchar``, the bytes
+this process's ``read``/``pread`` calls returned: file reads of the checkpoint, since Gloo's
+sockets are read with ``recvmsg``, which ``rchar`` does not count; checked by a test), the
+wall time, and the peak RSS above the RSS before the restore.
+
+``python tests/bcast_worker.py '<json config>'``; config as ``mp_worker`` (``mesh``,
+``leaves``, ``target``, ``path``) plus ``broadcast`` (true/false/null), ``budget_mib``,
+``barrier_s``, ``die`` ({process, at: "before" | "during"}: that process exits during the
+broadcast, before its first wave's barrier or once the collective is under way) and
+``reshard_only`` (measure the kernel counters around a bare reshard of ``nbytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import mp_worker  # noqa: E402
+from mp_worker import MiB, expected, make_mesh, result, say, sharding_of  # noqa: E402
+
+
+def io_counters() -> dict[str, int]:
+  with open("/proc/self/io") as f:
+    return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def _rss(field: str = "VmRSS") -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError(field)
+
+
+def _install_death(cfg) -> None:
+  """The victim exits (SIGKILL-like, no cleanup) at the chosen instant of the broadcast."""
+  import jax
+  from fnckpt._restore import reshard
+  die = cfg.get("die")
+  if not die or die["process"] != jax.process_index():
+    return
+  if die["at"] == "before":  # read its parts, then gone before the wave's barrier
+    def gone(*a, **k):
+      say("PHASE dying")
+      os._exit(9)
+    reshard.reshard = gone
+  else:  # in the collective: dispatched, then gone while the others exchange with it
+    def gone_wait(out, deadline):
+      say("PHASE dying")
+      os._exit(9)
+    reshard._wait = gone_wait
+
+
+def _target(cfg, mesh):
+  import jax
+  target = {}
+  for name, leaf in cfg["leaves"].items():
+    spec = cfg["target"].get(name, leaf.get("spec"))
+    if leaf.get("kind", "jax") == "numpy":
+      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
+    else:
+      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(
+          mp_worker.expected("z", (1,), leaf.get("dtype", "float32")).dtype),
+          sharding=sharding_of(mesh, spec))
+  target["step"] = 0
+  return target
+
+
+def _check(cfg, got, target) -> int:
+  checked = 0
+  for name, leaf in cfg["leaves"].items():
+    value = expected(name, leaf["shape"], leaf.get("dtype", "float32"), cfg.get("seed", 0))
+    if leaf.get("kind", "jax") == "numpy":
+      assert got[name].tobytes() == value.tobytes(), name
+      checked += 1
+    else:
+      assert got[name].sharding == target[name].sharding, name
+      checked += mp_worker.check_addressable(name, got[name], value)
+  assert got["step"] == 7
+  return checked
+
+
+def mode_restore(cfg):
+  import gc
+  import jax
+  import fnckpt
+  mesh = make_mesh(*cfg["mesh"])
+  target = _target(cfg, mesh)
+  _install_death(cfg)
+  kw = {"broadcast": cfg.get("broadcast"), "barrier_timeout_s": cfg.get("barrier_s", 60)}
+  if cfg.get("budget_mib"):
+    kw["budget_bytes"] = int(cfg["budget_mib"] * MiB)
+  if cfg.get("warm", True):  # compile the reshard and connect Gloo: not the restore's cost
+    jax.block_until_ready(fnckpt.restore(cfg["path"], target, **kw))
+  gc.collect()
+  base = _rss()
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+  peak = [0]
+  stop = threading.Event()
+
+  def sample():
+    while not stop.is_set():
+      peak[0] = max(peak[0], _rss() - base)
+      time.sleep(0.002)
+
+  t = threading.Thread(target=sample, daemon=True)
+  t.start()
+  before, t0 = io_counters(), time.monotonic()
+  try:
+    got = fnckpt.restore(cfg["path"], target, **kw)
+    jax.block_until_ready(got)
+  except Exception as e:
+    result({"process": jax.process_index(), "error": type(e).__name__, "message": str(e),
+            "elapsed_s": time.monotonic() - t0})
+    return
+  elapsed, after = time.monotonic() - t0, io_counters()
+  stop.set()
+  t.join()
+  state = sum(x.nbytes for x in jax.tree_util.tree_leaves(got) if hasattr(x, "nbytes"))
+  local = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)
+              for s in x.addressable_shards)
+  result({"process": jax.process_index(), "checked_shards": _check(cfg, got, target),
+          "elapsed_s": elapsed, "io": {k: after[k] - before[k] for k in after},
+          "peak_rss": max(peak[0], _rss("VmHWM") - base), "local_state_bytes": local,
+          "state_bytes": state})
+
+
+def mode_reshard_only(cfg):
+  """Kernel counters around a bare cross-process reshard of ``nbytes``: what the interconnect
+  adds to ``rchar``/``read_bytes`` (nothing, if they count file reads only)."""
+  import jax
+  n = jax.process_count()
+  mesh = make_mesh([n], ["x"])
+  rows = int(cfg["nbytes"]) // (4 * 256)
+  src = sharding_of(mesh, ["x"])
+  x = jax.make_array_from_callback((rows, 256), src,
+                                   lambda idx: np.ones((rows, 256), np.float32)[idx])
+  f = jax.jit(lambda a: a, out_shardings=sharding_of(mesh, "replicated"))
+  f(x).block_until_ready()
+  before = io_counters()
+  f(x).block_until_ready()
+  after = io_counters()
+  result({"process": jax.process_index(), "io": {k: after[k] - before[k] for k in after}})
+
+
+if __name__ == "__main__":
+  mp_worker.main({"mode_restore": mode_restore, "mode_reshard_only": mode_reshard_only,
+                  "mode_save": mp_worker.mode_save})
