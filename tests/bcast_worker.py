@@ -88,23 +88,36 @@ def _check(cfg, got, target) -> int:
 
 
 def mode_restore(cfg):
+  """One measured restore per entry of ``runs`` (the ``broadcast`` argument of each; default:
+  ``[broadcast]``), each after a warm-up restore; a ``die`` config applies to the last."""
+  import jax
+  mesh = make_mesh(*cfg["mesh"])
+  target = _target(cfg, mesh)
+  runs = cfg.get("runs", [cfg.get("broadcast")])
+  out = []
+  for k, broadcast in enumerate(runs):
+    out.append(_measured(cfg, target, broadcast, die=k == len(runs) - 1))
+    if "error" in out[-1]:
+      break
+  result({"process": jax.process_index(), "runs": out})
+
+
+def _measured(cfg, target, broadcast, die: bool) -> dict:
   import gc
   import jax
   import fnckpt
-  mesh = make_mesh(*cfg["mesh"])
-  target = _target(cfg, mesh)
-  _install_death(cfg)
-  kw = {"broadcast": cfg.get("broadcast"), "barrier_timeout_s": cfg.get("barrier_s", 60)}
+  kw = {"broadcast": broadcast, "barrier_timeout_s": cfg.get("barrier_s", 60), "partial": True}
   if cfg.get("budget_mib"):
     kw["budget_bytes"] = int(cfg["budget_mib"] * MiB)
   if cfg.get("warm", True):  # compile the reshard and connect Gloo: not the restore's cost
     jax.block_until_ready(fnckpt.restore(cfg["path"], target, **kw))
+  if die:
+    _install_death(cfg)
   gc.collect()
   base = _rss()
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
-  peak = [0]
-  stop = threading.Event()
+  peak, stop = [0], threading.Event()
 
   def sample():
     while not stop.is_set():
@@ -115,22 +128,20 @@ def mode_restore(cfg):
   t.start()
   before, t0 = io_counters(), time.monotonic()
   try:
-    got = fnckpt.restore(cfg["path"], target, **kw)
-    jax.block_until_ready(got)
+    got = jax.block_until_ready(fnckpt.restore(cfg["path"], target, **kw))
   except Exception as e:
-    result({"process": jax.process_index(), "error": type(e).__name__, "message": str(e),
-            "elapsed_s": time.monotonic() - t0})
-    return
+    return {"error": type(e).__name__, "message": str(e), "elapsed_s": time.monotonic() - t0}
+  finally:
+    stop.set()
   elapsed, after = time.monotonic() - t0, io_counters()
-  stop.set()
   t.join()
-  state = sum(x.nbytes for x in jax.tree_util.tree_leaves(got) if hasattr(x, "nbytes"))
   local = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)
               for s in x.addressable_shards)
-  result({"process": jax.process_index(), "checked_shards": _check(cfg, got, target),
-          "elapsed_s": elapsed, "io": {k: after[k] - before[k] for k in after},
-          "peak_rss": max(peak[0], _rss("VmHWM") - base), "local_state_bytes": local,
-          "state_bytes": state})
+  checked = _check(cfg, got, target)
+  del got
+  return {"broadcast": broadcast, "checked_shards": checked, "elapsed_s": elapsed,
+          "io": {k: after[k] - before[k] for k in after},
+          "peak_rss": max(peak[0], _rss("VmHWM") - base), "local_state_bytes": local}
 
 
 def mode_reshard_only(cfg):

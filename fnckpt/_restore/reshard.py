@@ -19,7 +19,7 @@ import jax
 from .._errors import CheckpointError
 from .._io import commit as _commit, paths as _paths
 
-__all__ = ["reshard", "FAILED_WAIT_S"]
+__all__ = ["reading", "reshard", "done", "FAILED_WAIT_S"]
 
 FAILED_WAIT_S = 5.0   # after a failed collective: how long the survivors wait for each other
 POLL_S = 0.05         # how often a wave's results are checked against the deadline
@@ -29,6 +29,17 @@ def _identity(*xs: Any) -> tuple[Any, ...]:
   return xs
 
 
+def reading(location: str, wave: int) -> None:
+  """Publish that this process is reading its parts of ``wave`` (a barrier that times out
+  on another process says so about this one)."""
+  _commit.report(location, f"broadcast-wave-{wave}: reading")
+
+
+def done(location: str) -> None:
+  """Drop this process's progress entry (the broadcast is over)."""
+  _commit.forget(location)
+
+
 def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding],
             where: Sequence[str], location: str, wave: int, timeout_s: float
             ) -> list[jax.Array]:
@@ -36,6 +47,7 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shardi
   Collective: every process calls it with the same wave, in the same order. ``where``: the
   key paths (for messages)."""
   phase = f"broadcast-wave-{wave}"
+  _commit.report(location, f"{phase}: resharding")
   _commit.barrier(location, phase, timeout_s)   # (names who did not come)
   deadline = time.monotonic() + timeout_s
   try:

@@ -465,6 +465,7 @@ def _read_broadcast(src: Source, reads: dict[int, _place.Read],
   shardings), then one collective reshard per wave fills the replicas. A wave holds at most
   ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds."""
   for k, wave in enumerate(_broadcast.waves(readers, budget)):
+    _reshard.reading(src.location, k)
     parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
                                  parts={})
              for i in wave}
@@ -474,6 +475,8 @@ def _read_broadcast(src: Source, reads: dict[int, _place.Read],
                              [reads[i].want.rec.where for i in wave], src.location, k, timeout_s)
     for i, value in zip(wave, moved):
       values[i] = _finish_leaf(reads[i].want, value)
+  if readers:
+    _reshard.done(src.location)
 
 
 def _assembled(r: _place.Read) -> Any:
