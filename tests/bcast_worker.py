@@ -51,11 +51,18 @@ def _install_death(cfg) -> None:
       say("PHASE dying")
       os._exit(9)
     reshard.reshard = gone
-  else:  # in the collective: dispatched, then gone while the others exchange with it
-    def gone_wait(out, deadline):
-      say("PHASE dying")
-      os._exit(9)
-    reshard._wait = gone_wait
+  else:  # in the collective: past the wave's barrier, gone while the others wait in it
+    class DyingJax:
+      def __getattr__(self, name):
+        return getattr(jax, name)
+
+      def jit(self, *a, **k):
+        def run(*xs):
+          time.sleep(0.5)  # (the others are in the collective by now)
+          say("PHASE dying")
+          os._exit(9)
+        return run
+    reshard.jax = DyingJax()
 
 
 def _target(cfg, mesh):
@@ -87,6 +94,24 @@ def _check(cfg, got, target) -> int:
   return checked
 
 
+def _count_waves() -> list[int]:
+  """Record, for each broadcast wave, the bytes of its reader arrays on this process (what
+  the reshard holds on the devices besides the restored leaves: its inputs)."""
+  from fnckpt._restore import reshard
+  inner = reshard.reshard
+  if getattr(inner, "counting", None) is not None:
+    inner = inner.counting
+  waves: list[int] = []
+
+  def counted(arrays, *a, **k):
+    waves.append(sum(s.data.nbytes for x in arrays for s in x.addressable_shards))
+    return inner(arrays, *a, **k)
+
+  counted.counting = inner
+  reshard.reshard = counted
+  return waves
+
+
 def mode_restore(cfg):
   """One measured restore per entry of ``runs`` (the ``broadcast`` argument of each; default:
   ``[broadcast]``), each after a warm-up restore; a ``die`` config applies to the last."""
@@ -113,6 +138,7 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
     jax.block_until_ready(fnckpt.restore(cfg["path"], target, **kw))
   if die:
     _install_death(cfg)
+  waves = _count_waves()
   gc.collect()
   base = _rss()
   with open("/proc/self/clear_refs", "w") as f:
@@ -140,6 +166,7 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
   checked = _check(cfg, got, target)
   del got
   return {"broadcast": broadcast, "checked_shards": checked, "elapsed_s": elapsed,
+          "waves": len(waves), "wave_input_bytes": max(waves, default=0),
           "io": {k: after[k] - before[k] for k in after},
           "peak_rss": max(peak[0], _rss("VmHWM") - base), "local_state_bytes": local}
 

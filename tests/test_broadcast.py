@@ -93,7 +93,7 @@ def test_one_process_has_no_reader():
 
 def test_broadcast_argument_is_checked(tmp_path):
   fnckpt.save({"w": np.arange(8.0)}, str(tmp_path / "c")).wait()
-  with pytest.raises(TypeError, match=r"broadcast='yes': expected True, False or None"):
+  with pytest.raises(TypeError, match=r"broadcast=.yes.: expected True, False or None"):
     fnckpt.restore(str(tmp_path / "c"), broadcast="yes")
 
 

@@ -59,18 +59,23 @@ def crossing_axes(grid: Grid) -> tuple[str, ...]:
                if grid.sizes[k] > 1 and bool((p != np.take(p, [0], axis=k)).any()))
 
 
-def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int]) -> tuple[Spec, int]:
+def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int],
+                align: Sequence[int] | None = None) -> tuple[Spec, int]:
   """The reader layout of an array of ``shape`` placed with ``spec``: every axis that
-  replicates it across processes appended (minor) to the partitioning of the first dimension
-  it divides evenly, and the factor by which the copies each process reads shrink (1: no
-  axis could be added; the layout is ``spec``). A target shard is then a contiguous run of
-  reader blocks, one per replica.
+  replicates it across processes appended (minor) to the partitioning of one dimension it
+  divides evenly, and the factor by which the copies each process reads shrink (1: no axis
+  could be added; the layout is ``spec``). A target shard is then a contiguous run of reader
+  blocks, one per replica. ``align``: the stored chunks' shape (the unit a read fetches):
+  the first dimension whose blocks stay whole chunks is taken, else the first that divides
+  (a block then shares chunks with its neighbour, which both readers fetch).
 
   >>> g = Grid(("x",), (2,), np.arange(2))
   >>> reader_spec(g, (), (3, 4))        # (dimension 0 is odd: dimension 1 takes it)
   (((), ('x',)), 2)
   >>> reader_spec(g, ((),), (3,))       # nothing divides: every replica reads its copy
   (((),), 1)
+  >>> reader_spec(g, ((), ()), (512, 1024), align=(512, 256))   # rows of whole chunks
+  (((), ('x',)), 2)
   """
   entries = [tuple(spec[d]) if d < len(spec) else () for d in range(len(shape))]
   used = {a for e in entries for a in e}
@@ -78,12 +83,15 @@ def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int]) -> tuple[Spec, int
   for axis in crossing_axes(grid):
     if axis in used:
       continue
-    for d, n in enumerate(shape):
-      parts = math.prod(grid.size(a) for a in entries[d]) * grid.size(axis)
-      if n > 0 and n % parts == 0:
-        entries[d] += (axis,)
-        factor *= grid.size(axis)
-        break
+    fits = [d for d, n in enumerate(shape)
+            if n > 0 and n % (math.prod(grid.size(a) for a in entries[d]) * grid.size(axis)) == 0]
+    whole = [d for d in fits if align is not None and d < len(align) and
+             (shape[d] // (math.prod(grid.size(a) for a in entries[d]) * grid.size(axis)))
+             % max(1, align[d]) == 0]
+    if fits:
+      d = (whole or fits)[0]
+      entries[d] += (axis,)
+      factor *= grid.size(axis)
   return tuple(entries), factor
 
 

@@ -8,7 +8,8 @@ wave is resharded onto the targets' shardings (``reshard``). Every process compu
 plan from the same target (no messages): the mesh, the specs and the leaf order are global.
 
 The default (``broadcast=None``) is the rule of :func:`decide`: on with several processes when
-some target array is replicated across them (README "Multi-process": measured figures).
+some target array is replicated across them, on accelerators or from an object store
+(README "Multi-process": the figures behind it).
 
 >>> import jax, numpy as np
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -65,12 +66,12 @@ def _spec(spec: jax.sharding.PartitionSpec, ndim: int) -> _spread.Spec | None:
   return tuple(out)
 
 
-def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: bool
-              ) -> Reader | None:
+def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: bool,
+              align: Sequence[int] | None = None) -> Reader | None:
   """The read-once plan of an array of ``shape`` placed with ``sharding``; None when no
   process would read less (not a NamedSharding, no replication across processes, no
   dimension the replicas divide evenly, or a packed leaf whose parts would not be single
-  byte ranges)."""
+  byte ranges). ``align``: the stored chunk shape (reads fetch whole chunks)."""
   if not isinstance(sharding, jax.sharding.NamedSharding) or \
       isinstance(sharding.mesh, jax.sharding.AbstractMesh):
     return None
@@ -79,7 +80,7 @@ def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: boo
   if spec is None or jax.process_count() == 1:
     return None
   grid = grid_of(sharding.mesh)
-  rspec, factor = _spread.reader_spec(grid, spec, shape)
+  rspec, factor = _spread.reader_spec(grid, spec, shape, align)
   if factor == 1 or (packed and not _spread.contiguous_blocks(grid, rspec, shape)):
     return None
   cost = int(_spread.bytes_per_process(grid, rspec, shape, itemsize).max())
@@ -89,18 +90,28 @@ def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: boo
   return Reader(reader, sharding, _spread.replica_groups(grid, spec), factor, cost)
 
 
-def decide(broadcast: bool | None, readers: dict[int, Reader]) -> bool:
+def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, remote: bool
+           ) -> bool:
   """Whether to read once and broadcast: as asked; by default (None) when several processes
-  hold copies of some target array (``readers`` not empty: only then is there a copy to
-  save). See README "Multi-process" for the figures behind the rule.
+  hold copies of some target array (``readers`` not empty) and the bytes would travel faster
+  between devices than from storage: accelerators (ICI, NVLink, IB), or storage over a
+  network (``remote``: ``gs://``, ``s3://``). CPU processes reading local files: off (the
+  page cache gives local reads at memory speed; a Gloo reshard over TCP was 2.6-7x slower
+  in README "Multi-process").
 
-  >>> decide(None, {}), decide(False, {0: None}), decide(True, {})
-  (False, False, True)
+  >>> decide(None, {0: None}, cpu=True, remote=False), decide(None, {0: None}, cpu=False,
+  ...                                                         remote=False)
+  (False, True)
+  >>> decide(None, {}, cpu=False, remote=True), decide(True, {}, cpu=True, remote=False)
+  (False, True)
   """
   if broadcast is not None and not isinstance(broadcast, bool):
     raise TypeError(f"broadcast={broadcast!r}: expected True, False or None (the default: "
-                    "on when the target replicates arrays across processes).")
-  return bool(readers) if broadcast is None else broadcast
+                    "on when the target replicates arrays across processes, on accelerators "
+                    "or from an object store).")
+  if broadcast is None:
+    return bool(readers) and (remote or not cpu)
+  return broadcast
 
 
 def waves(readers: dict[int, Reader], budget: int) -> list[list[int]]:

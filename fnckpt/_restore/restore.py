@@ -387,8 +387,9 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
       replicates across processes once (spread over the replica groups) and fill the other
       replicas over the interconnect (a jitted reshard: collective, every process must
       restore). ``False``: every process reads all it holds. ``None`` (default): on when the
-      target replicates some array across processes (README "Multi-process"). Same values
-      either way.
+      target replicates some array across processes and the devices are accelerators or the
+      checkpoint is on ``gs://``/``s3://`` (README "Multi-process": CPU processes reading
+      local files are faster without). Same values either way.
     barrier_timeout_s: deadline of each broadcast wave (its barrier and its collective); a
       process lost during the broadcast fails every other with a CheckpointError naming it.
 
@@ -433,7 +434,8 @@ def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | No
     else:
       values[i] = _plain_value(w)
   readers = _readers(reads)
-  if not _broadcast.decide(broadcast, readers):
+  if not _broadcast.decide(broadcast, readers, cpu=jax.devices()[0].platform == "cpu",
+                           remote=src.location.startswith(("gs://", "s3://"))):
     readers = {}
   _place.read_arrays(src, {i: r for i, r in reads.items() if i not in readers}, budget)
   for i, r in reads.items():
@@ -451,8 +453,10 @@ def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
     rec = r.want.rec
     if r.sharding is None or rec.inline is not None:
       continue
+    align = rec.stored.inner if rec.stored is not None else \
+        rec.pieces.chunks if rec.pieces is not None else None
     reader = _broadcast.reader_of(r.sharding, r.shape, _leaves.dtype_of(rec.dtype).itemsize,
-                                  packed=rec.packed is not None)
+                                  packed=rec.packed is not None, align=align)
     if reader is not None:
       out[i] = reader
   return out
