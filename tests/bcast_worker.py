@@ -94,6 +94,17 @@ def _check(cfg, got, target) -> int:
   return checked
 
 
+def _evict(path: str) -> None:
+  """Drop the page cache of every file under ``path`` (clean pages: no privilege needed)."""
+  for root, _, files in os.walk(path):
+    for name in files:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
+
+
 def _count_waves() -> list[int]:
   """Record, for each broadcast wave, the bytes of its reader arrays on this process (what
   the reshard holds on the devices besides the restored leaves: its inputs)."""
@@ -139,6 +150,10 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
   if die:
     _install_death(cfg)
   waves = _count_waves()
+  if cfg.get("evict"):  # cold: the checkpoint's pages out of the page cache, on every process
+    _evict(cfg["path"])
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("evicted")
   gc.collect()
   base = _rss()
   with open("/proc/self/clear_refs", "w") as f:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from .. import _state
 from .._layout import spread as _spread
 
 __all__ = ["Reader", "reader_of", "decide", "waves", "grid_of"]
@@ -71,13 +72,20 @@ def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: boo
   """The read-once plan of an array of ``shape`` placed with ``sharding``; None when no
   process would read less (not a NamedSharding, no replication across processes, no
   dimension the replicas divide evenly, or a packed leaf whose parts would not be single
-  byte ranges). ``align``: the stored chunk shape (reads fetch whole chunks)."""
+  byte ranges). ``align``: the stored chunk shape (reads fetch whole chunks). Cached per
+  argument set (O(devices) each: a model has a few distinct ones)."""
   if not isinstance(sharding, jax.sharding.NamedSharding) or \
-      isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+      isinstance(sharding.mesh, jax.sharding.AbstractMesh) or jax.process_count() == 1:
     return None
-  shape = tuple(int(n) for n in shape)
+  return _reader(sharding, tuple(int(n) for n in shape), itemsize, packed,
+                 None if align is None else tuple(align))
+
+
+@_state.memo(1024)
+def _reader(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...], itemsize: int,
+            packed: bool, align: tuple[int, ...] | None) -> Reader | None:
   spec = _spec(sharding.spec, len(shape))
-  if spec is None or jax.process_count() == 1:
+  if spec is None:
     return None
   grid = grid_of(sharding.mesh)
   rspec, factor = _spread.reader_spec(grid, spec, shape, align)
