@@ -106,3 +106,16 @@ def test_one_process_restores_the_same_with_any_broadcast(tmp_path, flag):
   got = fnckpt.restore(str(tmp_path / "c"), s, broadcast=flag)
   assert np.asarray(got["w"]).tobytes() == w.tobytes()
   assert got["w"].sharding == s
+
+
+def test_reader_follows_the_stored_chunks():
+  """Reads fetch whole chunks: parts go where they stay whole chunks; a chunk larger than
+  any part (an Orbax leaf saved from one device) is not split (every replica would fetch it
+  whole: no saving, only a collective)."""
+  g = grid((2, 2), ("r", "s"), 1)
+  # 256-row target shards of 512-row chunks: splitting rows again fetches the same chunk twice
+  assert spread.reader_spec(g, (("s",), ()), (512, 4096), align=(512, 512)) == \
+      ((("s",), ("r",)), 2)
+  assert spread.reader_spec(g, ((), ()), (1024, 1024), align=(1024, 1024)) == (((), ()), 1)
+  assert spread.reader_spec(g, ((), ()), (1024, 1024), align=(128, 1024)) == \
+      ((("r", "s"), ()), 4)

@@ -127,6 +127,27 @@ def test_reshard_memory_is_bounded_by_the_budget(tmp_path):
     assert b["io"]["rchar"] < 0.51 * a["io"]["rchar"], (a, b)
 
 
+def test_orbax_checkpoint_read_once(tmp_path):
+  """An Orbax PyTree checkpoint (StandardCheckpointer: OCDBT, zarr3, zstd; saved over 8
+  devices: chunks of 128 rows) restored by 2 processes onto a target replicated over both:
+  with broadcast, each reads about half of it."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  import jax
+  path = str(tmp_path / "orbax")
+  value = mp_worker.expected("c", (1024, 1024))
+  s = jax.sharding.NamedSharding(jax.make_mesh((8,), ("z",)), jax.sharding.PartitionSpec("z"))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, {"c": jax.device_put(value, s)})
+  ckpt.wait_until_finished()
+  runs = [r["runs"] for r in ok(group({
+      "mode": "restore", "devices": 1, "mesh": [[2], ["x"]], "step": False,
+      "leaves": {"c": {"shape": [1024, 1024], "spec": "replicated"}}, "target": {},
+      "path": path, "runs": [False, True]}, 2))]
+  off, on = ([p[k]["io"]["rchar"] for p in runs] for k in (0, 1))
+  assert min(off) > value.nbytes // 2, off   # (Orbax compresses: zstd)
+  assert max(on) < 0.6 * min(off), (on, off)
+
+
 @pytest.mark.parametrize("at", ["before", "during"])
 def test_process_lost_during_broadcast_fails_every_survivor(tmp_path, at):
   """Process 1 dies after reading its parts, before its wave's barrier (``before``) or once

@@ -33,8 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Grid", "Spec", "crossing_axes", "reader_spec", "replica_groups", "bytes_per_process",
-           "contiguous_blocks", "waves"]
+__all__ = ["Grid", "Spec", "crossing_axes", "reader_spec", "fetched", "replica_groups",
+           "bytes_per_process", "contiguous_blocks", "waves"]
 
 Spec = tuple[tuple[str, ...], ...]   # per dimension: the mesh axes it is split over, major first
 
@@ -65,9 +65,10 @@ def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int],
   replicates it across processes appended (minor) to the partitioning of one dimension it
   divides evenly, and the factor by which the copies each process reads shrink (1: no axis
   could be added; the layout is ``spec``). A target shard is then a contiguous run of reader
-  blocks, one per replica. ``align``: the stored chunks' shape (the unit a read fetches):
-  the first dimension whose blocks stay whole chunks is taken, else the first that divides
-  (a block then shares chunks with its neighbour, which both readers fetch).
+  blocks, one per replica. ``align``: the stored chunks' shape (a read fetches whole
+  chunks): an axis goes to the dimension where a part's fetch (:func:`fetched`) is smallest,
+  and only if it is smaller than without it (a chunk larger than the parts along every
+  dimension would be fetched whole by every replica anyway).
 
   >>> g = Grid(("x",), (2,), np.arange(2))
   >>> reader_spec(g, (), (3, 4))        # (dimension 0 is odd: dimension 1 takes it)
@@ -76,23 +77,48 @@ def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int],
   (((),), 1)
   >>> reader_spec(g, ((), ()), (512, 1024), align=(512, 256))   # rows of whole chunks
   (((), ('x',)), 2)
+  >>> reader_spec(g, ((), ()), (512, 512), align=(512, 512))    # one chunk: no gain
+  (((), ()), 1)
   """
   entries = [tuple(spec[d]) if d < len(spec) else () for d in range(len(shape))]
   used = {a for e in entries for a in e}
   factor = 1
+
+  def parts(d: int, extra: int = 1) -> int:
+    return math.prod(grid.size(a) for a in entries[d]) * extra
+
   for axis in crossing_axes(grid):
     if axis in used:
       continue
-    fits = [d for d, n in enumerate(shape)
-            if n > 0 and n % (math.prod(grid.size(a) for a in entries[d]) * grid.size(axis)) == 0]
-    whole = [d for d in fits if align is not None and d < len(align) and
-             (shape[d] // (math.prod(grid.size(a) for a in entries[d]) * grid.size(axis)))
-             % max(1, align[d]) == 0]
-    if fits:
-      d = (whole or fits)[0]
+    n = grid.size(axis)
+    fits = [d for d, size in enumerate(shape) if size > 0 and size % parts(d, n) == 0]
+    if not fits:
+      continue
+    now = fetched(shape, [parts(d) for d in range(len(shape))], align)
+    cost = {d: fetched(shape, [parts(e, n if e == d else 1) for e in range(len(shape))], align)
+            for d in fits}
+    d = min(fits, key=lambda d: cost[d])   # (the first of equals)
+    if align is None or cost[d] < now:
       entries[d] += (axis,)
-      factor *= grid.size(axis)
+      factor *= n
   return tuple(entries), factor
+
+
+def fetched(shape: Sequence[int], parts: Sequence[int], align: Sequence[int] | None) -> int:
+  """Elements one read of a block fetches when ``shape`` is split ``parts`` ways per
+  dimension and storage reads whole chunks of ``align`` (None: exactly the block): per
+  dimension the block's extent if it is whole chunks, the chunk's if the block lies inside
+  one, else both (an unaligned block can touch one chunk more).
+
+  >>> fetched((1024, 1024), (2, 1), (512, 512)), fetched((1024, 1024), (4, 1), (512, 512))
+  (524288, 524288)
+  """
+  out = 1
+  for d, (n, p) in enumerate(zip(shape, parts)):
+    e = max(1, n // p)
+    c = align[d] if align is not None and d < len(align) and align[d] > 0 else e
+    out *= e if e % c == 0 else c if c % e == 0 else e + c
+  return out
 
 
 def replica_groups(grid: Grid, spec: Spec) -> int:
