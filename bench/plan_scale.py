@@ -2,6 +2,14 @@
 
     python bench/plan_scale.py --processes 4096 --devices-per-process 8 --json /tmp/plan.json
     python bench/plan_scale.py --processes 64 --devices-per-process 8 --tp-only-embeddings
+    python bench/plan_scale.py --processes 4096 --replica-groups 2 4 8 16 32 --broadcast-only
+
+``--replica-groups R ...``: storage bytes each process reads to restore the state onto a
+(R, P * D / (8 R), 8) mesh ("replica", "data", "model"; the specs above, replicated over
+"replica": R data-parallel replica groups), without broadcast (each process reads every
+byte its devices hold: the job reads the state R times) and with it (``_layout.spread``'s
+reader layouts: once, 1/R per process), for every process, with the time to plan one
+process's reader layouts. ``--broadcast-only`` skips the save/restore planning figures.
 
 The state is 70B-like (Llama-2-70B sizes with fused projections): d_model 8192, 80 layers,
 each with ``wqkv`` (8192, 10240), ``wo`` (8192, 8192), ``w13`` (8192, 57344), ``w2``
@@ -297,6 +305,46 @@ def run(processes: int, per: int, tp_only_embeddings: bool = False,
   }
 
 
+def broadcast_reads(processes: int, per: int, groups: int) -> dict[str, Any]:
+  """Storage bytes read per process restoring the state onto ``groups`` replica groups, with
+  and without read-once broadcast (``_layout.spread``), over every process."""
+  from fnckpt._layout import spread as _spread
+  devices = processes * per
+  if devices % (8 * groups):
+    raise SystemExit(f"{devices} devices do not form {groups} groups of (data, 8)")
+  mesh = (groups, devices // (8 * groups), 8)
+  grid = _spread.Grid(("replica", "data", "model"), mesh,
+                      (np.arange(devices) // per).reshape(mesh))
+  names = ("data", "model")
+  off = np.zeros(processes, np.int64)
+  on = np.zeros(processes, np.int64)
+  plan_s = 0.0
+  for _, shape, itemsize, dim_axes in leaves():
+    spec = tuple(tuple(names[a] for a in axes) for axes in dim_axes)
+    t0 = time.perf_counter()
+    rspec, _ = _spread.reader_spec(grid, spec, shape)
+    plan_s += time.perf_counter() - t0
+    off += _spread.bytes_per_process(grid, spec, shape, itemsize)
+    on += _spread.bytes_per_process(grid, rspec, shape, itemsize)
+  state = sum(_layout.nbytes(s, i) for _, s, i, _ in leaves())
+  return {"groups": groups, "mesh": list(mesh), "state_bytes": state,
+          "off_bytes_per_process_max": int(off.max()), "on_bytes_per_process_max": int(on.max()),
+          "on_bytes_per_process_min": int(on.min()),
+          "off_job_reads_over_state": float(off.sum() / state),
+          "on_job_reads_over_state": float(on.sum() / state),
+          "on_over_off_per_process": float(on.max() / off.max()),
+          "reader_plan_s_per_process": plan_s}
+
+
+def broadcast_summary(b: dict[str, Any]) -> str:
+  return (f"R={b['groups']:>2} mesh {tuple(b['mesh'])}: per process "
+          f"{b['off_bytes_per_process_max'] / MiB:,.1f} MiB -> "
+          f"{b['on_bytes_per_process_max'] / MiB:,.1f} MiB "
+          f"({b['on_over_off_per_process']:.4f}, 1/R = {1 / b['groups']:.4f}); job reads "
+          f"{b['off_job_reads_over_state']:.3f} -> {b['on_job_reads_over_state']:.3f} x the "
+          f"state; reader plan {b['reader_plan_s_per_process'] * 1e3:.0f} ms")
+
+
 def summary(r: dict[str, Any]) -> str:
   s, b = r["save"], r["before"]
   return (f"{r['processes']} x {r['devices_per_process']}: {r['leaves']} leaves; plan per "
@@ -317,12 +365,23 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--tp-only-embeddings", action="store_true",
                   help="embed/lm_head replicated over 'data' (exercises replica splits)")
   ap.add_argument("--old-leaves", type=int, default=6, help="leaves timed on the old path")
+  ap.add_argument("--replica-groups", type=int, nargs="*", default=[],
+                  help="storage bytes read per process with R replica groups, with and "
+                       "without broadcast")
+  ap.add_argument("--broadcast-only", action="store_true",
+                  help="only the --replica-groups figures")
   args = ap.parse_args(argv)
-  r = run(args.processes, args.devices_per_process, args.tp_only_embeddings, args.old_leaves)
+  r: dict[str, Any] = {}
+  if not args.broadcast_only:
+    r = run(args.processes, args.devices_per_process, args.tp_only_embeddings, args.old_leaves)
+    print(summary(r))
+  r["broadcast"] = [broadcast_reads(args.processes, args.devices_per_process, g)
+                    for g in args.replica_groups]
+  for b in r["broadcast"]:
+    print(broadcast_summary(b))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(r, f, indent=1)
-  print(summary(r))
 
 
 if __name__ == "__main__":

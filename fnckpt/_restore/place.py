@@ -40,6 +40,7 @@ class Read:
   sharding: jax.sharding.Sharding | None       # None: one host numpy array
   parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
   placed: Any = None
+  sliced: bool = False                         # a packed leaf read in slices (broadcast)
 
 
 def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
@@ -63,16 +64,16 @@ def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
 
 def _regions(opener: _read.Opener, reads: dict[int, Read]) -> Iterator[_read.Region]:
   """Packed leaves whole (first: they share packs, in batches of half the budget), then the
-  slices of stored, pieced and foreign leaves. Tags: ``(leaf number, devices)``, devices
+  slices of stored, pieced and foreign leaves (and of packed ones read in parts: ``sliced``). Tags: ``(leaf number, devices)``, devices
   None for a host target."""
-  packed = [i for i, r in reads.items() if r.want.rec.packed is not None]
+  packed = [i for i, r in reads.items() if r.want.rec.packed is not None and not r.sliced]
   for i in packed:
     leaf = opener.leaf(reads[i].want.rec)
     index = tuple((0, n) for n in reads[i].shape)
     yield _read.Region(leaf, index, leaf.cost(index),
                        (i, None if reads[i].sharding is None else WHOLE))
   for i, r in reads.items():
-    if r.want.rec.packed is not None or r.want.rec.inline is not None:
+    if (r.want.rec.packed is not None and not r.sliced) or r.want.rec.inline is not None:
       continue
     leaf = opener.leaf(r.want.rec)
     if r.sharding is None:

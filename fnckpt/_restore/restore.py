@@ -21,7 +21,8 @@ from .._sources import source as _source
 from .._sources.source import Source
 from .. import _state
 from .._errors import CheckpointError, DamagedError
-from . import place as _place, shardings as _shardings
+from . import broadcast as _broadcast, place as _place, reshard as _reshard, \
+    shardings as _shardings
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -356,7 +357,8 @@ def _data_sharding(want: _Want, rec: _records.Leaf) -> jax.sharding.Sharding | N
 
 def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool = False,
             budget_bytes: int | None = None, per_process_from: int | None = None,
-            storage_options: dict[str, Any] | None = None) -> Any:
+            storage_options: dict[str, Any] | None = None, broadcast: bool | None = None,
+            barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S) -> Any:
   """Restore a committed checkpoint.
 
   Args:
@@ -381,6 +383,15 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
     per_process_from: the saved process whose :class:`fnckpt.PerProcess` values this process
       takes (default: its own index; required when the process count changed).
     storage_options: settings for ``gs://``/``s3://``.
+    broadcast: with several processes, read each stored byte of an array that the target
+      replicates across processes once (spread over the replica groups) and fill the other
+      replicas over the interconnect (a jitted reshard: collective, every process must
+      restore). ``False``: every process reads all it holds. ``None`` (default): on when the
+      target replicates some array across processes and the devices are accelerators or the
+      checkpoint is on ``gs://``/``s3://`` (README "Multi-process": CPU processes reading
+      local files are faster without). Same values either way.
+    barrier_timeout_s: deadline of each broadcast wave (its barrier and its collective); a
+      process lost during the broadcast fails every other with a CheckpointError naming it.
 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
@@ -400,17 +411,19 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
     wants, treedef = _match(location, records, target, partial, cast)
 
   budget = _store.budget_arg(budget_bytes, "restore", _source.READ_WINDOW_BYTES)
-  values = _read_all(src, wants, budget)
+  values = _read_all(src, wants, budget, broadcast, barrier_timeout_s)
   _fill_per_process(src, wants, values, per_process_from)
   if treedef is None:
     return _tree.unflatten_from_paths([w.rec.path for w in wants], values)
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
+def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | None,
+              timeout_s: float) -> list[Any]:
   """Every wanted leaf's value: plain values decoded, arrays read (at most ``budget`` bytes
-  held) and placed with their shardings (``_place``). PerProcess leaves are left for
-  :func:`_fill_per_process`."""
+  held) and placed with their shardings (``_place``); with broadcast, the arrays replicated
+  across processes read once and resharded in waves (:func:`_read_broadcast`). PerProcess
+  leaves are left for :func:`_fill_per_process`."""
   values: list[Any] = [None] * len(wants)
   reads: dict[int, _place.Read] = {}
   for i, w in enumerate(wants):
@@ -420,19 +433,67 @@ def _read_all(src: Source, wants: list[_Want], budget: int) -> list[Any]:
       reads[i] = _start_read(w)
     else:
       values[i] = _plain_value(w)
-  _place.read_arrays(src, reads, budget)
+  readers = _readers(reads)
+  if not _broadcast.decide(broadcast, readers, cpu=jax.devices()[0].platform == "cpu",
+                           remote=src.location.startswith(("gs://", "s3://"))):
+    readers = {}
+  _place.read_arrays(src, {i: r for i, r in reads.items() if i not in readers}, budget)
   for i, r in reads.items():
-    if r.placed is not None:  # placed whole (packed, inline)
-      value = r.placed
-    elif None in r.parts:  # a host target
-      value = r.parts[None]
-    else:
-      parts = [r.parts[d] for d in r.sharding.addressable_devices]
-      value = jax.make_array_from_single_device_arrays(  # dtype: for none on this process
-          r.shape, r.sharding, parts,
-          dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
-    values[i] = _finish_leaf(r.want, value)
+    if i not in readers:
+      values[i] = _finish_leaf(r.want, _assembled(r))
+  _read_broadcast(src, reads, readers, values, budget, timeout_s)
   return values
+
+
+def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
+  """The read-once plans of the leaves that have one (stored bytes, a target replicated
+  across processes)."""
+  out = {}
+  for i, r in reads.items():
+    rec = r.want.rec
+    if r.sharding is None or rec.inline is not None:
+      continue
+    align = rec.stored.inner if rec.stored is not None else \
+        rec.pieces.chunks if rec.pieces is not None else None
+    reader = _broadcast.reader_of(r.sharding, r.shape, _leaves.dtype_of(rec.dtype).itemsize,
+                                  packed=rec.packed is not None, align=align)
+    if reader is not None:
+      out[i] = reader
+  return out
+
+
+def _read_broadcast(src: Source, reads: dict[int, _place.Read],
+                    readers: dict[int, _broadcast.Reader], values: list[Any], budget: int,
+                    timeout_s: float) -> None:
+  """The leaves of ``readers``, wave by wave: each process reads its parts (onto the reader
+  shardings), then one collective reshard per wave fills the replicas. A wave holds at most
+  ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds."""
+  for k, wave in enumerate(_broadcast.waves(readers, budget)):
+    _reshard.reading(src.location, k)
+    parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
+                                 parts={})
+             for i in wave}
+    _place.read_arrays(src, parts, budget)
+    moved = _reshard.reshard([_assembled(parts[i]) for i in wave],
+                             [readers[i].target for i in wave],
+                             [reads[i].want.rec.where for i in wave], src.location, k, timeout_s)
+    for i, value in zip(wave, moved):
+      values[i] = _finish_leaf(reads[i].want, value)
+  if readers:
+    _reshard.done(src.location)
+
+
+def _assembled(r: _place.Read) -> Any:
+  """A read leaf as one value: placed whole, a host array, or its device slices made one
+  global array."""
+  if r.placed is not None:  # placed whole (packed, inline)
+    return r.placed
+  if None in r.parts:  # a host target
+    return r.parts[None]
+  parts = [r.parts[d] for d in r.sharding.addressable_devices]
+  return jax.make_array_from_single_device_arrays(  # dtype: for none on this process
+      r.shape, r.sharding, parts,
+      dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
 
 
 def _plain_value(w: _Want) -> Any:

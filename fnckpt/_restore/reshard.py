@@ -1,0 +1,98 @@
+"""The broadcast of a read-once restore: one wave of leaves, read onto their reader shardings,
+moved onto the targets' shardings by one jitted identity (XLA's collectives carry the bytes:
+ICI/NVLink/IB on accelerators, Gloo over TCP between CPU processes).
+
+Collective and bounded: every process enters a wave through a barrier of the restore's
+deadline (a process that died or never came is named there, before any collective can wait
+on it); a collective that fails (a peer's connection closed) or does not finish by the
+deadline ends in a second, short barrier whose absentees are the lost processes, and every
+surviving process raises a :class:`CheckpointError` naming them and the wave's key paths.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import jax
+
+from .._errors import CheckpointError
+from .._io import commit as _commit, paths as _paths
+
+__all__ = ["reading", "reshard", "done", "FAILED_WAIT_S"]
+
+FAILED_WAIT_S = 5.0   # after a failed collective: how long the survivors wait for each other
+POLL_S = 0.05         # how often a wave's results are checked against the deadline
+
+
+def _identity(*xs: Any) -> tuple[Any, ...]:
+  return xs
+
+
+def reading(location: str, wave: int) -> None:
+  """Publish that this process is reading its parts of ``wave`` (a barrier that times out
+  on another process says so about this one)."""
+  _commit.report(location, f"broadcast-wave-{wave}: reading")
+
+
+def done(location: str) -> None:
+  """Drop this process's progress entry (the broadcast is over)."""
+  _commit.forget(location)
+
+
+def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding],
+            where: Sequence[str], location: str, wave: int, timeout_s: float
+            ) -> list[jax.Array]:
+  """``arrays`` (on their reader shardings) on ``shardings``, each input deleted once moved.
+  Collective: every process calls it with the same wave, in the same order. ``where``: the
+  key paths (for messages)."""
+  phase = f"broadcast-wave-{wave}"
+  _commit.report(location, f"{phase}: resharding")
+  _commit.barrier(location, phase, timeout_s)   # (names who did not come)
+  deadline = time.monotonic() + timeout_s
+  try:
+    out = jax.jit(_identity, out_shardings=tuple(shardings))(*arrays)
+    _wait(out, deadline)
+  except Exception as e:
+    raise _failure(location, phase, where, e, timeout_s) from None
+  for x in arrays:
+    x.delete()
+  return list(out)
+
+
+def _wait(out: Sequence[jax.Array], deadline: float) -> None:
+  """Until every result is ready; a TimeoutError at ``deadline`` (a collective waiting on a
+  peer that will not come cannot be cancelled, but this process need not wait with it)."""
+  for x in out:
+    while not x.is_ready():
+      if time.monotonic() > deadline:
+        raise TimeoutError("the collective did not finish by the deadline")
+      time.sleep(POLL_S)
+    x.block_until_ready()   # (raises the collective's error, if any)
+
+
+def _failure(location: str, phase: str, where: Sequence[str], e: BaseException,
+             timeout_s: float) -> CheckpointError:
+  """The error every surviving process raises for a failed wave: who was lost (the
+  absentees of a short barrier the survivors all reach), the key paths, the cause."""
+  cause = f"{type(e).__name__}: {_paths.error_text(e)}".splitlines()[0][:400]
+  keys = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+  try:
+    _commit.barrier(location, f"{phase}-failed", min(timeout_s, FAILED_WAIT_S))
+    who = "every process is still there: the failure is not a lost process"
+  except CheckpointError as b:
+    who = _lost(str(b))
+  return CheckpointError(
+      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} ({keys}) on "
+      f"process {jax.process_index()}: {who}. Restore again once every process is up (or "
+      f"pass broadcast=False to read without the interconnect). [{cause}]")
+
+
+def _lost(barrier_text: str) -> str:
+  """The lost processes, from the failed barrier's message (``process(es) 1 did not
+  arrive``)."""
+  at = barrier_text.find("process(es) ")
+  if at < 0:
+    return "the processes could not meet again (a process was lost)"
+  end = barrier_text.find(" did not arrive", at)
+  return barrier_text[at:end] + " did not arrive: lost during the broadcast"

@@ -1,0 +1,177 @@
+"""Read once and broadcast, with real processes (``jax.distributed`` on 127.0.0.1, Gloo):
+every storage kind (pieces, a zarr array, packs, inline) restored with ``broadcast`` False,
+True and None gives the same values, bitwise (each child checks its shards); the bytes each
+process reads from the checkpoint's files (``/proc/self/io`` ``rchar``: file reads only, Gloo
+receives are not counted, ``test_interconnect_is_not_counted_as_reads``) halve with 2 replica
+groups; host memory stays under the budget plus the restored state; a process lost during the
+broadcast fails the others with a CheckpointError naming it, before the deadline.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import fnckpt
+import helpers_proc as hp
+import mp_worker
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+WORKER = os.path.join(hp.HERE, "bcast_worker.py")
+LEAVES = {
+    "a": {"shape": [64, 128], "spec": ["x", "y"]},                 # pieces, not replicated
+    "b": {"shape": [128, 64], "dtype": "int32", "spec": ["y"]},     # pieces, replicated over x
+    "c": {"shape": [1024, 4096], "spec": "replicated"},            # a zarr array, 16 MiB
+    "d": {"shape": [8], "spec": "replicated"},                      # inline
+    "e": {"shape": [100, 100], "dtype": "int32", "kind": "numpy"},  # a pack, host target
+    "f": {"shape": [96, 40], "dtype": "bfloat16", "spec": [None, "x"]},
+    "g": {"shape": [128, 64], "spec": "replicated"},                # a pack, device target
+}
+
+
+def group(config, n, timeout=120):
+  port = hp.free_port()
+  procs = [hp.start([sys.executable, WORKER, json.dumps(
+      {**config, "port": port, "num_processes": n, "process_id": i})]) for i in range(n)]
+  return hp.finish(procs, timeout)
+
+
+def ok(results):
+  for r in results:
+    assert r.returncode == 0 and not r.timed_out and r.result, r.describe()
+  return [r.result for r in results]
+
+
+def nbytes(leaf):
+  return int(np.prod(leaf["shape"])) * mp_worker.expected(
+      "z", (1,), leaf.get("dtype", "float32")).dtype.itemsize
+
+
+def test_interconnect_is_not_counted_as_reads():
+  """A bare 16 MiB reshard between 2 processes: Gloo's sends show in wchar, its receives
+  nowhere in rchar/read_bytes, so rchar measures file reads."""
+  got = ok(group({"mode": "reshard_only", "nbytes": 16 * MiB, "devices": 1}, 2))
+  for r in got:
+    assert r["io"]["rchar"] < 64 << 10 and r["io"]["read_bytes"] == 0, r
+    assert r["io"]["wchar"] >= 8 * MiB, r
+
+
+def test_2_processes_every_storage_kind_read_once(tmp_path):
+  path = str(tmp_path / "ckpt")
+  ok(group({"mode": "save", "devices": 2, "mesh": [[2, 2], ["x", "y"]], "leaves": LEAVES,
+            "path": path}, 2))
+  kinds = {r.where: fnckpt._restore.restore._storage_of(r) for r in fnckpt.metadata(path).leaves}
+  assert kinds["['a']"] == "pieces" and kinds["['c']"].startswith("data-")
+  assert kinds["['g']"].startswith("pack") and kinds["['d']"] == "inline"
+  runs = [r["runs"] for r in ok(group({
+      "mode": "restore", "devices": 2, "mesh": [[2, 2], ["x", "y"]], "leaves": LEAVES,
+      "target": {}, "path": path, "runs": [False, True, None], "budget_mib": 4}, 2))]
+  for p in runs:
+    assert [r["checked_shards"] for r in p] == [13] * 3   # 6 device leaves x 2 + host e
+  off, on = ([p[k]["io"]["rchar"] for p in runs] for k in (0, 1))
+  once = sum(nbytes(l) for l in LEAVES.values())
+  # without: every process reads all it holds (c, b, g, e whole; a, f: its shards)
+  assert sum(off) > 1.9 * once, (off, once)
+  # with: each stored byte once across the job (e, a host target, on both), half each; the
+  # small pieced and packed leaves are read at the packs' inner-chunk granularity (a 32 KiB
+  # piece costs a ~146 KiB read, with or without broadcast): 1 MiB of slack for them
+  assert sum(on) < once + nbytes(LEAVES["e"]) + MiB, (on, once)
+  assert max(on) < 0.55 * min(off), (on, off)
+  # the default on CPU processes reading local files: off (README "Multi-process")
+  assert [p[2]["io"]["rchar"] > 0.9 * p[0]["io"]["rchar"] for p in runs] == [True, True]
+
+
+def test_4_processes_2_replica_groups_read_half(tmp_path):
+  """4 processes, 1 device each, mesh (r=2 groups, s=2): the target shards over s and
+  replicates over r (2 data-parallel replica groups). Saved by one process (a zarr array
+  and a pack). Without broadcast the job reads the arrays twice; with it, once."""
+  path = str(tmp_path / "ckpt")
+  leaves = {"c": {"shape": [1024, 2048], "spec": ["s"]}, "g": {"shape": [256, 64],
+                                                                "spec": ["s"]}}
+  fnckpt.save({k: mp_worker.expected(k, l["shape"]) for k, l in leaves.items()} | {"step": 7},
+              path).wait()
+  runs = [r["runs"] for r in ok(group({
+      "mode": "restore", "devices": 1, "mesh": [[2, 2], ["r", "s"]], "leaves": leaves,
+      "target": {}, "path": path, "runs": [False, True]}, 4))]
+  once = sum(nbytes(l) for l in leaves.values())
+  off, on = ([p[k]["io"]["rchar"] for p in runs] for k in (0, 1))
+  assert 1.95 * once < sum(off) < 2 * once + (256 << 10), (off, once)
+  # (g, 64 KiB in a pack, is read at the pack's chunk granularity: each reader of a
+  # quarter fetches more; c's reader blocks are whole stored chunks: exact)
+  assert once <= sum(on) < once + MiB, (on, once)
+  assert max(on) < 0.3 * once, on    # each of 4 processes a quarter
+
+
+def test_reshard_memory_is_bounded_by_the_budget(tmp_path):
+  """8 replicated leaves of 8 MiB over 2 processes, budget 8 MiB: each process reads 4 MiB of
+  each, so waves of 2 leaves; the reader arrays a wave holds on the devices (the reshard's
+  inputs, besides the restored state) stay within the budget, and the peak RSS (host memory
+  = device memory on CPU) stays within the peak without broadcast plus the budget and the
+  collective's buffers (16 MiB)."""
+  path = str(tmp_path / "ckpt")
+  leaves = {f"w{i}": {"shape": [2048, 1024], "spec": "replicated"} for i in range(8)}
+  fnckpt.save({k: mp_worker.expected(k, l["shape"]) for k, l in leaves.items()} | {"step": 7},
+              path).wait()
+  config = {"mode": "restore", "devices": 1, "mesh": [[2], ["x"]], "leaves": leaves,
+            "target": {}, "path": path, "budget_mib": 8}
+  off, on = ([r["runs"][0] for r in ok(group({**config, "runs": [b]}, 2))]
+             for b in (False, True))
+  for a, b in zip(off, on):
+    assert b["waves"] == 4 and b["wave_input_bytes"] == 8 * MiB, b
+    assert a["waves"] == 0
+    assert b["peak_rss"] < a["peak_rss"] + 8 * MiB + 16 * MiB, (a, b)
+    assert b["io"]["rchar"] < 0.51 * a["io"]["rchar"], (a, b)
+
+
+def test_orbax_checkpoint_read_once(tmp_path):
+  """An Orbax PyTree checkpoint (StandardCheckpointer: OCDBT, zarr3, zstd; saved over 8
+  devices: chunks of 128 rows) restored by 2 processes onto a target replicated over both:
+  with broadcast, each reads about half of it."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  import jax
+  path = str(tmp_path / "orbax")
+  value = mp_worker.expected("c", (1024, 1024))
+  s = jax.sharding.NamedSharding(jax.make_mesh((8,), ("z",)), jax.sharding.PartitionSpec("z"))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, {"c": jax.device_put(value, s)})
+  ckpt.wait_until_finished()
+  runs = [r["runs"] for r in ok(group({
+      "mode": "restore", "devices": 1, "mesh": [[2], ["x"]], "step": False,
+      "leaves": {"c": {"shape": [1024, 1024], "spec": "replicated"}}, "target": {},
+      "path": path, "runs": [False, True]}, 2))]
+  off, on = ([p[k]["io"]["rchar"] for p in runs] for k in (0, 1))
+  assert min(off) > value.nbytes // 2, off   # (Orbax compresses: zstd)
+  assert max(on) < 0.6 * min(off), (on, off)
+
+
+@pytest.mark.parametrize("at", ["before", "during"])
+def test_process_lost_during_broadcast_fails_every_survivor(tmp_path, at):
+  """Process 1 dies after reading its parts, before its wave's barrier (``before``) or once
+  the collective is under way (``during``, Gloo sees the connection close). Process 0 raises
+  a CheckpointError naming process 1 within the 4 s deadline (the heartbeat timeout, 30 s,
+  would end it much later)."""
+  path = str(tmp_path / "ckpt")
+  fnckpt.save({"c": mp_worker.expected("c", (1024, 1024)), "step": 7}, path).wait()
+  results = group({"mode": "restore", "devices": 1, "mesh": [[2], ["x"]],
+                   "leaves": {"c": {"shape": [1024, 1024], "spec": "replicated"}},
+                   "target": {}, "path": path, "runs": [True], "barrier_s": 4,
+                   "heartbeat_s": 30, "shutdown_timeout_s": 3,
+                   "die": {"process": 1, "at": at}}, 2, timeout=90)
+  assert results[1].returncode == 9 and "PHASE dying" in results[1].stdout, \
+      results[1].describe()
+  r0 = results[0].result
+  assert not results[0].timed_out and r0, results[0].describe()
+  (run,) = r0["runs"]
+  assert run["elapsed_s"] < 10, run
+  assert run["error"] in ("BarrierTimeoutError", "CheckpointError"), run
+  assert issubclass(getattr(fnckpt, run["error"]), fnckpt.CheckpointError)
+  assert "process(es) 1 did not arrive" in run["message"], run
+  assert "broadcast-wave-0" in run["message"], run
+  if at == "before":
+    assert "process 1 last reported phase 'broadcast-wave-0: reading'" in run["message"], run
+  else:
+    assert "['c']" in run["message"] and "lost during the broadcast" in run["message"], run
