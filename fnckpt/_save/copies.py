@@ -63,10 +63,14 @@ class Owned:
     self._host: np.ndarray | None = None
 
   def __call__(self) -> np.ndarray:
-    if self._host is None:
-      self._host = np.asarray(self.array)
+    host = self._host
+    if host is None:
+      array = self.array
+      if array is None:  # another thread converted it meanwhile (it sets _host first)
+        return self._host
+      host = self._host = np.asarray(array)
       self.array = None
-    return self._host
+    return host
 
 
 def to_host(part: Any) -> np.ndarray:
