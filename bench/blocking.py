@@ -1,19 +1,28 @@
-"""How long fnckpt.save() blocks the caller, against the whole save, for a 1 GiB state.
+"""How long fnckpt.save() blocks the caller, per staging mode, against raw device-to-host copies.
 
-    python bench/blocking.py                    # 1 GiB on 8 virtual CPU devices, 5 runs
-    python bench/blocking.py --gib 0.25 --runs 3 --dir /mnt/nvme/tmp
+    python bench/blocking.py                    # 1 GiB on the default backend, 5 rounds
+    python bench/blocking.py --gib 0.5 --runs 5 --dir /mnt/nvme/tmp
+    python bench/blocking.py --budget-mib 256   # a save larger than the budget (it streams)
 
-The state: 8 float32 arrays of 128 MiB, sharded over a (2, 4) mesh in four different ways
-(both axes, rows, columns, the other order), so every device holds 1/8 of it and every
-array is written as 8 chunks. Each run saves to a fresh directory (deleted afterwards):
+The state: 8 float32 arrays, sharded over a (2, 4) mesh in four different ways (both axes,
+rows, columns, the other order), so every device holds 1/8 of it and every array is written as
+8 chunks; 8 virtual CPU devices when the backend is CPU, else the first 8 devices (or fewer:
+the mesh then is (1, n)). Per round, in one process, the arms alternate their order:
 
-- ``blocking``: wall time of the ``save()`` call (what a training loop waits for);
-- ``total``: from the call until ``wait()`` returns (committed: data, manifest, marker,
-  fsync'd by TensorStore's file driver);
-- ``memcpy``: one copy of the same bytes with numpy, the floor for a device-to-host copy on
-  CPU, measured in the same run.
+- ``save default`` / ``save owned``: ``fnckpt.save()`` with the backend's default staging and
+  with copies into host memory the save owns (``_state.hooks.staging = "owned"``: a
+  ``pinned_host`` ``device_put`` per shard): ``blocked`` is the wall time of the call (what a
+  training loop waits for), ``total`` until ``wait()`` returns (committed), ``rss`` the peak
+  RSS above the RSS before the call (VmHWM reset first), over the state's bytes;
+- ``device_get``: ``jax.device_get`` of every shard a save writes (the same bytes);
+- ``pinned put``: a bare ``jax.device_put`` of every such shard into ``pinned_host`` memory,
+  all started, then waited for.
 
-One line per run, then the medians. fnckpt only (bench/run.py compares with Orbax).
+Each arm gets a fresh copy of the state (made on the devices, not timed), so nothing one arm
+leaves cached on the arrays (``np.asarray`` caches its host copy on GPU/TPU arrays) helps
+another. GB/s = the state's bytes / the time. Medians over the rounds, and per-round ratios
+owned / default. On CPU, ``device_get`` and the default staging are views of the device
+buffers (no copy); on an accelerator they are real copies.
 """
 
 from __future__ import annotations
@@ -26,31 +35,39 @@ import sys
 import tempfile
 import time
 
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed buffers go back to the OS (RSS is held)
+  os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+  os.execv(sys.executable, [sys.executable] + sys.argv)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
+  jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fnckpt  # noqa: E402
+from fnckpt import _state  # noqa: E402
 
 MiB = 1 << 20
+ARMS = ("save default", "save owned", "device_get", "pinned put")
 
 
 def make_state(total_bytes: int) -> dict[str, jax.Array]:
-  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  """8 float32 arrays of ``total_bytes / 8``, each sharded a different way."""
+  devices = jax.devices()[:8]
+  shape = (2, 4) if len(devices) == 8 else (1, len(devices))
+  mesh = jax.make_mesh(shape, ("x", "y"), devices=devices)
   P = jax.sharding.PartitionSpec
   specs = [P("x", "y"), P(("x", "y")), P(None, ("x", "y")), P("y", "x")]
-  n = 8
-  rows = max(8, int(total_bytes // n // 4 // 4096) // 8 * 8)
+  rows = max(8, int(total_bytes // 8 // 4 // 4096) // 8 * 8)
   state = {}
-  for i in range(n):
+  for i in range(8):
     s = jax.sharding.NamedSharding(mesh, specs[i % len(specs)])
     f = jax.jit(lambda k, i=i: jnp.arange(rows * 4096, dtype=jnp.float32).reshape(rows, 4096)
                 + k, out_shardings=s)
@@ -59,55 +76,106 @@ def make_state(total_bytes: int) -> dict[str, jax.Array]:
   return state
 
 
-def memcpy_s(state) -> float:
-  """One numpy copy of every shard (what staging must at least do on CPU)."""
-  shards = [np.asarray(s.data) for a in state.values() for s in a.addressable_shards]
+def fresh(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """A copy of the state on the same devices (new buffers, nothing cached on them)."""
+  out = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t))(state)
+  return jax.block_until_ready(out)
+
+
+def _rss(field: str = "VmRSS") -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def _shards(state) -> list[jax.Array]:
+  """Every shard a save writes (replica 0 of each)."""
+  return [s.data for a in state.values() for s in a.addressable_shards if s.replica_id == 0]
+
+
+def run_arm(arm: str, state, root: str, budget: int | None) -> dict:
+  """One timed arm on a fresh copy of ``state``: seconds blocked (and to committed), peak RSS
+  above the RSS before it."""
+  x = fresh(state)
+  shards = _shards(x)
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+  base = _rss()
   t0 = time.perf_counter()
-  copies = [np.array(x, copy=True) for x in shards]
-  dt = time.perf_counter() - t0
-  del copies
-  return dt
+  out: dict = {}
+  if arm.startswith("save"):
+    _state.hooks.staging = "owned" if arm == "save owned" else None
+    try:
+      h = fnckpt.save(x, os.path.join(root, arm.replace(" ", "_")), budget_bytes=budget)
+      out["blocked"] = time.perf_counter() - t0
+      stats = h.wait()
+    finally:
+      _state.hooks.staging = None
+    out["total"] = time.perf_counter() - t0
+    out["staged_peak"] = stats.peak_staged_bytes
+    shutil.rmtree(os.path.join(root, arm.replace(" ", "_")))
+  elif arm == "device_get":
+    got = jax.device_get(shards)
+    out["blocked"] = time.perf_counter() - t0
+    del got
+  else:
+    got = [jax.device_put(s, s.sharding.with_memory_kind("pinned_host")) for s in shards]
+    jax.block_until_ready(got)
+    out["blocked"] = time.perf_counter() - t0
+    del got
+  out["rss"] = _rss("VmHWM") - base
+  return out
+
+
+def report(rows: list[dict[str, dict]], nbytes: int) -> None:
+  """Medians per arm, then the per-round ratios owned / default."""
+  print(f"\nmedians over {len(rows)} rounds ({nbytes / MiB:.0f} MiB):")
+  print(f"{'arm':<14} {'blocked s':>10} {'GB/s':>8} {'total s':>9} {'peak RSS / state':>17}")
+  for arm in ARMS:
+    b = statistics.median(r[arm]["blocked"] for r in rows)
+    t = [r[arm]["total"] for r in rows if "total" in r[arm]]
+    rss = statistics.median(r[arm]["rss"] for r in rows)
+    print(f"{arm:<14} {b:>10.4f} {nbytes / b / 1e9:>8.2f} "
+          f"{statistics.median(t) if t else float('nan'):>9.3f} {rss / nbytes:>17.3f}")
+  for key in ("blocked", "total", "rss"):
+    ratios = [r["save owned"][key] / max(r["save default"][key], 1e-9) for r in rows]
+    print(f"owned / default, {key}: median {statistics.median(ratios):.2f} "
+          f"(rounds: {', '.join(f'{v:.2f}' for v in ratios)})")
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
   ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--budget-mib", type=int, default=None, help="save(budget_bytes=) in MiB")
   ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   args = ap.parse_args(argv)
-
+  budget = args.budget_mib * MiB if args.budget_mib else None
   state = make_state(int(args.gib * (1 << 30)))
   nbytes = sum(a.nbytes for a in state.values())
+  dev = jax.devices()[0]
   root = tempfile.mkdtemp(prefix="fnckpt-blocking-", dir=args.dir)
-  print(f"state: {nbytes / MiB:.0f} MiB in {len(state)} arrays on {jax.device_count()} CPU "
-        f"devices; writing under {root}; jax {jax.__version__}, {os.cpu_count()} cores")
-  # warm-up: TensorStore thread pools, file driver, first-call costs
-  fnckpt.save({"w": state["layer0"]}, os.path.join(root, "warmup")).wait()
+  print(f"state: {nbytes / MiB:.0f} MiB in {len(state)} arrays on {jax.device_count()} "
+        f"{dev.platform} devices ({dev.device_kind}); memories {dev.addressable_memories()}; "
+        f"writing under {root}; jax {jax.__version__}, fnckpt {fnckpt.__version__}, "
+        f"{os.cpu_count()} cores; budget {args.budget_mib or 'default'} MiB")
+  for arm in ARMS[:2]:  # warm-up: thread pools, drivers, first-call compiles
+    run_arm(arm, {"w": state["layer0"]}, root, budget)
   rows = []
   try:
     for i in range(args.runs):
-      path = os.path.join(root, f"run{i}")
-      copy = memcpy_s(state)
-      t0 = time.perf_counter()
-      h = fnckpt.save(state, path)
-      blocking = time.perf_counter() - t0
-      stats = h.wait()
-      total = time.perf_counter() - t0
-      assert stats.bytes_written == nbytes, (stats.bytes_written, nbytes)
-      rows.append((blocking, total, copy))
-      print(f"run {i + 1}: blocking {blocking:.3f} s  total {total:.3f} s  "
-            f"({100 * blocking / total:.0f}% of total)  memcpy {copy:.3f} s  "
-            f"[stats: blocking {stats.blocking_s:.3f} write {stats.write_s:.3f} "
-            f"commit {stats.commit_s:.3f} peak staged {stats.peak_staged_bytes / MiB:.0f} MiB]",
-            flush=True)
-      shutil.rmtree(path)
+      order = ARMS if i % 2 == 0 else ARMS[::-1]
+      row = {arm: run_arm(arm, state, root, budget) for arm in order}
+      rows.append(row)
+      print(f"round {i + 1}: " + "  ".join(
+          f"{a}: {row[a]['blocked']:.4f} s" + (f" / {row[a]['total']:.2f} s" if "total" in row[a]
+                                                else "") + f" rss {row[a]['rss'] / MiB:.0f} MiB"
+          for a in ARMS), flush=True)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  med = [statistics.median(c) for c in zip(*rows)]
-  print(f"median over {len(rows)} runs: blocking {med[0]:.3f} s, total {med[1]:.3f} s "
-        f"(blocking = {100 * med[0] / med[1]:.0f}% of total; {med[0] / med[2]:.1f}x one memcpy "
-        f"of {med[2]:.3f} s); {nbytes / MiB / med[0]:.0f} MiB/s blocked, "
-        f"{nbytes / MiB / med[1]:.0f} MiB/s committed")
+  report(rows, nbytes)
   return 0
 
 

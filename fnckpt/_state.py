@@ -26,7 +26,8 @@ data:
 ``hooks`` (``_save``)
   ``on_phase(name)``, called as a save passes each phase ("staging", "staged", "written",
   "manifest", "committing", "committed"): a no-op that fault-injection tests replace;
-  ``hashing`` (bench/hashing.py's baseline arm only).
+  ``hashing`` (bench/hashing.py's baseline arm only); ``staging`` (the staging mode
+  forced by tests and bench/blocking.py, ``_save.copies``).
 ``memo`` caches (``_layout.chunks``, ``_save``, ``_restore``)
   pure functions memoised across calls, each a bounded LRU keyed by sharding or mesh objects;
   :func:`memos` lists them all.
@@ -113,6 +114,10 @@ class _Hooks:
     # restore's content hash checks on reads of whole hashed units (README "Version 3");
     # the bench turns them off to measure what they cost
     self.check_hashes = True
+    # how staging takes shards off their devices (``_save.copies``): None, each platform's
+    # default; "owned" (copies into host memory the save owns) or "asarray" forces one on
+    # every platform (tests and bench/blocking.py force "owned" on CPU)
+    self.staging: str | None = None
 
 
 def _no_op(name: str) -> None:

@@ -276,6 +276,7 @@ def mode_memory_budget(cfg):
   import jax
   import fnckpt
   from fnckpt import _state
+  _state.hooks.staging = cfg.get("staging")  # "owned": copies into buffers the save owns
   mesh = make_mesh([cfg["devices"]], ["a"])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
   shape = tuple(cfg["shape"])

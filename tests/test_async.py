@@ -138,13 +138,17 @@ def _no_leftover_saves():
 
 # --- donation safety -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("staging", [None, "owned"], ids=["default", "owned"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("how", ["donate", "delete", "mutate_numpy"])
-def test_caller_may_reuse_its_arrays_once_save_returns(tmp_path, monkeypatch, how, layout):
+def test_caller_may_reuse_its_arrays_once_save_returns(tmp_path, monkeypatch, how, layout,
+                                                       staging):
   """No chunk reaches TensorStore, and no pack chunk is assembled from its staged pieces,
   before the caller has destroyed its arrays (the writer is gated), so the checkpoint can
   only hold the old values if save() staged bytes the caller cannot touch: for chunks of
-  their own zarr arrays and for packed leaves alike."""
+  their own zarr arrays and for packed leaves alike; with CPU's default staging (views of
+  the device buffers) and with copies into buffers the save owns (the accelerators')."""
+  monkeypatch.setattr(_state.hooks, "staging", staging)
   gated = GatedWrites(monkeypatch, hold_issue=True)
   state = make_state()
   path = str(tmp_path / "c")
@@ -367,12 +371,12 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 TOLERANCE = 24 * MiB
 
 
-def _memory_run(tmp_path, budget_mib, *, numpy=False, shape=None, leaves=None):
+def _memory_run(tmp_path, budget_mib, *, numpy=False, shape=None, leaves=None, staging=None):
   if shape is None:
     shape, leaves = ([1024, 2048], 32) if numpy else ([8 * 1024, 2048], 4)
   r = hp.run_worker({"mode": "memory_budget", "devices": 8, "path": str(tmp_path),
                      "shape": shape, "leaves": leaves, "budget_mib": budget_mib,
-                     "numpy": numpy}, env=MALLOC_ENV, timeout=180)
+                     "numpy": numpy, "staging": staging}, env=MALLOC_ENV, timeout=180)
   assert r.returncode == 0 and r.result, r.describe()
   out = r.result
   # VmHWM reset by /proc/self/clear_refs; else fall back on the sampled RSS
@@ -398,6 +402,20 @@ def test_host_memory_stays_under_budget(tmp_path, numpy):
   if numpy:
     control, control_peak = _memory_run(tmp_path / "large", 1024, numpy=True)
     assert control_peak > 2 * (out["budget"] + chunk + TOLERANCE), (control_peak / MiB, control)
+
+
+@pytest.mark.slow
+def test_owned_copies_stay_under_budget(tmp_path):
+  """The same 256 MiB of jax leaves staged as the accelerators stage them (copies into host
+  memory the save owns, forced on CPU): unlike CPU's views, every chunk is a real host copy,
+  so only the budget bounds them. A save larger than the budget streams (copy, write,
+  release, next): the peak stays under budget + one chunk (+ TOLERANCE), and far below the
+  state's bytes."""
+  chunk = 8 * MiB
+  out, peak = _memory_run(tmp_path, 32, staging="owned")
+  assert out["bytes_written"] == out["state_bytes"] == 256 * MiB
+  assert out["peak_staged_bytes"] <= out["budget"]
+  assert peak <= out["budget"] + chunk + TOLERANCE, (peak / MiB, out)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from .._layout import chunks as _layout, pieces as _pieces
 from .. import _state
 from .._format import records as _records
 from .._errors import CheckpointError
+from .copies import Copies
 from .staged import Staged
 
 __all__ = ["PackPart", "Planner", "mesh_processes"]
@@ -23,7 +24,8 @@ __all__ = ["PackPart", "Planner", "mesh_processes"]
 @dataclasses.dataclass(frozen=True)
 class PackPart:
   """Bytes ``[offset, offset + nbytes)`` of this process's pack: record ``leaf``'s bytes
-  (a whole packed leaf, or one chunk of a pieced one), staged by ``make()`` when needed."""
+  (a whole packed leaf, or one chunk of a pieced one), staged by ``make(copies)`` (the save's
+  ``copies.Copies``) when needed."""
   offset: int
   nbytes: int
   leaf: int
@@ -180,8 +182,8 @@ def _units(leaf: _Leaf) -> list[tuple[int, _layout.WriteUnit]]:
   return sorted((_layout._cell_number(u.index, chunk, shape), u) for u in units)
 
 
-def _stage_shard(shard: Any, dtype: Any) -> Any:
-  """One device shard on the host (a view of a CPU buffer, else the device-to-host copy)."""
-  host = np.asarray(shard.data)
-  whole = tuple(slice(0, n) for n in host.shape)
-  return Staged(tuple(host.shape), np.dtype(dtype), [(whole, host)])
+def _stage_shard(shard: Any, dtype: Any, copies: Copies) -> Any:
+  """One device shard staged (a copy the save owns, or a view of a CPU buffer: ``copies``)."""
+  shape = tuple(shard.data.shape)
+  whole = tuple(slice(0, n) for n in shape)
+  return Staged(shape, np.dtype(dtype), [(whole, copies.get(shard.data))])

@@ -31,6 +31,7 @@ from .._errors import CheckpointError
 from .._version import __version__
 from .errors import wrap
 from .handle import SaveHandle, begin
+from .copies import Copies
 from .staged import Run, Staged
 from .staging import (CHUNK_COST, at_leaf as _at, charge as _charge, leaf_nbytes as _nbytes,
                       stage_array as _stage_array, stage_pack as _stage_pack,
@@ -161,6 +162,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
   queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces").
   A record gets its storage as it is decided (packed ones: once the packs are laid out)."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
+  inline: list[tuple[int, Any]] = []
   me, nproc = jax.process_index(), jax.process_count()
   pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if pieces else 0)
   for path, leaf in leaves:
@@ -186,7 +188,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     size = _layout.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
     whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
     if size <= inline_bytes and whole:
-      records[i] = _records.evolve(rec, inline=_leaves.host_bytes(data) if me == 0 else b"")
+      inline.append((i, data))
     elif size <= pack_bytes and whole:
       candidates.append((i, data, _packing.PackItem(
           i, size, None if holders[-1] == "all" and nproc > 1 else 0)))
@@ -204,6 +206,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
     problems.append(str(e))
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
+  _set_inline(records, inline, me)
   cands = _candidates(base, records, pieced.meshes)
   maybe = [c for c in candidates if c[0] in cands.packed]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
@@ -216,6 +219,21 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
                [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts,
                tuple(pieced.meshes), pieced.layout, pieced.regions,
                pieced.runs(me) if cands.pieced else [])
+
+
+def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
+  """The inline leaves' bytes into their records (process 0's; the others' stay empty). A
+  jax leaf's bytes are staged as larger leaves are (``copies``): every copy started before
+  any is waited for, and none left cached on the caller's array (``np.array(x)`` would cache
+  its copy there: on CPU too, for a sharded array)."""
+  copies = Copies()
+  staged = [(i, data if isinstance(data, np.ndarray) or me != 0 else Staged.of(data, copies))
+            for i, data in inline]
+  copies.wait()
+  for i, data in staged:
+    raw = (b"" if me != 0 else _leaves.host_bytes(data) if isinstance(data, np.ndarray)
+           else data.raw().tobytes())
+    records[i] = _records.evolve(records[i], inline=raw)
 
 
 def _candidates(base: _Base | None, records: list[_records.Leaf],
@@ -490,11 +508,13 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
               if a.index not in plan.cands.stored] if is_main else []  # (candidates: if changed)
   opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
   _start_copies(plan, budget)
+  copies = Copies()
   for a, fut in zip(plan.arrays, opened):
-    _stage_array(a, fut, plan.cands.stored.get(a.index), writer, budget, handle)
+    _stage_array(a, fut, plan.cands.stored.get(a.index), writer, budget, handle, copies)
   if plan.my_pack is not None:
-    _stage_pack(plan, kv_spec, ctx, writer, budget, handle)
-  _stage_apart(plan, writer, budget, handle)
+    _stage_pack(plan, kv_spec, ctx, writer, budget, handle, copies)
+  _stage_apart(plan, writer, budget, handle, copies)
+  copies.wait()  # (every copy started above, waited for together)
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
@@ -512,17 +532,18 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       ctx, writer.location), creating, is_main)
 
 
-def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle) -> None:
+def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
+                 copies: Copies) -> None:
   """The items that may equal the base's, each staged whole for the writer to hash and
   compare: packed leaves, and this process's runs of pieced leaves (their bytes count as
   written once written: ``_done``)."""
   me = jax.process_index()
-  items = [(i, _nbytes(data), lambda data=data: Staged.of(data), plan.cands.packed[i].hash)
-           for i, data in plan.maybe_packed]
+  items = [(i, _nbytes(data), lambda data=data: Staged.of(data, copies),
+            plan.cands.packed[i].hash) for i, data in plan.maybe_packed]
   for i, parts in plan.maybe_runs:
     run = plan.cands.pieced[i].runs.get(me)
     items.append((i, sum(p.nbytes for p in parts),
-                  lambda parts=parts: Run([p.make() for p in parts]),
+                  lambda parts=parts: Run([p.make(copies) for p in parts]),
                   run.hash if run is not None else None))
   for i, n, make, expect in items:
     try:

@@ -10,33 +10,35 @@ import numpy as np
 
 from .._layout import chunks as _layout
 from .._format import leaves as _leaves
+from .copies import Copies, to_host
 
 __all__ = ["Staged", "Run"]
 
 
 @dataclasses.dataclass
 class Staged:
-  """A packed leaf held safe from the caller: its distinct shards (index, host array), each
-  a view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
-  array), a device-to-host copy, or a copy of numpy data."""
+  """A packed leaf held safe from the caller: its distinct shards (index, host part), each
+  a copy into host memory the save owns (``copies.Owned``, made numpy by :meth:`raw`), a
+  view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
+  array), or a copy of numpy data."""
   shape: tuple[int, ...]
   dtype: np.dtype
-  parts: list[tuple[tuple[slice, ...], np.ndarray]]
+  parts: list[tuple[tuple[slice, ...], Any]]
 
   @staticmethod
-  def of(data: Any) -> "Staged":
+  def of(data: Any, copies: Copies) -> "Staged":
     shape, dtype = tuple(data.shape), np.dtype(data.dtype)
     whole = tuple(slice(0, n) for n in shape)
     if isinstance(data, np.ndarray):
       return Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
     if data.is_fully_replicated:
-      return Staged(shape, dtype, [(whole, np.asarray(data.addressable_data(0)))])
+      return Staged(shape, dtype, [(whole, copies.get(data.addressable_data(0)))])
     parts, seen = [], set()
     for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
       index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
       if index not in seen:
         seen.add(index)
-        parts.append((tuple(slice(a, b) for a, b in index), np.asarray(s.data)))
+        parts.append((tuple(slice(a, b) for a, b in index), copies.get(s.data)))
     return Staged(shape, dtype, parts)
 
   @property
@@ -44,7 +46,9 @@ class Staged:
     return _layout.nbytes(self.shape, self.dtype.itemsize)
 
   def raw(self) -> np.ndarray:
-    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part."""
+    """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part.
+    Owned copies become numpy here, in the writer's threads (waiting for them if needed)."""
+    self.parts = [(index, to_host(part)) for index, part in self.parts]
     if len(self.parts) == 1:
       host = self.parts[0][1]
     else:

@@ -1,7 +1,8 @@
 """Staging off the devices, under the process's host-byte budget: each chunk this process
-writes (of a zarr array, or of its pack) is charged to the budget, copied to the host (or held
-as a view of a CPU buffer) and queued for the writer thread, which writes it. ``plan`` is
-save's plan (``save._Plan``: its arrays, packed leaves and pieces)."""
+writes (of a zarr array, or of its pack) is charged to the budget, copied into host memory the
+save owns (or held as a view of a CPU buffer: :mod:`.copies`) and queued for the writer
+thread, which writes it. ``plan`` is save's plan (``save._Plan``: its arrays, packed leaves
+and pieces)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .._io import arrays as _store
 from . import pieces as _pieces_save
 from .._errors import CheckpointError
 from .handle import SaveHandle
+from .copies import Copies, mode as _mode
 from .staged import Staged
 from .writer import Chunk, Writer
 
@@ -31,7 +33,7 @@ CHUNK_COST = 2
 
 
 def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
-                handle: SaveHandle) -> None:
+                handle: SaveHandle, copies: Copies) -> None:
   """Stage the chunks of one zarr array (``a``: save's ``_Array``) this process writes (each
   hashed by the writer; a candidate's chunk equal to the base's is not written)."""
   shard_data = ({s.device: s.data for s in a.data.addressable_shards}
@@ -42,7 +44,7 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
     n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
     try:
       host = charge(budget, CHUNK_COST * n, writer,
-                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device)))
+                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device), copies))
     except BaseException as e:
       raise at_leaf(e, a.rec.path)
     pos = _refs.chunk_pos(unit.index, chunks, shape)
@@ -51,9 +53,10 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
     count_staged(handle, budget, n)
 
 
-def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle) -> None:
+def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
+               copies: Copies) -> None:
   """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
-  its shards on CPU, the device-to-host copies on accelerators, a copy of numpy data); the
+  its shards on CPU, copies the save owns on accelerators, a copy of numpy data); the
   writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
   it does not need."""
   pack = plan.my_pack
@@ -76,7 +79,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
       if part.offset + part.nbytes <= start:
         continue
       try:
-        leaf = staged[k] if k in staged else staged.setdefault(k, part.make())
+        leaf = staged[k] if k in staged else staged.setdefault(k, part.make(copies))
       except BaseException as e:
         raise at_leaf(e, plan.records[part.leaf].path)
       lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
@@ -145,30 +148,31 @@ class Assemble:
     return buf
 
 
-def stage_unit(data: Any, unit: _layout.WriteUnit, shard_data: Any) -> np.ndarray:
-  """The unit's bytes on the host, safe from whatever the caller does next.
+def stage_unit(data: Any, unit: _layout.WriteUnit, shard_data: Any, copies: Copies) -> Any:
+  """The unit's bytes, safe from whatever the caller does next (numpy, or a callable the
+  writer calls for them: ``copies.Owned``).
 
   - numpy leaves are copied (the caller may mutate them in place);
-  - on an accelerator ``np.asarray`` is the device-to-host copy into a new buffer (started
-    for every shard at once beforehand: :func:`start_copies`);
-  - on CPU ``np.asarray`` is a view that holds the device buffer: donating or deleting the
-    array then leaves that buffer alone (JAX allocates anew), so no copy is needed.
+  - off CPU (``"owned"``), a copy into host memory this save owns, started now and waited
+    for with the others before ``save`` returns (:meth:`Copies.wait`);
+  - on CPU (``"asarray"``) ``np.asarray`` is a view that holds the device buffer: donating
+    or deleting the array then leaves that buffer alone (JAX allocates anew), so no copy is
+    needed.
   """
   local = tuple(slice(a, b) for a, b in unit.local)
   if isinstance(data, np.ndarray):
     return np.array(data[local], copy=True)
   whole = shard_data.shape == tuple(b - a for a, b in unit.local)
-  if next(iter(shard_data.devices())).platform == "cpu":
-    view = np.asarray(shard_data)
-    return view if whole else view[local]
-  return np.asarray(shard_data if whole else shard_data[local])
+  return copies.get(shard_data, None if whole else local)
 
 
 def start_copies(plan: Any, budget: _store.ByteBudget) -> None:
-  """On accelerators: start every device-to-host copy of this save at once (when they fit in
-  the budget), so the caller waits for about the total transfer time, not a sum of serial
-  round trips. On CPU nothing is copied (staging takes views)."""
-  shards = [s for s in to_copy(plan) if next(iter(s.devices())).platform != "cpu"]
+  """Accelerators staged with ``"asarray"`` (forced: the old path): start every
+  device-to-host copy of this save at once (when they fit in the budget), so the caller
+  waits for about the total transfer time, not a sum of serial round trips. ``"owned"``
+  copies start as staging charges them (:class:`Copies`); on CPU views copy nothing."""
+  shards = [s for s in to_copy(plan) if next(iter(s.devices())).platform != "cpu"
+            and _mode(next(iter(s.devices()))) == "asarray"]
   total = sum(s.nbytes for s in shards)
   if total and CHUNK_COST * total <= budget.limit:
     for s in shards:
