@@ -372,5 +372,66 @@ def mode_overlap(cfg):
   mgr.close()
 
 
+def _io_counts() -> dict[str, int]:
+  with open("/proc/self/io") as f:
+    return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def mode_peers(cfg):
+  """Recovery from peers: mesh ``(R, n*2/R)`` ``("r", "s")``, ``cfg["spec"]`` for "w" (e.g.
+  ``[null, "s"]``: replicated over "r"; ``["r", "s"]``: no replicas). "save": steps 0-5, every
+  step to the local tier, every 2nd to durable storage (so 5 is local-only, 4 durable).
+  "recover": ``cfg["wipe"]`` processes delete their local tier first, then restore()."""
+  import jax
+  import fnckpt
+  n, groups = jax.process_count(), cfg.get("groups", 2)
+  mesh = mp_worker.make_mesh([groups, 2 * n // groups], ["r", "s"])
+  leaves = {"w": {"shape": [8, 16], "spec": cfg["spec"]}, "b": {"shape": [16], "spec": ["s"]},
+            "e": {"shape": [4, 4], "kind": "numpy"}}
+  local = cfg["local"][jax.process_index()]
+  if cfg["phase"] == "recover" and jax.process_index() in cfg.get("wipe", []):
+    shutil.rmtree(local, ignore_errors=True)
+  mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=local, local_save_interval_steps=1,
+                                 save_interval_steps=2, local_max_to_keep=2,
+                                 save_options={"barrier_timeout_s": cfg["barrier_s"]})
+  out: dict[str, Any] = {"process": jax.process_index()}
+  if cfg["phase"] == "save":
+    for step in range(6):
+      state = mp_worker.make_state(leaves, mesh, seed=step)
+      state["step"] = step
+      mgr.save(step, state)
+    mgr.wait()
+  else:
+    target = {k: (np.zeros(v["shape"], np.float32) if v.get("kind") == "numpy" else
+                  jax.ShapeDtypeStruct(tuple(v["shape"]), np.float32,
+                                       sharding=mp_worker.sharding_of(mesh, v["spec"])))
+              for k, v in leaves.items()}
+    target["step"] = 0
+    out["latest"] = mgr.latest_step()
+    before = _io_counts()
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      got = mgr.restore(target=target)
+    out["restore_s"] = time.perf_counter() - start
+    after = _io_counts()
+    out["rchar"], out["wchar"] = (after["rchar"] - before["rchar"],
+                                  after["wchar"] - before["wchar"])
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    step = int(got["step"])
+    out["restored"] = step
+    checked = 0
+    for name, leaf in leaves.items():
+      want = mp_worker.expected(name, leaf["shape"], "float32", seed=step)
+      if leaf.get("kind") == "numpy":
+        assert np.asarray(got[name]).tobytes() == want.tobytes(), name
+        checked += 1
+      else:
+        checked += mp_worker.check_addressable(name, got[name], want)
+    out["checked"] = checked
+  mgr.close()
+  result(out)
+
+
 if __name__ == "__main__":
   mp_worker.main(globals(), devices=2)

@@ -177,7 +177,12 @@ class CheckpointManager:
   def latest_step(self) -> int | None:
     """The newest committed step, or ``None``. Waits for this manager's saves in flight to
     commit first, so every process of a job calling it at the same point of the loop gets the
-    same answer (each save commits behind a barrier; retention keeps the newest step)."""
+    same answer (each save commits behind a barrier; retention keeps the newest step). With
+    several processes and a local tier it is collective: the step ``restore()`` picks
+    (complete locally everywhere, covered by the processes' held shards, or durable)."""
+    if self._local is not None and _coordination.multi():
+      self._background.join()
+      return self._recovery.agreed_latest()
     self._claims.wait_saved()
     steps = self.all_steps()
     return steps[-1] if steps else None

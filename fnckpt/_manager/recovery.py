@@ -16,7 +16,7 @@ from typing import Any
 
 from .._io import coordination as _coordination
 from .._restore import restore as _restore
-from . import health as _health, tiers as _tiers
+from . import health as _health, held as _held, peers as _peers, tiers as _tiers
 from .claims import StepClaims
 from .._errors import DamagedError
 from .steps import StepIndex
@@ -53,6 +53,48 @@ class Recovery:
     mine = self.local.index.list(in_flight=self.claims.saving()).steps
     return _coordination.all_gather(self.index.root, "local-steps", mine, self.timeout_s)
 
+  def _reports(self) -> list[_held.HeldReport]:
+    """Every process's :class:`fnckpt._manager.held.HeldReport` (collective), or ``[]``
+    with one process or no local tier."""
+    if self.local is None or not _coordination.multi():
+      return []
+    mine = _peers.report(self.local.index, self.claims.saving())
+    return [_held.HeldReport.from_json(r) for r in _coordination.all_gather(
+        self.index.root, "held", mine.as_json(), self.timeout_s)]
+
+  def _choice(self, local_steps: list[list[int]], reports: list[_held.HeldReport],
+              layout: str | None) -> _held.Choice:
+    """Process 0's :func:`fnckpt._manager.held.choose`, on every process (collective)."""
+    def decide() -> list:
+      self.claims.wait_saved()
+      durable = self.index.list(in_flight=self.claims.saving()).steps
+      common = (_tiers.choose(local_steps, [], set()) if local_steps else None)
+      c = _held.choose(reports, [] if common is None else [common], durable, set(), layout)
+      return [c.step, c.source, c.warning]
+    return _held.Choice(*_coordination.from_process_0(self.index.root, "held-choice", decide,
+                                                      self.timeout_s))
+
+  def _from_peers(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None] | None:
+    """Several processes with fast tiers: when process 0 picks a step only the processes'
+    held shards together cover, restore it from them (collective); ``(value, step)``, or
+    None to go on as before (a warning when a newer local step is skipped)."""
+    reports = self._reports()
+    if not reports:
+      return None
+    layouts = None if kwargs else _held.layouts_of(target)
+    layout = _held.digest(layouts) if layouts is not None else "(not from peers)"
+    choice = self._choice(self._local_steps(), reports, layout)
+    if choice.warning:
+      warnings.warn(choice.warning, RuntimeWarning, stacklevel=4)
+    if choice.source != "peers":
+      return None
+    self.claims.wait_saved(choice.step)
+    with self.claims.reading(choice.step):
+      value = _peers.restore(self.index.root, self.local.index.path(choice.step),
+                             self.local.index.storage_options, choice.step, reports, target,
+                             self.timeout_s)
+    return None if value is None else (value, choice.step)
+
   def _newest(self, local_steps: list[list[int]], skipped: set[int]) -> int | None:
     self.claims.wait_saved()
     durable = self.index.list(in_flight=self.claims.saving()).steps
@@ -60,12 +102,18 @@ class Recovery:
 
   def agreed_latest(self) -> int | None:
     """The newest step every process can restore (collective; process 0 decides)."""
-    local_steps = self._local_steps()
+    local_steps, reports = self._local_steps(), self._reports()
+    if reports:
+      return self._choice(local_steps, reports, None).step
     return _coordination.from_process_0(self.index.root, "latest",
                                         lambda: self._newest(local_steps, set()), self.timeout_s)
 
   def restore_latest(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
-    """``(value, step)`` of the newest step no process finds damaged (collective)."""
+    """``(value, step)`` of the newest step no process finds damaged (collective): from the
+    processes' held shards when only they cover it, else as :meth:`restore` reads."""
+    peers = self._from_peers(target, kwargs)
+    if peers is not None:
+      return peers
     local_steps = self._local_steps()
     return _health.restore_newest_valid(
         self.index.root, lambda skipped: self._newest(local_steps, skipped),

@@ -25,7 +25,8 @@ import jax
 
 from .._io import commit as _commit, coordination as _coordination, paths as _paths
 from .._save import save as _save
-from . import interval as _interval, lineage as _lineage, steps as _steps, tiers as _tiers
+from . import held as _held, interval as _interval, lineage as _lineage, peers as _peers
+from . import steps as _steps, tiers as _tiers
 from .claims import StepClaims
 from .._errors import CheckpointError, DamagedError
 from .preemption import Preemption
@@ -112,6 +113,7 @@ class Saver:
           "directory may hold only its host's chunks, so no base there is readable by every "
           "process. Use incremental=True without local_directory to write only what changed.",
           RuntimeWarning, stacklevel=4)
+    staged = self._stage_held(step, tree, index)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
@@ -132,8 +134,29 @@ class Saver:
     if self.local and durable and index is not self.index:
       self.local.begin(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step, handle, durable, index, base)
+                          step, handle, durable, index, base, staged)
     return handle
+
+  def _stage_held(self, step: int, tree: Any, index: _steps.StepIndex) -> Any:
+    """A local save with several processes: host copies of every shard this process holds
+    (replicas included; :mod:`fnckpt._manager.held`), written beside the save once it
+    commits, for recovery from peers; its old record of ``step`` deleted first. None when
+    not such a save or the tree is not supported."""
+    if self.local is None or index is not self.local.index or jax.process_count() == 1:
+      return None
+    _peers.forget(index.path(step), index.storage_options, jax.process_index())
+    return _held.stage(tree, jax.process_index())
+
+  def _write_held(self, step: int, index: _steps.StepIndex, staged: Any) -> None:
+    """Write the held pieces and record of a committed local save (a failure only warns:
+    recovery then reads a complete local copy or the durable tier)."""
+    try:
+      _peers.write(index.path(step), index.storage_options, staged, step,
+                   jax.process_index(), jax.process_count())
+    except Exception as e:
+      warnings.warn(f"Could not write what process {jax.process_index()} holds of local step "
+                    f"{step} in {index.display!r}: {e}. Recovery from peers will not use this "
+                    "process's copy of it.", RuntimeWarning, stacklevel=1)
 
   def _base_handle(self, base: Any) -> Any:
     """``save(base_handle=)``: False (a committed base), or, when process 0 chose a step in
@@ -151,7 +174,7 @@ class Saver:
       raise error from e
 
   def _after_commit(self, step: int, handle: Any, durable: bool,
-                    index: _steps.StepIndex, base: Any = None) -> None:
+                    index: _steps.StepIndex, base: Any = None, staged: Any = None) -> None:
     """Background: wait for the save's commit (the step's claim ends there); copy it to the
     durable tier if it was saved to the local one for that (one process; with the data of
     other steps it refers to); then retention (never while a copy runs: it may be bringing
@@ -163,6 +186,9 @@ class Saver:
       finally:  # the claim covers the commit, not the copy (pending guards the copy)
         self.claims.release_save(step, handle)
       index.note_committed(step)
+      if staged is not None:
+        self._write_held(step, index, staged)
+        staged = None
       cost = handle.stats.total_s
       if durable and index is not self.index:
         cost += self._copy(step)

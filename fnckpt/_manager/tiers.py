@@ -27,9 +27,10 @@ copy of the same step when its local copy is damaged.
 process of the job reads whole (one host: a tmpfs or NVMe path shared by that host's
 processes; one process: also ``memory://``). With one local directory per host on several
 hosts each holds only the chunks its host wrote (and only process 0's holds the commit
-marker), so no local step is complete on every process and recovery uses ``directory``:
-never wrong data, but no fast recovery (Orbax's emergency manager copies replicas between
-peers for that; not done here).
+marker), so no local step is complete on every process: then :mod:`fnckpt._manager.held`
+and :mod:`fnckpt._manager.peers` restore the newest step the shards every process holds
+(replicas included, written beside each local save) cover together, moving them between
+processes over the interconnect; else ``directory``, with a warning naming the step skipped.
 """
 
 from __future__ import annotations

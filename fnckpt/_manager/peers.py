@@ -1,0 +1,214 @@
+"""Recovery from peers' fast tiers (several processes): writing what a process holds, reporting
+it, and the collective restore of a step from the shards the processes hold.
+
+The plan is :mod:`fnckpt._manager.held` (pure). Here: :func:`write` (after a local save
+commits: the pieces, then the record), :func:`report` (the records this process holds
+intact), and :func:`restore`: each process reads the pieces it is the reader of from its own
+fast tier (a process that holds nothing reads nothing), the processes agree that every read
+succeeded (else every process returns None and the manager falls back), and one jitted
+``psum`` per wave over each array's replica axes fills every device: on the devices of each
+replica group exactly one (the reader's) carries the shard's bytes (viewed as unsigned
+integers, so the sum is bitwise exact), the others zeros. XLA's collectives move the bytes
+(Gloo over TCP between CPU processes; ICI/NVLink/IB on accelerators). Host leaves (small)
+travel through the coordination service from their reader.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import warnings
+import zlib
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from .._errors import CheckpointError
+from .._io import commit as _commit, coordination as _coordination, paths as _paths
+from . import held as _held
+
+__all__ = ["write", "report", "restore"]
+
+POLL_S = 0.05
+
+
+def write(step_path: str, options: dict[str, Any] | None, staged: _held.Staged, step: int,
+          process: int, count: int) -> None:
+  """Write this process's held pieces of ``step`` under ``step_path`` (its local step
+  directory), then their record (last: a record names only pieces already there)."""
+  kv = _paths.open_kvstore(step_path, options)
+  kv.delete_range(_prefix(f"held/{process}/")).result()
+  futures = [kv.write(_held.piece_key(process, i, j), data)
+             for (i, j), data in staged.pieces.items()]
+  for f in futures:
+    f.result()
+  record = _held.make_record(staged, step, process, count)
+  kv.write(_held.record_key(process), record.encode()).result()
+
+
+def forget(step_path: str, options: dict[str, Any] | None, process: int) -> None:
+  """Delete this process's record of a step about to be saved again (before its save)."""
+  kv = _paths.open_kvstore(step_path, options)
+  kv.delete_range(_prefix(_held.record_key(process))).result()
+
+
+def _prefix(name: str) -> Any:
+  import tensorstore as ts
+  return ts.KvStore.KeyRange(name, name + "\xff")
+
+
+def _record(kv: Any, process: int, count: int, step: int) -> _held.HeldRecord | None:
+  """This process's record of ``step`` if it is there, matches, and names only pieces that
+  are there; else None."""
+  got = kv.read(_held.record_key(process)).result()
+  if got.state != "value":
+    return None
+  try:
+    rec = _held.HeldRecord.decode(bytes(got.value))
+  except Exception:
+    return None
+  if (rec.process, rec.count, rec.step) != (process, count, step):
+    return None
+  have = {k.decode("utf-8", "surrogateescape")
+          for k in kv.list(range=_prefix(f"held/{process}/")).result()}
+  want = {_held.piece_key(process, i, j) for i, h in enumerate(rec.held) for j in h}
+  return rec if want <= have else None
+
+
+def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
+  """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of."""
+  import socket
+  p, n = jax.process_index(), jax.process_count()
+  listing = local_index.list(in_flight=saving)
+  steps = {}
+  for step in sorted(set(listing.steps) | set(listing.uncommitted)):
+    kv = _paths.open_kvstore(local_index.path(step), local_index.storage_options)
+    try:
+      rec = _record(kv, p, n, step)
+    except Exception:   # an unreadable fast tier holds nothing
+      rec = None
+    if rec is not None:
+      steps[step] = (rec.layout, rec.counts, rec.held)
+  return _held.HeldReport(p, socket.gethostname(), steps)
+
+
+def _read_mine(step_path: str, options: dict[str, Any] | None, readers: list[list[int]],
+               process: int, count: int, step: int) -> dict[tuple[int, int], bytes]:
+  """The pieces this process is the reader of, checked against its record's crc32."""
+  want = [(i, j) for i, row in enumerate(readers) for j, p in enumerate(row) if p == process]
+  if not want:   # a process that holds nothing reads nothing
+    return {}
+  kv = _paths.open_kvstore(step_path, options)
+  rec = _record(kv, process, count, step)
+  if rec is None:
+    raise CheckpointError(f"the record of step {step} in {_paths.display(step_path)!r} "
+                          "vanished or changed")
+  reads = {(i, j): kv.read(_held.piece_key(process, i, j)) for i, j in want}
+  out = {}
+  for (i, j), f in reads.items():
+    got = f.result()
+    k = rec.held[i].index(j)
+    if got.state != "value" or zlib.crc32(bytes(got.value)) != rec.crcs[i][k]:
+      raise CheckpointError(f"piece {j} of leaf {i} of step {step} in "
+                            f"{_paths.display(step_path)!r} is missing or damaged")
+    out[(i, j)] = bytes(got.value)
+  return out
+
+
+def restore(location: str, step_path: str, options: dict[str, Any] | None, step: int,
+            reports: Sequence[_held.HeldReport], target: Any, timeout_s: float) -> Any:
+  """Collective: ``step`` restored into ``target`` from the processes' held shards, or None
+  on every process (with a warning) when some process could not read its pieces."""
+  layouts = _held.layouts_of(target)
+  layout = _held.digest(layouts)
+  readers = _held.holders(reports, step, layout)
+  p, n = jax.process_index(), jax.process_count()
+  try:
+    mine, error = _read_mine(step_path, options, readers, p, n, step), None
+  except Exception as e:
+    mine, error = {}, f"process {p}: {type(e).__name__}: {_paths.error_text(e)}"
+  hosts = {f"{i}": base64.b64encode(mine[(i, 0)]).decode() for i, l in enumerate(layouts)
+           if l.dtype == "host" and readers[i][0] == p and (i, 0) in mine}
+  outcome = _coordination.all_gather(location, f"peers-read-{step}",
+                                     {"error": error, "host": hosts}, timeout_s)
+  errors = [o["error"] for o in outcome if o["error"]]
+  if errors:
+    warnings.warn(f"Restoring step {step} from the processes' fast tiers failed ("
+                  f"{'; '.join(errors)}); falling back to the durable tier.", RuntimeWarning,
+                  stacklevel=4)
+    return None
+  host = {int(i): _held.host_value(base64.b64decode(v)) for o in outcome
+          for i, v in o["host"].items()}
+  leaves, treedef = jax.tree_util.tree_flatten(target)
+  arrays = {i: _assemble(leaf, layouts[i], readers[i], mine, i, p)
+            for i, leaf in enumerate(leaves) if layouts[i].dtype != "host"}
+  moved = _spread(location, step, list(arrays.values()), timeout_s)
+  out = dict(zip(arrays, moved))
+  return jax.tree_util.tree_unflatten(
+      treedef, [host[i] if i in host else out[i] for i in range(len(leaves))])
+
+
+def _uint(dtype: np.dtype) -> np.dtype:
+  return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def _assemble(leaf: Any, layout: _held.LeafLayout, readers: list[int],
+              mine: dict[tuple[int, int], bytes], i: int, process: int) -> jax.Array:
+  """The global array (unsigned view) on ``leaf``'s sharding: on each replica group, the
+  reader's first device with the shard holds its bytes, every other device zeros."""
+  sharding, dtype = leaf.sharding, np.dtype(leaf.dtype)
+  position = {index: j for j, index in enumerate(layout.indices)}
+  shard_shape = sharding.shard_shape(layout.shape)
+  bufs, used = [], set()
+  for device, index in sharding.addressable_devices_indices_map(layout.shape).items():
+    j = position[_held.norm_index(index, layout.shape)]
+    if readers[j] == process and j not in used:
+      used.add(j)
+      data = np.frombuffer(mine[(i, j)], dtype=dtype).reshape(shard_shape).view(_uint(dtype))
+    else:
+      data = np.zeros(shard_shape, _uint(dtype))
+    bufs.append(jax.device_put(data, device))
+  return jax.make_array_from_single_device_arrays(layout.shape, sharding, bufs), dtype
+
+
+def _spread(location: str, step: int, arrays: list[tuple[jax.Array, np.dtype]],
+            timeout_s: float) -> list[jax.Array]:
+  """Every array summed over its replica axes (one jitted computation), bitcast back to
+  its dtype; collective, behind a barrier, with a deadline."""
+  phase = f"peers-{step}"
+  _commit.report(location, f"{phase}: spreading")
+  _commit.barrier(location, phase, timeout_s)
+  deadline = time.monotonic() + timeout_s
+  fns = [_summed(x.sharding, dtype) for x, dtype in arrays]
+  try:
+    out = jax.jit(lambda *xs: tuple(f(x) for f, x in zip(fns, xs)))(*(x for x, _ in arrays))
+    for x in out:
+      while not x.is_ready():
+        if time.monotonic() > deadline:
+          raise TimeoutError("the collective did not finish by the deadline")
+        time.sleep(POLL_S)
+      x.block_until_ready()
+  except Exception as e:
+    raise CheckpointError(f"Restoring step {step} of {_paths.display(location)!r} from the "
+                          f"processes' fast tiers failed in the collective on process "
+                          f"{jax.process_index()}: {type(e).__name__}: {e}") from None
+  finally:
+    _commit.forget(location)
+  for x, _ in arrays:
+    x.delete()
+  return list(out)
+
+
+def _summed(sharding: Any, dtype: np.dtype) -> Any:
+  """``x -> psum(x, replica axes)`` per shard, bitcast to ``dtype`` (bool: ``!= 0``)."""
+  mesh, spec = sharding.mesh, sharding.spec
+  used = {a for s in spec if s is not None for a in (s if isinstance(s, tuple) else (s,))}
+  axes = tuple(a for a in mesh.axis_names if a not in used)
+
+  def body(x):
+    x = jax.lax.psum(x, axes) if axes else x
+    return x != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(x, dtype)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
