@@ -206,6 +206,11 @@ class Session:
     if found is None:
       return
     who, text, committed = found
+    if phase == "written" and who != 0 and committed is None:
+      # That process failed after passing 'written' itself (so every process's data was
+      # durable): the commit goes on, and its error is seen at the next barrier. (Raising
+      # here made the outcome depend on whether its error was published before this check.)
+      return
     err = PeerFailedError(
         f"Saving to {self.location!r} failed on process {who} (process "
         f"{jax.process_index()} learned of it {when}): {text.rstrip()}")
