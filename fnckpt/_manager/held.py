@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._save import copies as _copies
+
 __all__ = ["LeafLayout", "HeldRecord", "HeldReport", "Choice", "layouts_of", "choose",
            "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered", "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
 
@@ -245,12 +247,22 @@ def choose(reports: Sequence[HeldReport], local_common: Sequence[int],
 
 @dataclasses.dataclass
 class Staged:
-  """A local save's held pieces on the host, to be written after the save commits:
-  ``pieces[(leaf, position)]`` bytes, and the record fields."""
+  """A local save's held pieces, to be written after the save commits:
+  ``pieces[(leaf, position)]``: bytes (host leaves), or a shard staged off its device as the
+  save stages (``fnckpt._save.copies``: a view of the CPU buffer, or a copy in host memory
+  the save owns on accelerators); :func:`materialize` turns them into bytes, in the
+  background. Plus the record fields."""
   layout: str
   counts: tuple[int, ...]
   held: tuple[tuple[int, ...], ...]
-  pieces: dict[tuple[int, int], bytes]
+  pieces: dict[tuple[int, int], Any]
+
+
+def materialize(staged: Staged) -> Staged:
+  """``staged`` with every piece as bytes (C-order; a copy made now, off the caller's path)."""
+  pieces = {k: v if isinstance(v, bytes) else
+            np.ascontiguousarray(_copies.to_host(v)).tobytes() for k, v in staged.pieces.items()}
+  return dataclasses.replace(staged, pieces=pieces)
 
 
 def _host_bytes(leaf: Any) -> bytes:
@@ -277,7 +289,8 @@ def stage(tree: Any, process: int) -> Staged | None:
   if layouts is None:
     return None
   leaves = jax.tree_util.tree_leaves(tree)
-  pieces: dict[tuple[int, int], bytes] = {}
+  copies = _copies.Copies()
+  pieces: dict[tuple[int, int], Any] = {}
   held = []
   for i, (layout, leaf) in enumerate(zip(layouts, leaves)):
     if layout.dtype == "host":
@@ -289,9 +302,10 @@ def stage(tree: Any, process: int) -> Staged | None:
     position = {index: j for j, index in enumerate(layout.indices)}
     for shard in leaf.addressable_shards:
       j = position[norm_index(shard.index, layout.shape)]
-      if (i, j) not in pieces:
-        pieces[(i, j)] = np.ascontiguousarray(np.asarray(shard.data)).tobytes()
+      if (i, j) not in pieces:  # (no host copy cached on the caller's array; no memcpy now)
+        pieces[(i, j)] = copies.get(shard.data)
     held.append(tuple(sorted(j for (k, j) in pieces if k == i)))
+  copies.wait()   # (owned copies: landed before the caller may donate the arrays)
   return Staged(digest(layouts), tuple(len(l.indices) for l in layouts), tuple(held), pieces)
 
 

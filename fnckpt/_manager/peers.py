@@ -38,6 +38,7 @@ def write(step_path: str, options: dict[str, Any] | None, staged: _held.Staged, 
           process: int, count: int) -> None:
   """Write this process's held pieces of ``step`` under ``step_path`` (its local step
   directory), then their record (last: a record names only pieces already there)."""
+  staged = _held.materialize(staged)
   kv = _paths.open_kvstore(step_path, options)
   kv.delete_range(_prefix(f"held/{process}/")).result()
   futures = [kv.write(_held.piece_key(process, i, j), data)
