@@ -48,15 +48,7 @@ def state_at(mesh, step: int) -> dict[str, Any]:
 def check_state(got, step: int) -> int:
   """Compare every addressable shard with the values saved at ``step``; return how many."""
   assert got["step"] == step, got["step"]
-  checked = 0
-  for name, leaf in LEAVES.items():
-    want = mp_worker.expected(name, leaf["shape"], "float32", seed=step)
-    if leaf.get("kind") == "numpy":
-      assert np.asarray(got[name]).tobytes() == want.tobytes(), name
-      checked += 1
-    else:
-      checked += mp_worker.check_addressable(name, got[name], want)
-  return checked
+  return mp_worker.check_leaves(LEAVES, got, step)
 
 
 def error_of(fn) -> dict[str, str] | None:
@@ -420,15 +412,7 @@ def mode_peers(cfg):
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     step = int(got["step"])
     out["restored"] = step
-    checked = 0
-    for name, leaf in leaves.items():
-      want = mp_worker.expected(name, leaf["shape"], "float32", seed=step)
-      if leaf.get("kind") == "numpy":
-        assert np.asarray(got[name]).tobytes() == want.tobytes(), name
-        checked += 1
-      else:
-        checked += mp_worker.check_addressable(name, got[name], want)
-    out["checked"] = checked
+    out["checked"] = mp_worker.check_leaves(leaves, got, step)
   mgr.close()
   result(out)
 

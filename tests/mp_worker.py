@@ -417,6 +417,22 @@ def mode_read_only(cfg):
 
 # --- collective save attempts (tests/test_collective_mp.py) -----------------------------
 
+def check_leaves(leaves, got, seed, target=None) -> int:
+  """Every leaf of ``got`` against the values saved with ``seed``: numpy leaves whole, jax
+  leaves shard by shard (with ``target``'s sharding, when given); how many were checked."""
+  checked = 0
+  for name, leaf in leaves.items():
+    want = expected(name, leaf["shape"], leaf.get("dtype", "float32"), seed)
+    if leaf.get("kind", "jax") == "numpy":
+      assert np.asarray(got[name]).tobytes() == want.tobytes(), name
+      checked += 1
+    else:
+      if target is not None:
+        assert got[name].sharding == target[name].sharding, name
+      checked += check_addressable(name, got[name], want)
+  return checked
+
+
 def _attempt_state(cfg, attempt, mesh):
   """This process's tree for one attempt: ``cfg["leaves"]`` at the attempt's ``seed`` plus
   ``step``, with this process's changes (``attempt["change"][str(process)]``): ``leaves``
@@ -450,14 +466,7 @@ def _restore_and_check(cfg, attempt, mesh) -> int:
       target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(
           leaf.get("dtype", "float32")), sharding=sharding_of(mesh, spec))
   got = fnckpt.restore(attempt["path"], target)
-  for name, leaf in cfg["leaves"].items():
-    value = expected(name, leaf["shape"], leaf.get("dtype", "float32"), attempt.get("seed", 0))
-    if leaf.get("kind", "jax") == "numpy":
-      assert got[name].tobytes() == value.tobytes(), name
-      checked += 1
-    else:
-      assert got[name].sharding == target[name].sharding, name
-      checked += check_addressable(name, got[name], value)
+  checked += check_leaves(cfg["leaves"], got, attempt.get("seed", 0), target)
   assert got["step"] == 7
   return checked
 
