@@ -31,14 +31,6 @@ def io_counters() -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _rss(field: str = "VmRSS") -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError(field)
-
-
 def _install_death(cfg) -> None:
   """The victim exits (SIGKILL-like, no cleanup) at the chosen instant of the broadcast."""
   import jax
@@ -66,16 +58,7 @@ def _install_death(cfg) -> None:
 
 
 def _target(cfg, mesh):
-  import jax
-  target = {}
-  for name, leaf in cfg["leaves"].items():
-    spec = cfg["target"].get(name, leaf.get("spec"))
-    if leaf.get("kind", "jax") == "numpy":
-      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
-    else:
-      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(
-          mp_worker.expected("z", (1,), leaf.get("dtype", "float32")).dtype),
-          sharding=sharding_of(mesh, spec))
+  target = mp_worker.target_of(cfg["leaves"], cfg["target"], mesh)
   if cfg.get("step", True):
     target["step"] = 0
   return target
@@ -148,14 +131,14 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("evicted")
   gc.collect()
-  base = _rss()
+  base = mp_worker.rss()
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
   peak, stop = [0], threading.Event()
 
   def sample():
     while not stop.is_set():
-      peak[0] = max(peak[0], _rss() - base)
+      peak[0] = max(peak[0], mp_worker.rss() - base)
       time.sleep(0.002)
 
   t = threading.Thread(target=sample, daemon=True)
@@ -176,7 +159,7 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
   return {"broadcast": broadcast, "checked_shards": checked, "elapsed_s": elapsed,
           "waves": len(waves), "wave_input_bytes": max(waves, default=0),
           "io": {k: after[k] - before[k] for k in after},
-          "peak_rss": max(peak[0], _rss("VmHWM") - base), "local_state_bytes": local}
+          "peak_rss": max(peak[0], mp_worker.rss("VmHWM") - base), "local_state_bytes": local}
 
 
 def mode_reshard_only(cfg):

@@ -204,20 +204,29 @@ def mode_save(cfg):
   result({"process": jax.process_index(), "stats": stats, "elapsed_s": time.monotonic() - t0})
 
 
+def target_of(leaves, specs, mesh) -> dict:
+  """A restore target of ``leaves``: numpy zeros for numpy leaves, else ShapeDtypeStructs on
+  ``mesh`` with ``specs[name]`` (default: the leaf's own spec)."""
+  import jax
+  target = {}
+  for name, leaf in leaves.items():
+    spec = specs.get(name, leaf.get("spec"))
+    if leaf.get("kind", "jax") == "numpy":
+      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
+    else:
+      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(
+          expected("z", (1,), leaf.get("dtype", "float32")).dtype),
+          sharding=sharding_of(mesh, spec))
+  return target
+
+
 def mode_restore(cfg):
   """Restore ``path`` onto ``mesh`` with the PartitionSpecs in ``target`` and check every
   addressable shard against the expected values."""
   import jax
   import fnckpt
   mesh = make_mesh(*cfg["mesh"])
-  target = {}
-  for name, leaf in cfg["leaves"].items():
-    spec = cfg["target"].get(name, leaf.get("spec"))
-    if leaf.get("kind", "jax") == "numpy":
-      target[name] = np.zeros(leaf["shape"], leaf.get("dtype", "float32"))
-    else:
-      target[name] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf.get("dtype",
-                                          "float32")), sharding=sharding_of(mesh, spec))
+  target = target_of(cfg["leaves"], cfg["target"], mesh)
   target["step"] = 0
   got = fnckpt.restore(cfg["path"], target)
   checked = 0
@@ -261,7 +270,8 @@ def mode_exit_without_wait(cfg):
   result({"done_when_main_returned": h.done()})
 
 
-def _rss(field: str = "VmRSS") -> int:
+def rss(field: str = "VmRSS") -> int:
+  """This process's resident set size (``field`` ``VmHWM``: its peak), bytes."""
   with open("/proc/self/status") as f:
     for line in f:
       if line.startswith(field + ":"):
@@ -293,25 +303,25 @@ def mode_memory_budget(cfg):
   fnckpt.save(warm, cfg["path"] + "/warm").wait()
   gc.collect()
   time.sleep(0.2)
-  base = _rss()
+  base = rss()
   samples = []
   stop = threading.Event()
 
   def sample():  # also sample, in case VmHWM cannot be reset on this kernel
     while not stop.is_set():
       b = _state.saves.budget
-      samples.append((_rss() - base, b.held if b else 0))
+      samples.append((rss() - base, b.held if b else 0))
       time.sleep(0.001)
 
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
-  hwm_reset = _rss("VmHWM") - base
+  hwm_reset = rss("VmHWM") - base
   t = threading.Thread(target=sample, daemon=True)
   t.start()
   budget = cfg["budget_mib"] * MiB
   h = fnckpt.save(state, cfg["path"] + "/ckpt", budget_bytes=budget)
   stats = h.wait()
-  peak_hwm = _rss("VmHWM") - base
+  peak_hwm = rss("VmHWM") - base
   stop.set()
   t.join()
   result({"base": base, "hwm_after_reset": hwm_reset, "peak_hwm": peak_hwm,
@@ -356,7 +366,7 @@ def mode_memory_growth(cfg):
 
   def sample():  # (tracemalloc would slow every save down several times)
     gc.collect()
-    return sys.getallocatedblocks(), _rss()
+    return sys.getallocatedblocks(), rss()
 
   n_warm, n, every = cfg["warmup"], cfg["saves"], cfg["every"]
   for i in range(n_warm):
