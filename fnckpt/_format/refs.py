@@ -24,7 +24,7 @@ from .._errors import CheckpointError
 
 __all__ = ["digest", "array_digest", "Location", "locate", "relative", "resolve",
            "StoredCand", "PackCand", "RunCand", "Candidates", "candidates", "Report",
-           "finalize", "chunk_pos", "chunk_key", "run_writers"]
+           "finalize", "chunk_pos", "chunk_key", "run_writers", "same_split", "split_of"]
 
 
 def digest(data: Any) -> bytes:
@@ -237,15 +237,27 @@ def run_writers(layout: Any, index: int) -> np.ndarray:
   return np.flatnonzero(layout.groups[layout.group_of[k]].counts)
 
 
+def split_of(s: _records.Sharding, ndim: int) -> tuple[tuple[int, ...], ...]:
+  """Per array dimension, the mesh axes (positions) splitting it: ``P('y')`` and
+  ``P('y', None)`` (what ``x + 1`` gives) are the same split."""
+  return s.dim_axes + ((),) * (ndim - len(s.dim_axes))
+
+
+def same_split(a: _records.Sharding, b: _records.Sharding, ndim: int) -> bool:
+  """Whether two saved named shardings split an array of rank ``ndim`` alike (same mesh axes
+  and sizes, same axes per dimension, however the specs spell it)."""
+  return (a.axes, a.sizes) == (b.axes, b.sizes) and split_of(a, ndim) == split_of(b, ndim)
+
+
 def _run_cand(base: _records.Manifest, old: _records.Leaf, rec: _records.Leaf, i: int,
               meshes: Sequence[np.ndarray], base_loc: Location, new_loc: Location
               ) -> RunCand | None:
   """The base's runs of a pieced leaf whose chunks land on the same writers as ``rec``'s."""
   a, b = old.sharding, rec.sharding
-  if old.pieces.chunks != rec.pieces.chunks or (a.axes, a.sizes, a.spec) != (
-      b.axes, b.sizes, b.spec) or not np.array_equal(base.meshes[a.mesh], meshes[b.mesh]):
+  if old.pieces.chunks != rec.pieces.chunks or not same_split(a, b, len(rec.shape)) or (
+      not np.array_equal(base.meshes[a.mesh], meshes[b.mesh])):
     return None
-  dims = b.dim_axes + ((),) * (len(rec.shape) - len(b.dim_axes))
+  dims = split_of(b, len(rec.shape))
   if _pieces.shift_of(old.index, b.sizes, dims) != _pieces.shift_of(i, b.sizes, dims):
     return None   # rule 1 depends on the leaf's index: its writers moved
   got = np.frombuffer(old.pieces.runs, dtype=[("pack", "<u4"), ("offset", "<u8")])

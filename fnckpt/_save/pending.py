@@ -104,9 +104,8 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
 
 
 def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
-  a, b = old.sharding, rec.sharding
-  return old.pieces.chunks == rec.pieces.chunks and (a.axes, a.sizes, a.spec) == (
-      b.axes, b.sizes, b.spec)
+  return old.pieces.chunks == rec.pieces.chunks and _refs.same_split(
+      old.sharding, rec.sharding, len(rec.shape))
 
 
 def layout_of(records: Sequence[_records.Leaf]) -> tuple[_records.Leaf, ...]:
