@@ -482,12 +482,11 @@ def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
          lambda: f"'inline' must hold {nbytes} bytes")
     _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
     return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, data)
-  leaf = Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl)
   if version >= 3:   # every array stored outside the manifest carries its hash
     _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
          "array has one)")
-  if "hash" in rec:
-    leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'", hn))
+  digest = _hash(rec["hash"], "'hash'", hn) if "hash" in rec else None
+  leaf = Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, hash=digest)
   if "pieces" in rec:
     _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
          "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
@@ -498,7 +497,8 @@ def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
   _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
        "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
-  return dataclasses.replace(leaf, packed=_packed(rec["pack"], leaf.nbytes, packs))
+  return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl,
+              packed=_packed(rec["pack"], leaf.nbytes, packs), hash=digest)
 
 
 def _head_key(rec: dict) -> tuple:
