@@ -98,7 +98,7 @@ def keystr(path: Sequence[Sequence[Any]]) -> str:
 
 def match_key(path: Sequence[Sequence[Any]]) -> tuple:
   """What two key paths must share to be the same leaf: the keys, not how they are reached."""
-  return tuple(key for _, key in path)
+  return tuple([key for _, key in path])
 
 
 def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
