@@ -2,11 +2,13 @@
 through the one reader (``_sources.read``) under the restore budget, and placed on the
 target's devices as it lands.
 
-Packed leaves are read first, each whole, and placed with their sharding; stored, pieced and
-foreign leaves as the distinct slices this process's devices need (``_layout.plan_read``),
-each placed on its devices; inline leaves (no stored bytes: values in the manifest) last. A
-slice's bytes stay charged to the budget until it is placed: puts go out in batches, when 256
-are waiting, when the next read has not landed yet and an eighth of the budget waits (its
+Packed leaves are read first, each whole (a run of them lying one after another in a pack as
+one byte range), and placed with their sharding; stored, pieced and foreign leaves as the
+distinct slices this process's devices need (``_layout.plan_read``), each placed on its
+devices; inline leaves (no stored bytes: values in the manifest) while the first read is
+awaited (the window's ``idle``), else last. A slice's bytes stay charged to the budget until
+it is placed: puts go out in batches (one ``jax.device_put`` per sharding or device), when
+256 are waiting, when the next read has not landed yet and an eighth of the budget waits (its
 bytes then leave the budget and the next reads go out meanwhile), or when the budget is full
 and nothing is in flight (the window's ``drain``).
 """
@@ -51,18 +53,17 @@ def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
   others. Inline leaves have no stored bytes: their values, from the manifest, are placed
   with the last batch."""
   placer = _Placer(reads)
-  window = placer.window = _read.Window(budget, drain=placer.flush)
+  window = placer.window = _read.Window(budget, drain=placer.flush, idle=placer.place_inline)
   try:
     for got in _read.read_regions(_regions(_read.Opener(src), reads, budget), window,
                                   release=False):
       placer.land(got)
-    for i, r in reads.items():
-      if r.want.rec.inline is not None:
-        placer.inline(i, _leaves.inline_array(r.want.rec))
+    placer.place_inline()
     placer.flush()
   finally:
-    window.drain = None  # (a cycle through the placer would keep what was read, and the
-                         # restored arrays, alive until a garbage collection)
+    window.drain = window.idle = None  # (a cycle through the placer would keep what was
+                                       # read, and the restored arrays, alive until a
+                                       # garbage collection)
 
 
 def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int
@@ -114,6 +115,7 @@ class _Placer:
     self.puts: list[tuple[int, Any, np.ndarray]] = []   # (leaf, device, host slice)
     self.whole: list[tuple[int, np.ndarray]] = []        # (leaf, host array)
     self.held = 0
+    self.inline_done = False
 
   def land(self, got: _read.Landed) -> None:
     """A landed read (one leaf's region, or a run of whole packed leaves) kept or queued."""
@@ -146,6 +148,18 @@ class _Placer:
       host = shared_on_cpu(host, devices)
       self.puts += [(i, d, host) for d in devices]
     return True
+
+  def place_inline(self) -> None:
+    """The inline leaves, once: placed while the first read is awaited (``Window.idle``: the
+    mixed state's 1,001 inline leaves are placed while its packs are read), else after the
+    reads."""
+    if self.inline_done:
+      return
+    self.inline_done = True
+    for i, r in self.reads.items():
+      if r.want.rec.inline is not None:
+        self.inline(i, _leaves.inline_array(r.want.rec))
+    self.flush()
 
   def inline(self, i: int, host: np.ndarray) -> None:
     """An inline leaf's value: kept for a host target, else queued to be placed whole with

@@ -58,10 +58,13 @@ class Window:
   """The byte window of one read: at most ``limit`` bytes held (charged: reads in flight, and
   landed ones the caller has not released), one read alone when it does not fit. ``drain``:
   called when nothing is in flight and what the caller keeps leaves no room for the next
-  read; it releases what it can (restore places the slices it holds). ``peak``, ``largest``
+  read; it releases what it can (restore places the slices it holds). ``idle``: called when
+  the oldest read in flight has not landed yet, before waiting for it (restore places what
+  needs no read meanwhile). ``peak``, ``largest``
   and ``reads``: the most held at once, the largest single charge, the reads started."""
   limit: int
   drain: Callable[[], None] | None = None
+  idle: Callable[[], None] | None = None
   held: int = 0
   peak: int = 0
   largest: int = 0
@@ -458,6 +461,8 @@ class _Flight:
     for the next one, with ``release``)."""
     r, fut = self.pending.popleft()
     self.submit()  # the reads started since the last one landed go out now, not later
+    if self.window.idle is not None and not _ready(fut):
+      self.window.idle()
     try:
       data, error = r.leaf.finish(fut.result(), r.index), None
     except Exception as e:
