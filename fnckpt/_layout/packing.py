@@ -13,19 +13,14 @@ import heapq
 from typing import Mapping, Sequence
 
 __all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
-           "PACK_CHUNK_BYTES", "PACK_BYTES_LIMIT"]
+           "PACK_CHUNK_BYTES"]
 
 # Arrays up to this size (that some process can see whole) are packed.
 PACK_LEAF_BYTES = 4 << 20
 # A pack's inner chunk (the unit of a partial read and of a crc32c checksum).
 PACK_INNER_BYTES = 1 << 20
-# A pack's chunk (one file, one write): bounds the host memory one pack write holds. Small,
-# so that the writer assembles the next chunk while TensorStore writes the last: 2,000 leaves
-# of 4-128 KiB (82 MiB, bench/run.py's mixed state) saved in 0.32-0.37 s with 4 MiB chunks,
-# 0.42-0.50 s with 64 MiB ones (medians of 5-9 saves, alternating, 2 loaded cores).
-PACK_CHUNK_BYTES = 4 << 20
-# The largest ``pack_bytes`` a save accepts, and an incremental save's segment at most.
-PACK_BYTES_LIMIT = 64 << 20
+# A pack's chunk (one file, one write): bounds the host memory one pack write holds.
+PACK_CHUNK_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,10 +40,10 @@ __all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of",
 # (with 8 MiB pieces, the bench's transformer restored onto another mesh read 2.06x the bytes
 # it needed and took twice as long).
 PIECE_BYTES = 1 << 20
-# The chunk (one object, one write) of the packs of a save with pieces: pieces make packs
-# large, and a pack chunk is staged and written whole (twice its size from the save's host
-# budget), so a save with a small budget must not hold 128 MiB at once; 16 MiB objects stay
-# large for any store. (A plain pack's chunk is 4 MiB: ``packing.PACK_CHUNK_BYTES``.)
+# The chunk (one object, one write) of the packs of a save with pieces. Smaller than a plain
+# pack's 64 MiB: pieces make packs large, and a pack chunk is staged and written whole (twice its
+# size from the save's host budget), so a save with a small budget must not hold 128 MiB at
+# once; 16 MiB objects stay large for any store.
 PACK_CHUNK_BYTES = 16 << 20
 # A bound on the numpy work a (possibly hostile) manifest may ask for: total chunks over groups.
 MAX_PIECE_WORK = 1 << 27

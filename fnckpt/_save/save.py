@@ -394,7 +394,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, writer, err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
-                                min(_packing.PACK_BYTES_LIMIT, max(budget.limit // 4, 1)),
+                                min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
                                 budget=budget)
     _attach_pending(based, writer)
     writer.start()
@@ -465,7 +465,7 @@ def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Bas
 def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
   for name, v, hi, default in (
       ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
-      ("pack_bytes", pack_bytes, _packing.PACK_BYTES_LIMIT, _packing.PACK_LEAF_BYTES)):
+      ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES)):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
       raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
                             f"the default is {default}.")
