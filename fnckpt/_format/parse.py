@@ -170,10 +170,10 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if e.whole else f"its {e}") from None
-  leaves = []
+  leaves, heads = [], {}
   for i, rec in enumerate(raw):
     try:
-      leaves.append(_leaf(i, rec, version, packs, bases, meshes, hn))
+      leaves.append(_leaf(i, rec, version, packs, bases, meshes, hn, heads))
     except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
       raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
           from None
@@ -393,9 +393,10 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
 
 def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
           bases: tuple[Base, ...] = (), meshes: tuple[np.ndarray, ...] = (),
-          hn: int = HASH_BYTES) -> Leaf:
+          hn: int = HASH_BYTES, heads: dict | None = None) -> Leaf:
   """One leaf record (``hn``: bytes of a content hash: SHA-256's in format 2, else the
-  manifest's ``hash`` algorithm's)."""
+  manifest's ``hash`` algorithm's; ``heads``: the array heads validated so far, see
+  :func:`_array`)."""
   _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
   _req(isinstance(kind, str) and kind in LEAF_KINDS,
@@ -407,7 +408,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
     _keys(rec, "it", common)
     return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs, bases, meshes, hn)
+    return _array(i, path, rec, version, packs, bases, meshes, hn, heads)
   if kind == "empty":
     _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
@@ -461,7 +462,58 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES) -> Leaf:
+def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
+           heads: dict | None = None) -> Leaf:
+  """An array record. Its head (fields, dtype, shape, source, sharding, PRNG impl) is
+  validated once per distinct head (``heads``: this parse's cache; a failure is never
+  cached, so every record with a bad head fails with the same message as on its own)."""
+  if heads is None:
+    dtype, shape, sharding, impl = _array_head(rec, version, meshes)
+  else:
+    key = _head_key(rec)
+    head = heads.get(key)
+    if head is None:
+      head = heads[key] = _array_head(rec, version, meshes)
+    dtype, shape, sharding, impl = head
+  if "inline" in rec:
+    data = rec["inline"]
+    nbytes = math.prod(shape) * itemsize(dtype)
+    _req(isinstance(data, bytes) and len(data) == nbytes,
+         lambda: f"'inline' must hold {nbytes} bytes")
+    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
+    return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, data)
+  if version >= 3:   # every array stored outside the manifest carries its hash
+    _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
+         "array has one)")
+  digest = _hash(rec["hash"], "'hash'", hn) if "hash" in rec else None
+  leaf = Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, hash=digest)
+  if "pieces" in rec:
+    _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
+         "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
+    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version,
+                                                    hn))
+  if "store" in rec:
+    return _stored_leaf(leaf, rec, version, bases, hn)
+  _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
+       "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
+  _req(version >= 2, "'pack' needs format 2")
+  return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl,
+              packed=_packed(rec["pack"], leaf.nbytes, packs), hash=digest)
+
+
+def _head_key(rec: dict) -> tuple:
+  """What an array record's head validation depends on: its field names (in order) and the
+  values of its head fields, as ``repr`` (exact for msgpack data: str/bytes, int/bool/float,
+  lists and maps differ in their reprs)."""
+  g = rec.get  # (a missing field: its name is not in tuple(rec))
+  return (tuple(rec), repr(g("kind")), repr(g("dtype")), repr(g("shape")), repr(g("source")),
+          repr(g("sharding")), repr(g("impl")))
+
+
+def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
+                ) -> tuple[str, tuple[int, ...], Sharding | None, str | None]:
+  """An array record's fields and head checked, in the order of their messages: (dtype,
+  shape, sharding, impl)."""
   kind = rec["kind"]
   storage = ("inline", "store", "pack") + (("pieces",) if version >= 2 else ())
   hashes = (() if version == 1 else ("hash", "chunk_hashes") if version >= 3 else
@@ -483,29 +535,7 @@ def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES) -> 
   sharding = _sharding(rec["sharding"], len(shape), meshes)
   _req(sharding is None or sharding.mesh is None or "pieces" in rec,
        "'sharding'.mesh belongs to pieced leaves only")
-  leaf = Leaf(i, path, kind, dtype, shape, rec["source"], sharding, impl)
-  if "inline" in rec:
-    nbytes = math.prod(shape) * itemsize(dtype)
-    _req(isinstance(rec["inline"], bytes) and len(rec["inline"]) == nbytes,
-         lambda: f"'inline' must hold {nbytes} bytes")
-    _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
-    return dataclasses.replace(leaf, inline=rec["inline"])
-  if version >= 3:   # every array stored outside the manifest carries its hash
-    _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
-         "array has one)")
-  if "hash" in rec:
-    leaf = dataclasses.replace(leaf, hash=_hash(rec["hash"], "'hash'", hn))
-  if "pieces" in rec:
-    _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
-         "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
-    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version,
-                                                    hn))
-  if "store" in rec:
-    return _stored_leaf(leaf, rec, version, bases, hn)
-  _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
-       "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
-  _req(version >= 2, "'pack' needs format 2")
-  return dataclasses.replace(leaf, packed=_packed(rec["pack"], leaf.nbytes, packs))
+  return dtype, shape, sharding, impl
 
 
 def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hn: int) -> Leaf:

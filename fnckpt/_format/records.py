@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import _state
 from .codecs import BLOSC
 from .tree import keystr
 
@@ -62,7 +63,9 @@ def np_dtype(name: str) -> np.dtype:
   return np.dtype(jnp.dtype(name))
 
 
+@_state.memo(256)
 def itemsize(name: str) -> int:
+  """Bytes per element of the dtype ``name`` (cached: asked for every array leaf)."""
   return np_dtype(name).itemsize
 
 

@@ -58,14 +58,15 @@ def is_empty_node(x: Any) -> bool:
   return False
 
 
-def _entry(k: Any, where: str) -> PathEntry:
+def _entry(k: Any, kp: Any) -> PathEntry:
+  """One entry of a pytree key path (``kp``: the whole path, named in errors)."""
   tu = jax.tree_util
   if isinstance(k, tu.DictKey):
     key = k.key
     if not isinstance(key, _KEY_TYPES) or isinstance(key, bool):
       raise CheckpointError(
-          f"Unsupported dict key {key!r} (type {type(key).__name__}) at {where}: checkpoint "
-          "keys must be str or int. Convert the dict's keys, e.g. {str(k): v for k, v in d.items()}.")
+          f"Unsupported dict key {key!r} (type {type(key).__name__}) at {tu.keystr(kp)}: "
+          "checkpoint keys must be str or int. Convert the dict's keys, e.g. {str(k): v for k, v in d.items()}.")
     return ("dict", key)
   if isinstance(k, tu.SequenceKey):
     return ("seq", int(k.idx))
@@ -73,7 +74,7 @@ def _entry(k: Any, where: str) -> PathEntry:
     return ("attr", str(k.name))
   if isinstance(k, tu.FlattenedIndexKey):
     return ("flat", int(k.key))
-  raise CheckpointError(f"Unsupported pytree key {k!r} at {where}.")
+  raise CheckpointError(f"Unsupported pytree key {k!r} at {tu.keystr(kp)}.")
 
 
 def keystr(path: Sequence[Sequence[Any]]) -> str:
@@ -97,7 +98,7 @@ def keystr(path: Sequence[Sequence[Any]]) -> str:
 
 def match_key(path: Sequence[Sequence[Any]]) -> tuple:
   """What two key paths must share to be the same leaf: the keys, not how they are reached."""
-  return tuple(key for _, key in path)
+  return tuple([key for _, key in path])
 
 
 def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
@@ -114,24 +115,25 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
         f"The tree cannot be flattened by jax.tree_util ({e}). A dict's keys must sort: use "
         "keys of one type (all str or all int).") from e
   out = []
-  for kp, leaf in pairs:
-    where = jax.tree_util.keystr(kp)
-    path = tuple(_entry(k, where) for k in kp)
-    _check_path(path, where)
+  for kp, leaf in pairs:  # (the key path as users see it is made only for an error)
+    path = tuple(_entry(k, kp) for k in kp)
+    _check_path(path, kp)
     out.append((path, leaf))
   return out, treedef
 
 
-def _check_path(path: Path, where: str) -> None:
+def _check_path(path: Path, kp: Any) -> None:
+  """A key path's depth and keys are ones a reader accepts (``kp``: the pytree key path)."""
+  where = lambda: jax.tree_util.keystr(kp)
   if len(path) > MAX_PATH_DEPTH:
     raise CheckpointError(
-        f"The leaf at {where[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
+        f"The leaf at {where()[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
         f"hold at most {MAX_PATH_DEPTH}. Flatten that part of the tree.")
   for kind, key in path:
     problem = key_problem(kind, key)
     if problem:
       raise CheckpointError(
-          f"Cannot save the leaf at {where[:200]}: its key path holds {problem}, which no "
+          f"Cannot save the leaf at {where()[:200]}: its key path holds {problem}, which no "
           "reader accepts. Rename the key (e.g. a shorter string).")
 
 

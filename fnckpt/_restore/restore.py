@@ -219,13 +219,14 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any]:
 def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool,
            cast: bool):
   pairs, treedef = _tree.flatten(target)
-  by_key = {_tree.match_key(r.path): r for r in records}
+  rec_keys = [_tree.match_key(r.path) for r in records]
+  pair_keys = [_tree.match_key(p) for p, _ in pairs]
+  by_key = dict(zip(rec_keys, records))
   missing, mismatched, wants, resolver = [], [], [], _shardings.Resolver()
-  for path, leaf in pairs:
-    rec = by_key.get(_tree.match_key(path))
-    where = _tree.keystr(path)
+  for (path, leaf), key in zip(pairs, pair_keys):
+    rec = by_key.get(key)
     if rec is None:
-      missing.append(where)
+      missing.append(_tree.keystr(path))
       continue
     try:
       want = _want(leaf, rec, cast, resolver)
@@ -233,14 +234,13 @@ def _match(location: str, records: list[_records.Leaf], target: Any, partial: bo
       mismatched.append(str(e))
       continue
     if isinstance(want, str):
-      mismatched.append(f"{where}: {want}")
+      mismatched.append(f"{_tree.keystr(path)}: {want}")
     else:
       wants.append(want)
   unexpected = []
   if not partial:
-    wanted = {_tree.match_key(p) for p, _ in pairs}
-    unexpected = [_tree.keystr(r.path) for r in records
-                  if _tree.match_key(r.path) not in wanted]
+    wanted = set(pair_keys)
+    unexpected = [_tree.keystr(r.path) for r, k in zip(records, rec_keys) if k not in wanted]
   if missing or unexpected or mismatched:
     hint = ("To restore a subset of the checkpoint, pass partial=True."
             if unexpected and not missing and not mismatched else

@@ -47,8 +47,8 @@ from .._errors import CheckpointError, DamagedError
 from . import pieces as _pieces_read
 from .source import Source
 
-__all__ = ["Window", "Region", "Landed", "StoredLeaf", "Opener", "read_regions", "leaf_error",
-           "base_of", "data_location", "check_memory"]
+__all__ = ["Window", "Region", "Landed", "StoredLeaf", "PackRun", "Opener", "read_regions",
+           "pack_runs", "run_of", "leaf_error", "base_of", "data_location", "check_memory"]
 
 Index = _layout.Index
 
@@ -58,10 +58,13 @@ class Window:
   """The byte window of one read: at most ``limit`` bytes held (charged: reads in flight, and
   landed ones the caller has not released), one read alone when it does not fit. ``drain``:
   called when nothing is in flight and what the caller keeps leaves no room for the next
-  read; it releases what it can (restore places the slices it holds). ``peak``, ``largest``
+  read; it releases what it can (restore places the slices it holds). ``idle``: called when
+  the oldest read in flight has not landed yet, before waiting for it (restore places what
+  needs no read meanwhile). ``peak``, ``largest``
   and ``reads``: the most held at once, the largest single charge, the reads started."""
   limit: int
   drain: Callable[[], None] | None = None
+  idle: Callable[[], None] | None = None
   held: int = 0
   peak: int = 0
   largest: int = 0
@@ -172,6 +175,71 @@ class _Packed(StoredLeaf):
       raise hash_damage(self, "its data")
     return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
                                  self.rec)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class PackRun(StoredLeaf):
+  """Whole packed leaves lying one after another in one pack (:func:`pack_runs`), read as one
+  byte range ``[lo, lo + shape[0])``: one TensorStore read instead of one per leaf. ``finish``
+  gives each leaf's array, in order, its hash and bool bytes checked as :class:`_Packed` does:
+  disjoint views of the one fresh buffer read (a caller that hands them out copies them). ``rec``: the first leaf's record; a failed read is named as the
+  leaves read one by one would name it (:meth:`error`)."""
+  leaves: tuple = ()   # the _Packed leaves
+  lo: int = 0
+
+  def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
+    (a, b), = index
+    return _store.read_slice(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
+
+  def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:
+    if not (raw.flags.c_contiguous and raw.flags.writeable):
+      raw = np.array(raw)
+    return [leaf.finish(raw[leaf.offset - self.lo:][:leaf.rec.packed.nbytes],
+                        tuple((0, n) for n in leaf.shape)) for leaf in self.leaves]
+
+  def error(self, e: BaseException) -> CheckpointError:
+    """The error of the first leaf whose own read fails (else the first leaf's, for ``e``)."""
+    if isinstance(e, CheckpointError):
+      return e
+    for leaf in self.leaves:
+      whole = tuple((0, n) for n in leaf.shape)
+      try:
+        leaf.finish(leaf.start(whole, None).result(), whole)
+      except Exception as own:
+        return leaf.error(own)
+    return leaf_error(self.src, self.rec, e)
+
+
+def pack_runs(leaves: list[Any], limit: int, gap: int = 4096) -> list[list[int]]:
+  """Positions in ``leaves`` (whole packed leaves, :class:`_Packed`) grouped into runs to read
+  as one :class:`PackRun`: consecutive leaves of one pack, each starting at most ``gap``
+  bytes after the previous one ends, a run's bytes at most ``limit`` (a larger leaf alone).
+
+  >>> from types import SimpleNamespace as N
+  >>> def leaf(offset, n, pack="p"):
+  ...   return N(offset=offset, pack=pack, rec=N(packed=N(nbytes=n)))
+  >>> pack_runs([leaf(0, 8), leaf(8, 8), leaf(64, 8), leaf(72, 8, "q"), leaf(80, 8, "q")], 16, 8)
+  [[0, 1], [2], [3, 4]]
+  """
+  runs: list[list[int]] = []
+  for k, leaf in enumerate(leaves):
+    if runs:
+      prev, start = leaves[runs[-1][-1]], leaves[runs[-1][0]].offset
+      end = prev.offset + prev.rec.packed.nbytes
+      if (leaf.pack is prev.pack and end <= leaf.offset <= end + gap
+          and leaf.offset + leaf.rec.packed.nbytes - start <= limit):
+        runs[-1].append(k)
+        continue
+    runs.append([k])
+  return runs
+
+
+def run_of(leaves: list[StoredLeaf]) -> PackRun:
+  """The :class:`PackRun` reading ``leaves`` (a run of :func:`pack_runs`, two or more)."""
+  first, lo = leaves[0], leaves[0].offset
+  hi = leaves[-1].offset + leaves[-1].rec.packed.nbytes
+  return PackRun(first.src, first.rec, "packrun", (hi - lo,), np.dtype(np.uint8), None,
+                 first.where, leaves=tuple(leaves), lo=lo)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -393,6 +461,8 @@ class _Flight:
     for the next one, with ``release``)."""
     r, fut = self.pending.popleft()
     self.submit()  # the reads started since the last one landed go out now, not later
+    if self.window.idle is not None and not _ready(fut):
+      self.window.idle()
     try:
       data, error = r.leaf.finish(fut.result(), r.index), None
     except Exception as e:

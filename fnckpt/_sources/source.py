@@ -43,16 +43,17 @@ def open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
   Orbax or safetensors one (``detect``). An interrupted fnckpt save stays one (never the
   contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
   may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data)."""
-  from . import detect as _foreign  # (imported here: the CLI and save never need it)
   from .._errors import NoCheckpointError
   try:
     return open_source(path, storage_options)
   except NotCommittedError:
+    from . import detect as _foreign  # (imported only when needed: ~15 ms in a new process)
     opened = None if _has_own_files(path, storage_options) else \
         _foreign.open_orbax(path, storage_options)
     if opened is None:
       raise
   except CheckpointError as e:
+    from . import detect as _foreign
     opened = None if _has_own_files(path, storage_options) else \
         _foreign.open_foreign(path, storage_options)
     if opened is None and isinstance(e, NoCheckpointError):

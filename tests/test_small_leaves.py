@@ -1,0 +1,133 @@
+"""Many small leaves (README "Performance", small/mixed states): whole packed leaves lying one
+after another in a pack are read as one byte range (``_sources.read.PackRun``), placed with one
+``jax.device_put`` per sharding, and array records sharing a head are validated once; the
+results, and the errors naming a leaf, are those of reading and checking each leaf alone."""
+
+import os
+
+import jax
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fnckpt
+from fnckpt._errors import CheckpointError, DamagedError
+from fnckpt._format import manifest as _manifest
+from fnckpt._io import arrays as _store
+
+import v3util
+
+
+def _tree(n=40):
+  """Leaves of 32 KiB (packed, not inline), distinct values, a few dtypes."""
+  out = {}
+  for k in range(n):
+    dtype = (np.float32, np.int32, np.uint8)[k % 3]
+    out[f"w{k:02d}"] = (np.arange(32 << 10, dtype=np.uint8).view(dtype) + k).astype(dtype)
+  return out
+
+
+def _count_reads(monkeypatch) -> list:
+  real, calls = _store.read_slice, []
+
+  def read_slice(*args, **kwargs):
+    calls.append(args[1])
+    return real(*args, **kwargs)
+  monkeypatch.setattr(_store, "read_slice", read_slice)
+  return calls
+
+
+def test_packed_leaves_read_in_runs_bitwise(tmp_path, monkeypatch):
+  tree = _tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  calls = _count_reads(monkeypatch)
+  got = fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})
+  assert len(calls) < len(tree) // 4, len(calls)   # runs, not one read per leaf
+  for k, v in tree.items():
+    assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), k
+    assert got[k].flags.writeable and got[k].flags.owndata  # each host result its own
+  got["w00"][:] = 0
+  assert got["w01"].tobytes() == tree["w01"].tobytes()
+
+
+def test_packed_runs_onto_devices_bitwise(tmp_path):
+  tree = _tree(24)
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  specs = [P(), P("x")]
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                    sharding=NamedSharding(mesh, specs[i % 2]))
+            for i, (k, v) in enumerate(tree.items())}
+  got = fnckpt.restore(path, target)
+  for k, v in tree.items():
+    assert got[k].sharding == target[k].sharding
+    np.testing.assert_array_equal(np.asarray(got[k]), v)
+
+
+def test_a_changed_leaf_inside_a_run_is_named(tmp_path):
+  tree = _tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  v3util.tamper_packed(path, "w17")
+  with pytest.raises(DamagedError, match=r"Cannot restore \['w17'\] from .*does not match "
+                     r"its recorded content hash"):
+    fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})
+
+
+def test_same_bad_head_refused_with_the_first_leaf_named(tmp_path):
+  tree = _tree(6)
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+
+  def change(m):
+    for r in m["leaves"][2:]:
+      r["sharding"] = {"type": "named", "axes": ["x"], "sizes": [2], "spec": ["y"]}
+  _rewrite(path, change)
+  with pytest.raises(CheckpointError, match=r"the record of \['w02'\] is invalid: "
+                     r"'sharding'.spec must name each mesh axis at most once"):
+    fnckpt.restore(path)
+
+
+def _rewrite(path, change):
+  """Change the manifest's data and commit it again (a hostile or broken writer)."""
+  with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
+    m = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+  change(m)
+  data = _manifest.pack(m)
+  with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
+    f.write(data)
+  with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
+    f.write(_manifest.encode_commit(data, 0.0))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_failed_run_read_names_the_leaf_a_read_alone_names(tmp_path, monkeypatch, damage):
+  """A pack chunk file truncated or gone: the error is the one reading each leaf alone gives
+  (but for TensorStore's own text, in brackets: its words for a batched read differ)."""
+  from fnckpt._restore import place as _place
+  tree = _tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+           if "/p/" in os.path.join(d, f) and not f.endswith(".json")]
+  assert files
+  for f in files:
+    if damage == "delete":
+      os.remove(f)
+    else:
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+  target = {k: np.zeros_like(v) for k, v in tree.items()}
+  messages = []
+  for run_bytes in (_place.RUN_BYTES, 0):   # 0: every leaf read alone
+    monkeypatch.setattr(_place, "RUN_BYTES", run_bytes)
+    with pytest.raises(CheckpointError) as e:
+      fnckpt.restore(path, target)
+    messages.append(str(e.value))
+  ours = [m.rsplit(" [", 1)[0] for m in messages]
+  assert ours[0] == ours[1]
+  assert "['w00']" in ours[0], ours[0]
