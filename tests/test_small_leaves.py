@@ -6,17 +6,16 @@ results, and the errors naming a leaf, are those of reading and checking each le
 import os
 
 import jax
-import msgpack
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt._errors import CheckpointError, DamagedError
-from fnckpt._format import manifest as _manifest
 from fnckpt._io import arrays as _store
 
 import v3util
+from test_trust import _rewrite_manifest as _rewrite  # (a hostile or broken writer)
 
 
 def _tree(n=40):
@@ -90,18 +89,6 @@ def test_same_bad_head_refused_with_the_first_leaf_named(tmp_path):
   with pytest.raises(CheckpointError, match=r"the record of \['w02'\] is invalid: "
                      r"'sharding'.spec must name each mesh axis at most once"):
     fnckpt.restore(path)
-
-
-def _rewrite(path, change):
-  """Change the manifest's data and commit it again (a hostile or broken writer)."""
-  with open(os.path.join(path, _manifest.MANIFEST), "rb") as f:
-    m = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-  change(m)
-  data = _manifest.pack(m)
-  with open(os.path.join(path, _manifest.MANIFEST), "wb") as f:
-    f.write(data)
-  with open(os.path.join(path, _manifest.COMMIT), "wb") as f:
-    f.write(_manifest.encode_commit(data, 0.0))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
