@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["ALG", "NBYTES", "EMPTY", "digest", "array_digest", "update", "Hasher", "hasher"]
+__all__ = ["ALG", "NBYTES", "digest", "array_digest", "update", "hasher"]
 
 ALG = "xxh3-128"
 NBYTES = 16
@@ -30,12 +30,6 @@ def digest(data: Any) -> bytes:
   '99aa06d3014798d86001c324468d497f'
   """
   return xxhash.xxh3_128_digest(data)
-
-
-EMPTY = digest(b"")
-
-
-Hasher = xxhash.xxh3_128
 
 
 def hasher() -> Any:

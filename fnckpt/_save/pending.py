@@ -30,7 +30,7 @@ from .._format import records as _records, refs as _refs
 from .._io import paths as _paths
 from .._sources import source as _source
 
-__all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "layout_of", "Pending",
+__all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "Pending",
            "open_pending", "WAKE"]
 
 # The expectation of an item whose base is still in flight (never equal to a real hash).
@@ -106,12 +106,6 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
 def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
   return old.pieces.chunks == rec.pieces.chunks and _refs.same_split(
       old.sharding, rec.sharding, len(rec.shape))
-
-
-def layout_of(records: Sequence[_records.Leaf]) -> tuple[_records.Leaf, ...]:
-  """A save's planned records as a later save's base needs them (``SaveHandle.planned``):
-  their layout, without inline bytes."""
-  return tuple(records)   # (frozen: shared, not copied; inline bytes are small)
 
 
 def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_options: Any,

@@ -386,7 +386,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     where = "planning"
     plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
                  based, pieces=pack_bytes > 0 and not any(codecs))
-    handle.planned = _pending.layout_of(plan.records)  # (a later save's base, in flight)
+    handle.planned = plan.records   # (a later save's base, while in flight)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
     _prepare_location(kv, location, overwrite, session, handle)
