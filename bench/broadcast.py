@@ -11,7 +11,9 @@ processes each group is one process holding the whole state). Saved once by this
 (zarr arrays of 16 MiB leaves). Each figure is one measured restore after a warm-up restore
 (which compiles the reshard and connects Gloo) in the same processes; bytes are
 ``/proc/self/io`` ``rchar`` (file reads; Gloo's socket receives are not counted) and, cold,
-``read_bytes`` (what the disk delivered). Children run ``tests/bcast_worker.py``.
+``read_bytes`` (what the disk delivered); peak RSS is the process's high-water mark above its
+RSS before the restore (the heap trimmed first), less the restored state it holds: the
+restore's transient host and (on CPU) device memory. Children run ``tests/bcast_worker.py``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def run(processes: list[int], mib: int, root: str) -> list[dict]:
                                                     for x in runs],
                      "rchar_mib_total": round(sum(x["io"]["rchar"] for x in runs) / MiB, 2),
                      "sent_mib_per_process": round(max(x["io"]["wchar"] for x in runs) / MiB, 2),
+                     "peak_rss_above_state_mib": round(max(
+                         x["peak_rss"] - x["local_state_bytes"] for x in runs) / MiB, 1),
                      "waves": runs[0]["waves"]})
       print(f"  {n} processes, {'cold' if cold else 'warm'}: {time.monotonic() - t0:.0f} s",
             file=sys.stderr)
@@ -79,8 +83,9 @@ def run(processes: list[int], mib: int, root: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
   out = ["| processes | cache | broadcast | restore s (best of 2) | MiB read / process (rchar) "
-         "| MiB read, job | MiB from disk / process | MiB sent / process |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| MiB read, job | MiB from disk / process | MiB sent / process "
+         "| peak RSS above the state, MiB |",
+         "|---|---|---|---|---|---|---|---|---|"]
   key = lambda r: (r["processes"], r["cold"], r["broadcast"])
   seen = {}
   for r in rows:
@@ -90,7 +95,7 @@ def table(rows: list[dict]) -> str:
     out.append(f"| {k[0]} | {'cold' if k[1] else 'warm'} | {k[2]} | {best['restore_s']:.3f} | "
                f"{max(best['rchar_mib_per_process']):.1f} | {best['rchar_mib_total']:.1f} | "
                f"{max(best['read_bytes_mib_per_process']):.1f} | "
-               f"{best['sent_mib_per_process']:.1f} |")
+               f"{best['sent_mib_per_process']:.1f} | {best['peak_rss_above_state_mib']:.0f} |")
   return "\n".join(out)
 
 

@@ -131,6 +131,7 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("evicted")
   gc.collect()
+  _trim()
   base = mp_worker.rss()
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
@@ -160,6 +161,17 @@ def _measured(cfg, target, broadcast, die: bool) -> dict:
           "waves": len(waves), "wave_input_bytes": max(waves, default=0),
           "io": {k: after[k] - before[k] for k in after},
           "peak_rss": max(peak[0], mp_worker.rss("VmHWM") - base), "local_state_bytes": local}
+
+
+def _trim():
+  """Give the heap's free pages back to the kernel, so the baseline RSS does not depend on
+  whether the warm-up's freed buffers stayed resident (glibc's dynamic mmap threshold keeps
+  large freed blocks in the heap after the first ones are freed)."""
+  import ctypes
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc: the baseline is as it is
+    pass
 
 
 def mode_reshard_only(cfg):
