@@ -27,8 +27,9 @@ Reported per size:
   ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed).
 
 Limits in the same run, after the phases, with no training running: the **CPU seconds of one
-save** of the same state (``os.times``: user + system, every thread, call to committed) and of
-**writing and fsyncing the same bytes** to one file (the kernel's own cost of a write on this
+save** of the same state (the machine's busy time, ``/proc/stat``, call to committed: the
+kernel's writeback threads included) and of **writing and fsyncing the same bytes** to one
+file (the kernel's own cost of a write on this
 machine, a floor for any library that writes them). On a CPU-bound host (2 cores, training on
 both) the cost of a save is about its CPU time, so ``floor at 50`` is the slowdown at 50 that a
 save costing no more CPU than the bare write would have: ``cost x write CPU / save CPU``.
@@ -204,8 +205,12 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cpu_s() -> float:
-  t = os.times()
-  return t.user + t.system
+  """Busy CPU seconds of the whole machine (``/proc/stat``: all but idle and iowait), so the
+  kernel's writeback threads count too (a process's own ``os.times`` misses them, and how much
+  of a write they take varies from run to run)."""
+  with open("/proc/stat") as f:
+    ticks = [int(v) for v in f.readline().split()[1:]]
+  return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def write_limits(fnckpt, arrays: Any, nbytes: int, directory: Path) -> dict[str, float]:
