@@ -1,9 +1,10 @@
-"""MkDocs hook: render the doctests of fnckpt's docstrings as code.
+"""MkDocs hook: render fnckpt's docstrings, written for ``help()`` and Sphinx, as Markdown.
 
 The docstrings hold doctests (``>>> ...`` lines and their output) in running text, where
-Markdown would read ``>`` as a quote and ``x[-1]`` as a link. This adds a Markdown
-preprocessor that fences each doctest (from a ``>>>`` line to the next blank line) as a
-``pycon`` block, outside existing fences. The pages' own code is always fenced already."""
+Markdown would read ``>`` as a quote and ``x[-1]`` as a link, and Sphinx roles
+(``:func:`fnckpt.wait```). This adds a Markdown preprocessor that, outside existing fences,
+fences each doctest (from a ``>>>`` line to the next blank line) as a ``pycon`` block and
+turns each role into inline code. The pages' own code is always fenced already."""
 
 import re
 
@@ -12,6 +13,7 @@ from markdown.preprocessors import Preprocessor
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _PROMPT = re.compile(r"^(\s*)>>> ")
+_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):`~?([^`]+)`")
 
 
 class _Doctests(Preprocessor):
@@ -23,7 +25,7 @@ class _Doctests(Preprocessor):
         fence = not fence
       m = None if fence else _PROMPT.match(line)
       if not m:
-        out.append(line)
+        out.append(line if fence else _ROLE.sub(r"`\1`", line))
         i += 1
         continue
       indent = m.group(1)
