@@ -26,6 +26,13 @@ Reported per size:
 * **blocked per save**: the wall time of ``manager.save(...)`` (median) and
   ``SaveHandle.stats.blocking_s``; ``write`` is ``stats.total_s`` (call to committed).
 
+Limits in the same run, after the phases, with no training running: the **CPU seconds of one
+save** of the same state (``os.times``: user + system, every thread, call to committed) and of
+**writing and fsyncing the same bytes** to one file (the kernel's own cost of a write on this
+machine, a floor for any library that writes them). On a CPU-bound host (2 cores, training on
+both) the cost of a save is about its CPU time, so ``floor at 50`` is the slowdown at 50 that a
+save costing no more CPU than the bare write would have: ``cost x write CPU / save CPU``.
+
 The load average at start and end is printed. ``--json PATH`` writes every figure and step time.
 """
 
@@ -190,16 +197,50 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
                       f"{s.handle.stats.total_s:.2f}s over {len(s.window)} steps"
                       for s in phase.saves), flush=True)
   manager.close()
+  limits = write_limits(fnckpt, {**arrays, "step": step}, saved["bytes"], directory)
   shutil.rmtree(directory, ignore_errors=True)
   return {"size": name, "every": args.every, "checkpoint_bytes": saved["bytes"],
-          "checkpoint_arrays": saved["arrays"], **summarize(phases, args.every)}
+          "checkpoint_arrays": saved["arrays"], **limits, **summarize(phases, args.every)}
+
+
+def cpu_s() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
+def write_limits(fnckpt, arrays: Any, nbytes: int, directory: Path) -> dict[str, float]:
+  """CPU seconds (and wall) of one save of ``arrays`` and of writing + fsyncing ``nbytes`` to
+  one file, here and now (nothing else running in this process)."""
+  path = directory / "limit"
+  c0, t0 = cpu_s(), time.perf_counter()
+  fnckpt.save(arrays, str(path)).wait()
+  save_cpu, save_wall = cpu_s() - c0, time.perf_counter() - t0
+  shutil.rmtree(path, ignore_errors=True)
+  block = bytes(64 << 20)
+  c0, t0 = cpu_s(), time.perf_counter()
+  with open(directory / "raw", "wb") as f:
+    for start in range(0, nbytes, len(block)):
+      f.write(block[:min(len(block), nbytes - start)])
+    f.flush()
+    os.fsync(f.fileno())
+  raw_cpu, raw_wall = cpu_s() - c0, time.perf_counter() - t0
+  os.remove(directory / "raw")
+  return {"save_cpu_s": save_cpu, "save_wall_s": save_wall, "raw_write_cpu_s": raw_cpu,
+          "raw_write_wall_s": raw_wall}
+
+
+def floor_at_50(r: dict[str, Any]) -> float:
+  """The slowdown at 50 of a save that cost only the bare write's CPU (see the docstring)."""
+  cost = r["cost_per_save_s"] * r["raw_write_cpu_s"] / r["save_cpu_s"]
+  return cost / (50 * r["baseline_step_s"] + cost)
 
 
 def table(results: list[dict[str, Any]]) -> str:
   rows = ["| size | checkpoint | every | steps/s off / on (pooled) | slowdown (pooled) "
           "| blocked/save (stats) | write | dip: steps, slowdown | cost/save (paired) "
-          "| slowdown at every / at 50 (paired) |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| slowdown at every / at 50 (paired) | CPU: save / write+fsync (same run) "
+          "| floor at 50 |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in results:
     rows.append(
         f"| {r['size']} | {r['checkpoint_bytes'] / 2**20:.1f} MiB, {r['checkpoint_arrays']} "
@@ -208,7 +249,8 @@ def table(results: list[dict[str, Any]]) -> str:
         f"({r['stats_blocking_s_median']:.3f} s) | {r['write_total_s_median']:.2f} s "
         f"| {r['dip_steps_per_save']:.1f}, {100 * r['dip_slowdown']:+.1f}% "
         f"| {r['cost_per_save_s']:.3f} s | {100 * r['slowdown_at_every']:.2f}% / "
-        f"{100 * r['slowdown_at_50']:.2f}% |")
+        f"{100 * r['slowdown_at_50']:.2f}% | {r['save_cpu_s']:.2f} s / "
+        f"{r['raw_write_cpu_s']:.2f} s | {100 * floor_at_50(r):.2f}% |")
   return "\n".join(rows)
 
 

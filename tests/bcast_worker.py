@@ -174,6 +174,25 @@ def _trim():
     pass
 
 
+def mode_heal(cfg):
+  """``CheckpointManager(root).restore(target=, broadcast=True)`` of a replicated leaf whose
+  newest step has a chunk damaged where one process reads it: every process must return the
+  older step (values of seed = step), with the manager's warning."""
+  import warnings
+  import jax
+  import fnckpt
+  mesh = make_mesh(*cfg["mesh"])
+  target = _target(cfg, mesh)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = fnckpt.CheckpointManager(cfg["root"]).restore(
+        target=target, broadcast=True, barrier_timeout_s=cfg.get("barrier_s", 60))
+  step = int(got["step"])
+  checked = mp_worker.check_leaves(cfg["leaves"], got, step, target)
+  result({"process": jax.process_index(), "step": step, "checked": checked,
+          "warned": [str(w.message) for w in caught if "is damaged" in str(w.message)]})
+
+
 def mode_reshard_only(cfg):
   """Kernel counters around a bare cross-process reshard of ``nbytes``: what the interconnect
   adds to ``rchar``/``read_bytes`` (nothing, if they count file reads only)."""
@@ -194,4 +213,5 @@ def mode_reshard_only(cfg):
 
 if __name__ == "__main__":
   mp_worker.main({"mode_restore": mode_restore, "mode_reshard_only": mode_reshard_only,
+                  "mode_heal": mode_heal,
                   "mode_save": mp_worker.mode_save})

@@ -174,3 +174,58 @@ def test_process_lost_during_broadcast_fails_every_survivor(tmp_path, at):
     assert "process 1 last reported phase 'broadcast-wave-0: reading'" in run["message"], run
   else:
     assert "['c']" in run["message"] and "lost during the broadcast" in run["message"], run
+
+
+def damage_half(path):
+  """Flip a byte inside the last inner chunk (rows 512-1023) of the 8 MiB leaf saved at
+  ``path``: with broadcast, only the process reading that half sees it."""
+  (chunk,) = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+              if os.path.basename(d) == "0" and f == "0"]   # the leaf's one shard file
+  with open(chunk, "r+b") as f:
+    f.seek(8 * MiB - 4096)
+    b = f.read(1)
+    f.seek(8 * MiB - 4096)
+    f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_read_failure_fails_every_process_at_once(tmp_path):
+  """A stored chunk damaged where only one process reads it (each reads half of the rows):
+  that process raises the DamagedError; the other learns of it at the wave's barrier and
+  raises a CheckpointError naming that process and the damage (not a BarrierTimeoutError at
+  the 60 s deadline, as when the failed process simply never arrived)."""
+  path = str(tmp_path / "ckpt")
+  fnckpt.save({"c": mp_worker.expected("c", (1024, 2048)), "step": 7}, path).wait()
+  damage_half(path)
+  results = ok(group({"mode": "restore", "devices": 1, "mesh": [[2], ["x"]], "warm": False,
+                      "leaves": {"c": {"shape": [1024, 2048], "spec": "replicated"}},
+                      "target": {}, "path": path, "runs": [True], "barrier_s": 60}, 2))
+  errors = {r["process"]: r["runs"][0] for r in results}
+  damaged = [p for p, e in errors.items() if e.get("error") == "DamagedError"]
+  assert len(damaged) == 1, errors
+  (other,) = set(errors) - set(damaged)
+  e = errors[other]
+  assert e["error"] == "CheckpointError", errors
+  assert (f"failed in broadcast-wave-0 (['c']): process {damaged[0]} could not read its parts "
+          "(DamagedError: ") in e["message"], e
+  assert f"This process (process {other}) stops at the same wave." in e["message"], e
+  assert "falls back to an older step" in e["message"], e
+
+
+def test_the_manager_heals_around_damage_one_process_reads(tmp_path):
+  """Steps 1 and 2 of a replicated leaf; step 2 damaged where one process reads it with
+  broadcast: the manager's restore returns step 1 on both processes (values checked), each
+  warning that step 2 is damaged, long before the default 600 s deadline (before the fix, the
+  others waited for it at the wave's barrier; this test's processes are stopped at 120 s)."""
+  root = str(tmp_path / "run")
+  mgr = fnckpt.CheckpointManager(root)
+  for step in (1, 2):
+    mgr.save(step, {"c": mp_worker.expected("c", (1024, 2048), seed=step), "step": step})
+  mgr.close()
+  damage_half(os.path.join(root, "2"))
+  results = ok(group({"mode": "heal", "devices": 1, "mesh": [[2], ["x"]], "root": root,
+                      "leaves": {"c": {"shape": [1024, 2048], "spec": "replicated"}},
+                      "target": {}, "barrier_s": 600}, 2, timeout=120))
+  for r in results:
+    assert r["step"] == 1 and r["checked"] == 1, r
+    assert len(r["warned"]) == 1, r
+    assert r["warned"][0].startswith(f"Step 2 of '{root}' is damaged"), r

@@ -23,8 +23,8 @@ from . import paths as _paths
 from .._errors import (BarrierTimeoutError, CheckpointError, DamagedError, NoCheckpointError,
                        NotCommittedError)
 
-__all__ = ["barrier", "barrier_id", "report", "forget", "read_header", "write_commit",
-           "is_committed", "unchanged", "changed_error"]
+__all__ = ["barrier", "barrier_id", "report", "forget", "publish", "unpublish", "published",
+           "read_header", "write_commit", "is_committed", "unchanged", "changed_error"]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -65,6 +65,36 @@ def forget(location: str) -> None:
     _client().key_value_delete(f"fnckpt/{_key(location)}/progress/{jax.process_index()}")
   except Exception:
     pass
+
+
+def publish(location: str, name: str, text: str) -> bool:
+  """Publish this process's ``text`` under ``name`` for ``location`` (multi-process: the
+  coordination service's key-value store); whether it was published."""
+  for _ in range(3):
+    try:
+      _client().key_value_set(f"fnckpt/{_key(location)}/{name}/{jax.process_index()}", text,
+                              allow_overwrite=True)
+      return True
+    except Exception:
+      time.sleep(0.2)
+  return False
+
+
+def unpublish(location: str, name: str) -> None:
+  """Drop what this process published under ``name`` for ``location`` (if anything)."""
+  try:
+    _client().key_value_delete(f"fnckpt/{_key(location)}/{name}/{jax.process_index()}")
+  except Exception:  # nothing there, or the service is gone: the next read says so
+    pass
+
+
+def published(location: str, name: str) -> list[tuple[int, str]]:
+  """What the other processes published under ``name`` for ``location``: (process, text), in
+  process order. Raises (fail closed) when the store cannot be read."""
+  me = jax.process_index()
+  entries = _client().key_value_dir_get(f"fnckpt/{_key(location)}/{name}/")
+  found = ((k.rsplit("/", 1)[-1], v) for k, v in entries)
+  return sorted((int(p), v) for p, v in found if p.isdigit() and int(p) != me)
 
 
 def _progress(client: Any, key: str, missing: list[int]) -> str:

@@ -7,6 +7,11 @@ deadline (a process that died or never came is named there, before any collectiv
 on it); a collective that fails (a peer's connection closed) or does not finish by the
 deadline ends in a second, short barrier whose absentees are the lost processes, and every
 surviving process raises a :class:`CheckpointError` naming them and the wave's key paths.
+
+A process whose read of its parts fails (damaged data, a storage error) publishes its error
+and still arrives at the wave's barrier (:func:`failed`), so the others learn of it there,
+before any collective, and raise at once instead of waiting for the deadline: every process
+fails the same wave (the manager's self-healing restore then falls back on all of them).
 """
 
 from __future__ import annotations
@@ -19,14 +24,23 @@ import jax
 from .._errors import CheckpointError
 from .._io import commit as _commit, paths as _paths
 
-__all__ = ["reading", "reshard", "done", "FAILED_WAIT_S"]
+__all__ = ["start", "reading", "failed", "reshard", "done", "FAILED_WAIT_S"]
 
 FAILED_WAIT_S = 5.0   # after a failed collective: how long the survivors wait for each other
 POLL_S = 0.05         # how often a wave's results are checked against the deadline
+ERRORS = "broadcast-error"   # where a process's read failure is published
 
 
 def _identity(*xs: Any) -> tuple[Any, ...]:
   return xs
+
+
+def start(location: str) -> None:
+  """Before the first wave: drop the error this process published in an earlier broadcast
+  restore of ``location`` (before it arrives at any barrier of this one, so no other process,
+  which reads errors only past a barrier, can take it for this restore's)."""
+  if jax.process_count() > 1:
+    _commit.unpublish(location, ERRORS)
 
 
 def reading(location: str, wave: int) -> None:
@@ -40,6 +54,46 @@ def done(location: str) -> None:
   _commit.forget(location)
 
 
+def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> None:
+  """This process could not read its parts of ``wave``: publish ``error`` and arrive at the
+  wave's barrier, so every other process raises there (:func:`reshard`) rather than wait for
+  this one until the deadline. The caller raises ``error`` afterwards."""
+  if jax.process_count() == 1:
+    return
+  text = f"{type(error).__name__}: {_paths.error_text(error)}"[:4000]
+  if not _commit.publish(location, ERRORS, f"{wave}:{text}"):
+    return  # fail closed: unpublished, the others time out at the barrier (naming this one)
+  phase = f"broadcast-wave-{wave}"
+  _commit.report(location, f"{phase}: failed reading")
+  try:
+    _commit.barrier(location, phase, timeout_s)
+  except CheckpointError:  # the others are gone or late: they time out and say so
+    pass
+
+
+def _raise_published(location: str, phase: str, wave: int, where: Sequence[str]) -> None:
+  """Raise a :class:`CheckpointError` if another process published a read failure of this
+  restore (past the wave's barrier every process has either published or not)."""
+  try:
+    found = _commit.published(location, ERRORS)
+  except Exception as e:  # fail closed: not knowing is not "no failure"
+    found = [(-1, f"{wave}:the coordination service cannot be read ({type(e).__name__})")]
+  if not found:
+    return
+  p, text = found[0]
+  who = f"process {p}" if p >= 0 else "another process (unknown)"
+  raise CheckpointError(
+      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
+      f"({_keys(where)}): {who} could not read its parts ({text.partition(':')[2]}). This "
+      f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
+      f"another checkpoint (the manager's restore() falls back to an older step on every "
+      f"process when the data is damaged).")
+
+
+def _keys(where: Sequence[str]) -> str:
+  return ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+
+
 def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding],
             where: Sequence[str], location: str, wave: int, timeout_s: float
             ) -> list[jax.Array]:
@@ -49,6 +103,7 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shardi
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: resharding")
   _commit.barrier(location, phase, timeout_s)   # (names who did not come)
+  _raise_published(location, phase, wave, where)
   deadline = time.monotonic() + timeout_s
   try:
     out = jax.jit(_identity, out_shardings=tuple(shardings))(*arrays)
@@ -76,16 +131,15 @@ def _failure(location: str, phase: str, where: Sequence[str], e: BaseException,
   """The error every surviving process raises for a failed wave: who was lost (the
   absentees of a short barrier the survivors all reach), the key paths, the cause."""
   cause = f"{type(e).__name__}: {_paths.error_text(e)}".splitlines()[0][:400]
-  keys = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
   try:
     _commit.barrier(location, f"{phase}-failed", min(timeout_s, FAILED_WAIT_S))
     who = "every process is still there: the failure is not a lost process"
   except CheckpointError as b:
     who = _lost(str(b))
   return CheckpointError(
-      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} ({keys}) on "
-      f"process {jax.process_index()}: {who}. Restore again once every process is up (or "
-      f"pass broadcast=False to read without the interconnect). [{cause}]")
+      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
+      f"({_keys(where)}) on process {jax.process_index()}: {who}. Restore again once every "
+      f"process is up (or pass broadcast=False to read without the interconnect). [{cause}]")
 
 
 def _lost(barrier_text: str) -> str:

@@ -468,12 +468,18 @@ def _read_broadcast(src: Source, reads: dict[int, _place.Read],
   """The leaves of ``readers``, wave by wave: each process reads its parts (onto the reader
   shardings), then one collective reshard per wave fills the replicas. A wave holds at most
   ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds."""
+  if readers:
+    _reshard.start(src.location)
   for k, wave in enumerate(_broadcast.waves(readers, budget)):
     _reshard.reading(src.location, k)
     parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
                                  parts={})
              for i in wave}
-    _place.read_arrays(src, parts, budget)
+    try:
+      _place.read_arrays(src, parts, budget)
+    except Exception as e:  # the others learn of it at the wave's barrier, not its deadline
+      _reshard.failed(src.location, k, e, timeout_s)
+      raise
     moved = _reshard.reshard([_assembled(parts[i]) for i in wave],
                              [readers[i].target for i in wave],
                              [reads[i].want.rec.where for i in wave], src.location, k, timeout_s)
