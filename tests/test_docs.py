@@ -68,6 +68,16 @@ def test_site_builds_strict(tmp_path):
     assert f'id="fnckpt.{public}"' in api, public
 
 
+def test_readme_links_resolve():
+  """README.md is outside the site (GitHub renders it): its relative links must name files."""
+  text = (ROOT / "README.md").read_text()
+  links = re.findall(r"\]\(([^)\s]+)\)", text)
+  local = [link.split("#")[0] for link in links if not re.match(r"[a-z]+:", link)]
+  assert local, "the README links into docs/"
+  missing = [link for link in local if link and not (ROOT / link).is_file()]
+  assert not missing, missing
+
+
 def test_skipped_blocks_are_marked_and_few():
   report = "; ".join(f"{page}:{line} ({reason})" for page, line, reason in SKIPPED)
   warnings.warn(f"{len(SKIPPED)} python block(s) of the docs not run: {report}", UserWarning)
