@@ -2,7 +2,8 @@
 
 ``save(tree, path)`` returns once the arrays are off the devices and commits in the
 background; ``restore(path, target)`` reads onto any mesh; ``metadata(path)`` describes a
-checkpoint without reading its arrays. See README.md for the format and the guarantees.
+checkpoint without reading its arrays. The guarantees are in docs/ (a site: ``mkdocs build``),
+the format in docs/format.md.
 """
 
 from ._version import __version__ as __version__

@@ -1,19 +1,19 @@
-"""README "Your framework": every code block runs as it is (8 CPU devices, conftest)."""
+"""docs/guides/frameworks.md ("Your framework"): every code block runs as it is (8 CPU devices,
+conftest), and each framework has its section."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "frameworks.md"
 
 
 def _blocks() -> dict[str, str]:
-  """{heading: code} for the ```python blocks under '## Your framework'."""
-  text = README.read_text()
-  section = text.split("\n## Your framework\n", 1)[1].split("\n## ", 1)[0]
+  """{heading: code} for the ```python block under each '## ' heading of the page."""
+  text = PAGE.read_text()
   blocks = {}
-  for part in section.split("\n### ")[1:]:
+  for part in text.split("\n## ")[1:]:
     heading = part.splitlines()[0].strip()
     code = re.findall(r"```python\n(.*?)```", part, re.S)
     assert len(code) == 1, f"{heading}: one python block expected, found {len(code)}"
@@ -29,8 +29,8 @@ def test_every_framework_has_its_section():
 
 
 @pytest.mark.parametrize("heading", sorted(BLOCKS))
-def test_readme_block_runs(heading, capsys):
-  exec(compile(BLOCKS[heading], f"README.md ({heading})", "exec"), {"__name__": "readme"})
+def test_docs_block_runs(heading, capsys):
+  exec(compile(BLOCKS[heading], f"docs/guides/frameworks.md ({heading})", "exec"), {"__name__": "docs"})
   out = capsys.readouterr().out
   if heading == "Equinox":  # the whole model is refused, naming the function leaves
     assert "Unsupported leaf at .activation: " in out

@@ -105,7 +105,7 @@ class CheckpointManager:
       ``budget_bytes``, ``inline_bytes``, ``barrier_timeout_s``: also the deadline of the
       manager's own barriers).
     incremental: each save refers to the newest committed step (``save(base=...)``) and
-      records content hashes: what is unchanged is not written again (README "Incremental").
+      records content hashes: what is unchanged is not written again (docs/guides/incremental.md).
     full_every: with ``incremental``, every ``n``-th save of this manager is a full save.
 
   With no retention rule every step is kept. The newest committed step and steps being saved

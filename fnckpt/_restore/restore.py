@@ -388,7 +388,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
       replicas over the interconnect (a jitted reshard: collective, every process must
       restore). ``False``: every process reads all it holds. ``None`` (default): on when the
       target replicates some array across processes and the devices are accelerators or the
-      checkpoint is on ``gs://``/``s3://`` (README "Multi-process": CPU processes reading
+      checkpoint is on ``gs://``/``s3://`` (docs/guides/multi-process.md: CPU processes reading
       local files are faster without). Same values either way.
     barrier_timeout_s: deadline of each broadcast wave (its barrier and its collective); a
       process lost during the broadcast fails every other with a CheckpointError naming it.

@@ -313,7 +313,8 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   after another, never mixed.
 
   Args:
-    tree: any pytree of jax/numpy arrays, scalars, strings, PRNG keys, ... (see README).
+    tree: any pytree of jax/numpy arrays, scalars, strings, PRNG keys, ... (see
+      docs/concepts/saving.md).
     path: a local path, ``file://``, ``memory://``, ``gs://`` or ``s3://`` location.
     overwrite: replace an existing checkpoint (or interrupted save) at ``path``.
     metadata: small msgpack-able user data stored in the manifest.
@@ -322,12 +323,12 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
     inline_bytes: arrays up to this size go inside the manifest instead of their own files.
     pack_bytes: larger arrays up to this size that this process sees whole share one packed
       array per process (fewer, larger files); 0 gives each its own zarr array. Device
-      shards of up to 1 MiB of sharded arrays also go into the packs, as *pieces* (README
-      "Pieces"), unless ``pack_bytes`` is 0 or the save compresses (packs are not compressed:
+      shards of up to 1 MiB of sharded arrays also go into the packs, as *pieces* (format
+      spec, "Pieces"), unless ``pack_bytes`` is 0 or the save compresses (packs are not compressed:
       with ``compression=`` such shards are compressed zarr arrays).
     compression: compress the chunks of arrays stored on their own (not inline or packed):
       ``"blosc"`` (lz4 with bit shuffling: 1.2x smaller on Adam-trained state for little CPU,
-      README "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
+      docs/performance.md, "Compression"), ``"zstd"`` or ``"zstd:<level>"``; default: none.
     zstd: short for ``compression="zstd:<zstd>"``.
     barrier_timeout_s: deadline of each cross-process barrier.
     storage_options: settings for ``gs://``/``s3://`` (endpoint, region, concurrency, ...).
@@ -335,7 +336,7 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
       equals the base's data (by content hash: every save records the XXH3-128 of what it
       stores, in the background) is not written again; the new checkpoint refers to the
       base's data instead. The base must outlive it (the manager's retention keeps
-      referenced data; see README "Incremental saves and forks"). The base may also be a
+      referenced data; see docs/guides/incremental.md). The base may also be a
       save still in flight in this process: this save then refers to it once it commits
       (its writer waits for it, not the caller), or, if it fails, is written in full.
 
