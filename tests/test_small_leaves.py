@@ -118,3 +118,35 @@ def test_a_failed_run_read_names_the_leaf_a_read_alone_names(tmp_path, monkeypat
   ours = [m.rsplit(" [", 1)[0] for m in messages]
   assert ours[0] == ours[1]
   assert "['w00']" in ours[0], ours[0]
+
+
+def test_collector_paused_in_save_and_restore_then_as_the_caller_left_it(tmp_path,
+                                                                          monkeypatch):
+  import gc
+  from fnckpt import _state
+  seen = []
+  real = _state._Collector.paused
+
+  def paused(self):
+    seen.append(gc.isenabled())
+    return real(self)
+  monkeypatch.setattr(_state._Collector, "paused", paused)
+  path = str(tmp_path / "c")
+  tree = _tree(8)
+  assert gc.isenabled()
+  fnckpt.save(tree, path).wait()
+  got = fnckpt.restore(path)
+  assert gc.isenabled() and _state.collector.depth == 0 and seen
+  assert all(got[k].tobytes() == v.tobytes() for k, v in tree.items())
+  with pytest.raises(CheckpointError):
+    fnckpt.restore(str(tmp_path / "missing"))
+  assert gc.isenabled() and _state.collector.depth == 0
+  gc.disable()   # the caller's choice is kept
+  try:
+    fnckpt.restore(path)
+    with _state.collector.paused():
+      with _state.collector.paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
