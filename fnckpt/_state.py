@@ -28,6 +28,9 @@ data:
   "manifest", "committing", "committed"): a no-op that fault-injection tests replace;
   ``hashing`` (bench/hashing.py's baseline arm only); ``staging`` (the staging mode
   forced by tests and bench/blocking.py, ``_save.copies``).
+``buffers`` (``_save.buffers``)
+  host buffers that assembled pack chunks, kept for the next save (at most
+  ``_save.buffers.KEEP_BYTES``): touching fresh memory cost more than the copy into it.
 ``collector`` (``_save``, ``_restore``)
   the cyclic garbage collector paused while a save plans and stages, a save's writer encodes
   the manifest, or a restore runs (:meth:`_Collector.paused`): how many pauses are open and
@@ -58,8 +61,8 @@ import itertools
 import threading
 from typing import Any, Callable
 
-__all__ = ["saves", "storage", "sessions", "pieces", "reads", "hooks", "collector", "memo",
-           "memos", "MAX_LOCATIONS"]
+__all__ = ["saves", "storage", "sessions", "pieces", "reads", "hooks", "buffers", "collector",
+           "memo", "memos", "MAX_LOCATIONS"]
 
 # The most save locations whose attempt numbers are remembered (``sessions``).
 MAX_LOCATIONS = 4096
@@ -126,6 +129,15 @@ class _Hooks:
     self.staging: str | None = None
 
 
+class _Buffers:
+  """Idle host buffers (1-D ``uint8`` numpy arrays) for pack chunks (``_save.buffers``)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.free: list[Any] = []               # not in use by any save
+    self.kept = 0                           # their bytes
+
+
 class _Collector:
   """Pauses of Python's cyclic garbage collector, nested and from any thread.
 
@@ -168,6 +180,7 @@ sessions = _Sessions()
 pieces = _Slot()
 reads = _PieceReads()
 hooks = _Hooks()
+buffers = _Buffers()
 collector = _Collector()
 _memos: dict[str, Any] = {}   # qualified name -> the memoised function
 

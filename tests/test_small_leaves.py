@@ -150,3 +150,80 @@ def test_collector_paused_in_save_and_restore_then_as_the_caller_left_it(tmp_pat
     assert not gc.isenabled()
   finally:
     gc.enable()
+
+
+def _pack_chunk_files(path) -> dict:
+  """The bytes of every pack chunk file of the checkpoint at ``path`` (by path inside its
+  data directory: the directory's name differs per save)."""
+  out = {}
+  for root, _, files in os.walk(path):
+    rel = os.path.relpath(root, path).split(os.sep)
+    if len(rel) >= 3 and rel[1] == "p" and "c" in rel:
+      for f in files:
+        with open(os.path.join(root, f), "rb") as fh:
+          out["/".join(rel[1:] + [f])] = fh.read()
+  return out
+
+
+def test_reused_pack_buffers_write_the_bytes_fresh_zeroed_ones_write(tmp_path, monkeypatch):
+  """Pack chunks are assembled in buffers kept from earlier saves (``_save.buffers``): a
+  buffer full of an earlier chunk's bytes (here 0xFF) must write exactly what a zeroed one
+  writes: pieces of sharded leaves and packed leaves of mixed dtypes."""
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  tree = {k: jax.device_put(v, NamedSharding(mesh, P("x") if i % 2 else P()))
+          for i, (k, v) in enumerate(_tree(30).items())}
+  tree["odd"] = np.arange(20003, dtype=np.int16)   # packed, not a multiple of 8 bytes
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())   # this test's own pool
+  real_take = _buffers.take
+  monkeypatch.setattr(_buffers, "take", lambda n: np.zeros(n, np.uint8))
+  fnckpt.save(tree, str(tmp_path / "zeroed")).wait()
+  monkeypatch.setattr(_buffers, "take", real_take)
+  fnckpt.save(tree, str(tmp_path / "first")).wait()   # fills the pool
+  assert _state.buffers.free
+  for b in _state.buffers.free:
+    b[:] = 0xFF
+  fnckpt.save(tree, str(tmp_path / "reused")).wait()
+  assert not any(b.nbytes and b[0] == 0xFF for b in _state.buffers.free)   # they were used
+  want = _pack_chunk_files(str(tmp_path / "zeroed"))
+  assert want and _pack_chunk_files(str(tmp_path / "reused")) == want
+  assert _pack_chunk_files(str(tmp_path / "first")) == want
+  got = fnckpt.restore(str(tmp_path / "reused"), jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+      if isinstance(x, jax.Array) else np.zeros_like(x), tree))
+  for k, v in tree.items():
+    assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
+def test_buffer_pool_keeps_at_most_its_bytes(monkeypatch):
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())
+  monkeypatch.setattr(_buffers, "KEEP_BYTES", 100)
+  a, b = _buffers.take(60), _buffers.take(60)
+  _buffers.give(a)
+  _buffers.give(b)   # over the limit: dropped
+  _buffers.give(a)   # already kept: once
+  assert [x.nbytes for x in _state.buffers.free] == [60] and _state.buffers.kept == 60
+  c = _buffers.take(10)
+  assert c.nbytes == 10 and c.base is a and _state.buffers.kept == 0
+
+
+def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
+  """(A save's chunks are covered by their pieces today; a gap would be zeros, as it was
+  with a fresh zeroed buffer, never an earlier chunk's bytes.)"""
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  from fnckpt._save.staged import Staged
+  from fnckpt._save.staging import Assemble
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())
+  poisoned = np.full(64, 0xFF, np.uint8)
+  _buffers.give(poisoned)
+  leaf = Staged((8,), np.dtype(np.uint8), [((slice(0, 8),), np.arange(1, 9, dtype=np.uint8))])
+  a = Assemble(20, [(2, leaf, 0, 8, 0), (12, leaf, 2, 6, 1)])
+  buf = a()
+  assert buf.base is poisoned
+  assert buf.tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 3, 4, 5, 6, 0, 0, 0, 0]
+  assert a.spans == [(0, 2, 8), (1, 12, 4)]
