@@ -227,3 +227,53 @@ def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
   assert buf.base is poisoned
   assert buf.tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 3, 4, 5, 6, 0, 0, 0, 0]
   assert a.spans == [(0, 2, 8), (1, 12, 4)]
+
+
+def _inline_tree():
+  """Inline leaves (at most 16 KiB) of several dtypes, one a bool array."""
+  return {"f32": np.arange(1024, dtype=np.float32) / 7, "i8": np.arange(64, dtype=np.int8),
+          "bf16": np.arange(512, dtype=np.float32).astype(jax.numpy.bfloat16),
+          "mask": np.arange(128) % 3 == 0, "odd": np.arange(24, dtype=np.int16)}
+
+
+def test_inline_leaves_onto_cpu_devices_share_one_aligned_buffer_bitwise(tmp_path):
+  tree = _inline_tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  for spec in (P(), P("x")):
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+        mesh, spec if v.shape[0] % len(devices) == 0 else P())) for k, v in tree.items()}
+    got = fnckpt.restore(path, target)
+    for k, v in tree.items():
+      assert got[k].sharding == target[k].sharding and got[k].dtype == v.dtype
+      assert np.asarray(got[k]).tobytes() == v.tobytes(), (k, spec)
+      for s in got[k].addressable_shards:
+        assert np.asarray(s.data).tobytes() == v[s.index].tobytes(), (k, spec)
+    if spec == P():   # replicated: every device adopted the one buffer
+      for k in tree:
+        assert len({s.data.unsafe_buffer_pointer() for s in got[k].addressable_shards}) == 1
+  host = fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})
+  assert all(host[k].tobytes() == v.tobytes() and host[k].flags.owndata
+             for k, v in tree.items())
+
+
+def test_a_damaged_inline_bool_onto_devices_is_named(tmp_path):
+  tree = _inline_tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+
+  def change(m):
+    rec = next(r for r in m["leaves"] if r["path"][-1][1] == "mask")
+    rec["inline"] = b"\x02" + rec["inline"][1:]
+  _rewrite(path, change)
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+            for k, v in tree.items()}
+  message = r"\['mask'\]: a bool array holds a byte other than 0 and 1"
+  with pytest.raises(CheckpointError, match=message):
+    fnckpt.restore(path, target)
+  with pytest.raises(CheckpointError, match=message):   # as onto the host
+    fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})
