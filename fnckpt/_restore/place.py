@@ -141,9 +141,8 @@ class _Placer:
     # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
     # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
     # such an array makes XLA copy, never write into it).
-    if devices is WHOLE:
-      s = r.sharding
-      self.whole.append((i, shared_on_cpu(host, s.device_set if s.is_fully_replicated else ())))
+    if devices is WHOLE:  # (sharded: aligned, its slices are adopted as they are, replicas
+      self.whole.append((i, shared_on_cpu(host, r.sharding.device_set)))  # sharing them)
     else:
       host = shared_on_cpu(host, devices)
       self.puts += [(i, d, host) for d in devices]
@@ -212,7 +211,8 @@ def inline_host(rec: Any, sharding: jax.sharding.Sharding | None) -> np.ndarray:
 
 def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
   """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
-  when two or more of them take it whole: one copy here instead of one per device."""
+  when two or more of them take it, whole or in slices: one copy here instead of one per
+  device (of each slice whose start stays aligned)."""
   if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
       or next(iter(devices)).platform != "cpu"):
     return host
