@@ -118,3 +118,162 @@ def test_a_failed_run_read_names_the_leaf_a_read_alone_names(tmp_path, monkeypat
   ours = [m.rsplit(" [", 1)[0] for m in messages]
   assert ours[0] == ours[1]
   assert "['w00']" in ours[0], ours[0]
+
+
+def test_collector_paused_in_save_and_restore_then_as_the_caller_left_it(tmp_path,
+                                                                          monkeypatch):
+  import gc
+  from fnckpt import _state
+  seen = []
+  real = _state._Collector.paused
+
+  def paused(self):
+    seen.append(gc.isenabled())
+    return real(self)
+  monkeypatch.setattr(_state._Collector, "paused", paused)
+  path = str(tmp_path / "c")
+  tree = _tree(8)
+  assert gc.isenabled()
+  fnckpt.save(tree, path).wait()
+  got = fnckpt.restore(path)
+  assert gc.isenabled() and _state.collector.depth == 0 and seen
+  assert all(got[k].tobytes() == v.tobytes() for k, v in tree.items())
+  with pytest.raises(CheckpointError):
+    fnckpt.restore(str(tmp_path / "missing"))
+  assert gc.isenabled() and _state.collector.depth == 0
+  gc.disable()   # the caller's choice is kept
+  try:
+    fnckpt.restore(path)
+    with _state.collector.paused():
+      with _state.collector.paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
+
+
+def _pack_chunk_files(path) -> dict:
+  """The bytes of every pack chunk file of the checkpoint at ``path`` (by path inside its
+  data directory: the directory's name differs per save)."""
+  out = {}
+  for root, _, files in os.walk(path):
+    rel = os.path.relpath(root, path).split(os.sep)
+    if len(rel) >= 3 and rel[1] == "p" and "c" in rel:
+      for f in files:
+        with open(os.path.join(root, f), "rb") as fh:
+          out["/".join(rel[1:] + [f])] = fh.read()
+  return out
+
+
+def test_reused_pack_buffers_write_the_bytes_fresh_zeroed_ones_write(tmp_path, monkeypatch):
+  """Pack chunks are assembled in buffers kept from earlier saves (``_save.buffers``): a
+  buffer full of an earlier chunk's bytes (here 0xFF) must write exactly what a zeroed one
+  writes: pieces of sharded leaves and packed leaves of mixed dtypes."""
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  tree = {k: jax.device_put(v, NamedSharding(mesh, P("x") if i % 2 else P()))
+          for i, (k, v) in enumerate(_tree(30).items())}
+  tree["odd"] = np.arange(20003, dtype=np.int16)   # packed, not a multiple of 8 bytes
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())   # this test's own pool
+  real_take = _buffers.take
+  monkeypatch.setattr(_buffers, "take", lambda n: np.zeros(n, np.uint8))
+  fnckpt.save(tree, str(tmp_path / "zeroed")).wait()
+  monkeypatch.setattr(_buffers, "take", real_take)
+  fnckpt.save(tree, str(tmp_path / "first")).wait()   # fills the pool
+  assert _state.buffers.free
+  for b in _state.buffers.free:
+    b[:] = 0xFF
+  fnckpt.save(tree, str(tmp_path / "reused")).wait()
+  assert not any(b.nbytes and b[0] == 0xFF for b in _state.buffers.free)   # they were used
+  want = _pack_chunk_files(str(tmp_path / "zeroed"))
+  assert want and _pack_chunk_files(str(tmp_path / "reused")) == want
+  assert _pack_chunk_files(str(tmp_path / "first")) == want
+  got = fnckpt.restore(str(tmp_path / "reused"), jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+      if isinstance(x, jax.Array) else np.zeros_like(x), tree))
+  for k, v in tree.items():
+    assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
+def test_buffer_pool_keeps_at_most_its_bytes(monkeypatch):
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())
+  monkeypatch.setattr(_buffers, "KEEP_BYTES", 100)
+  a, b = _buffers.take(60), _buffers.take(60)
+  _buffers.give(a)
+  _buffers.give(b)   # over the limit: dropped
+  _buffers.give(a)   # already kept: once
+  assert [x.nbytes for x in _state.buffers.free] == [60] and _state.buffers.kept == 60
+  c = _buffers.take(10)
+  assert c.nbytes == 10 and c.base is a and _state.buffers.kept == 0
+
+
+def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
+  """(A save's chunks are covered by their pieces today; a gap would be zeros, as it was
+  with a fresh zeroed buffer, never an earlier chunk's bytes.)"""
+  from fnckpt import _state
+  from fnckpt._save import buffers as _buffers
+  from fnckpt._save.staged import Staged
+  from fnckpt._save.staging import Assemble
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())
+  poisoned = np.full(64, 0xFF, np.uint8)
+  _buffers.give(poisoned)
+  leaf = Staged((8,), np.dtype(np.uint8), [((slice(0, 8),), np.arange(1, 9, dtype=np.uint8))])
+  a = Assemble(20, [(2, leaf, 0, 8, 0), (12, leaf, 2, 6, 1)])
+  buf = a()
+  assert buf.base is poisoned
+  assert buf.tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 3, 4, 5, 6, 0, 0, 0, 0]
+  assert a.spans == [(0, 2, 8), (1, 12, 4)]
+
+
+def _inline_tree():
+  """Inline leaves (at most 16 KiB) of several dtypes, one a bool array."""
+  return {"f32": np.arange(1024, dtype=np.float32) / 7, "i8": np.arange(64, dtype=np.int8),
+          "bf16": np.arange(512, dtype=np.float32).astype(jax.numpy.bfloat16),
+          "mask": np.arange(128) % 3 == 0, "odd": np.arange(24, dtype=np.int16)}
+
+
+def test_inline_leaves_onto_cpu_devices_share_one_aligned_buffer_bitwise(tmp_path):
+  tree = _inline_tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  for spec in (P(), P("x")):
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+        mesh, spec if v.shape[0] % len(devices) == 0 else P())) for k, v in tree.items()}
+    got = fnckpt.restore(path, target)
+    for k, v in tree.items():
+      assert got[k].sharding == target[k].sharding and got[k].dtype == v.dtype
+      assert np.asarray(got[k]).tobytes() == v.tobytes(), (k, spec)
+      for s in got[k].addressable_shards:
+        assert np.asarray(s.data).tobytes() == v[s.index].tobytes(), (k, spec)
+    if spec == P():   # replicated: every device adopted the one buffer
+      for k in tree:
+        assert len({s.data.unsafe_buffer_pointer() for s in got[k].addressable_shards}) == 1
+  host = fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})
+  assert all(host[k].tobytes() == v.tobytes() and host[k].flags.owndata
+             for k, v in tree.items())
+
+
+def test_a_damaged_inline_bool_onto_devices_is_named(tmp_path):
+  tree = _inline_tree()
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+
+  def change(m):
+    rec = next(r for r in m["leaves"] if r["path"][-1][1] == "mask")
+    rec["inline"] = b"\x02" + rec["inline"][1:]
+  _rewrite(path, change)
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+            for k, v in tree.items()}
+  message = r"\['mask'\]: a bool array holds a byte other than 0 and 1"
+  with pytest.raises(CheckpointError, match=message):
+    fnckpt.restore(path, target)
+  with pytest.raises(CheckpointError, match=message):   # as onto the host
+    fnckpt.restore(path, {k: np.zeros_like(v) for k, v in tree.items()})

@@ -79,8 +79,8 @@ class Recorder:
     get, call = _copies.Copies.get, _copies.Owned.__call__
     wait = _copies.Copies.wait
 
-    def rec_get(copies, shard, local=None):
-      out = get(copies, shard, local)
+    def rec_get(copies, shard, local=None, device=None):
+      out = get(copies, shard, local, device)
       self.got.append(out)
       self.events.append("start")
       return out

@@ -30,7 +30,7 @@ from .records import (BIT_GENERATORS, DTYPES, FP_BYTES, HASH_ALGS, HASH_BYTES, L
                       MAX_BIGINT_DIGITS, MAX_CHUNKS, MAX_DEPTH, MAX_DIMS, MAX_ELEMENTS,
                       MAX_PACK_CHUNK, MAX_UP, PATH_KINDS, PRNG_IMPLS, RUN_BYTES, SCALAR_TYPES,
                       _DATA_NAME, _NAME, Base, Fork, Leaf, Manifest, Pack, Packed, Pieces,
-                      Sharding, Stored, itemsize)
+                      Sharding, Stored, evolve, itemsize)
 from .runs import RUN
 from .tree import MAX_PATH_DEPTH, key_problem, keystr
 
@@ -490,8 +490,7 @@ def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
   if "pieces" in rec:
     _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
          "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
-    return dataclasses.replace(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version,
-                                                    hn))
+    return evolve(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version, hn))
   if "store" in rec:
     return _stored_leaf(leaf, rec, version, bases, hn)
   _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
@@ -553,7 +552,7 @@ def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], h
       leaf = dataclasses.replace(leaf, chunk_fps=_hash(
           rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
   _req("chunk_fps" not in rec or "chunk_hashes" in rec, "'chunk_fps' needs 'chunk_hashes'")
-  return dataclasses.replace(leaf, stored=stored)
+  return evolve(leaf, stored=stored)
 
 
 def _packed(p: Any, nbytes: int, packs: tuple[Pack, ...]) -> Packed:

@@ -368,7 +368,7 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
       mine.update(hashes)
     for i, h in r.packed.items():
       if records[i].pieces is None:
-        records[i] = dataclasses.replace(records[i], hash=h)
+        records[i] = _records.evolve(records[i], hash=h)
   for i, hashes in chunks.items():
     records[i] = _stored_hashes(records[i], hashes, cands.stored.get(i), i in changed, bases,
                                 location)
@@ -395,8 +395,8 @@ def _stored_hashes(rec: _records.Leaf, hashes: Mapping[int, bytes], cand: Stored
   where = rec.stored
   if cand is not None and not changed:
     where = dataclasses.replace(where, dir=cand.dir, base=bases.index(cand.base))
-  return dataclasses.replace(rec, stored=where, chunk_hashes=chunk_hashes,
-                             hash=_hashes.digest(chunk_hashes))
+  return _records.evolve(rec, stored=where, chunk_hashes=chunk_hashes,
+                         hash=_hashes.digest(chunk_hashes))
 
 
 class _Placer:
@@ -436,7 +436,7 @@ def _place_packed(records: list[_records.Leaf], reports: Sequence[Report],
       rec = records[i]
       if rec.pieces is None:
         k, at = place.place(proc, seg, offset, packed.get(i))
-        records[i] = dataclasses.replace(rec, hash=h, packed=_records.Packed(k, at, rec.nbytes))
+        records[i] = _records.evolve(rec, hash=h, packed=_records.Packed(k, at, rec.nbytes))
 
 
 def _runs(rec: _records.Leaf, reports: Sequence[Report], cand: RunCand | None, layout: Any,
@@ -464,7 +464,7 @@ def _runs(rec: _records.Leaf, reports: Sequence[Report], cand: RunCand | None, l
     runs.append(struct.pack("<IQ", k, at))
     hashes.append(h)
   joined = b"".join(hashes)
-  return dataclasses.replace(rec, hash=_hashes.digest(joined), pieces=dataclasses.replace(
+  return _records.evolve(rec, hash=_hashes.digest(joined), pieces=_records.evolve(
       rec.pieces, runs=b"".join(runs), hashes=joined))
 
 

@@ -27,7 +27,7 @@ from .._io import arrays as _store
 from .._sources import read as _read
 from .._sources.source import Source
 
-__all__ = ["Read", "read_arrays", "place", "place_all", "put_grouped", "convert"]
+__all__ = ["Read", "read_arrays", "place", "place_all", "put_grouped", "convert", "inline_host"]
 
 WHOLE = "whole"   # a region's devices: the whole leaf, placed with its sharding
 FLUSH_PUTS = 256  # placements batched into one device_put at most
@@ -141,9 +141,8 @@ class _Placer:
     # ``host`` is ours and nobody writes to it: every device may alias it (on CPU, JAX adopts
     # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
     # such an array makes XLA copy, never write into it).
-    if devices is WHOLE:
-      s = r.sharding
-      self.whole.append((i, shared_on_cpu(host, s.device_set if s.is_fully_replicated else ())))
+    if devices is WHOLE:  # (sharded: aligned, its slices are adopted as they are, replicas
+      self.whole.append((i, shared_on_cpu(host, r.sharding.device_set)))  # sharing them)
     else:
       host = shared_on_cpu(host, devices)
       self.puts += [(i, d, host) for d in devices]
@@ -158,13 +157,13 @@ class _Placer:
     self.inline_done = True
     for i, r in self.reads.items():
       if r.want.rec.inline is not None:
-        self.inline(i, _leaves.inline_array(r.want.rec))
+        self.inline(i, inline_host(r.want.rec, r.sharding))
     self.flush()
 
   def inline(self, i: int, host: np.ndarray) -> None:
     """An inline leaf's value: kept for a host target, else queued to be placed whole with
-    the last batch (small: no aligned copy for CPU replicas; its bytes are the manifest's,
-    charged to no budget, so all inline leaves go in one batch: one put per sharding)."""
+    the last batch (its bytes are the manifest's, charged to no budget, so all inline leaves
+    go in one batch: one put per sharding)."""
     r = self.reads[i]
     host = convert(r.want, host)
     if r.sharding is None:
@@ -196,9 +195,24 @@ def convert(w: Any, host: np.ndarray) -> np.ndarray:
   return host
 
 
+def inline_host(rec: Any, sharding: jax.sharding.Sharding | None) -> np.ndarray:
+  """An inline leaf's value (a fresh copy, bools checked: ``_leaves.inline_array``); for two
+  or more CPU devices, copied into an aligned buffer (:func:`shared_on_cpu`'s, without a
+  second copy), which they all adopt: one buffer, not one copy per device (the small state's
+  1,000 replicated leaves were 8,000 copies)."""
+  devices = () if sharding is None else sharding.device_set
+  if len(devices) < 2 or next(iter(devices)).platform != "cpu":
+    return _leaves.inline_array(rec)
+  dtype = _leaves.dtype_of(rec.dtype)
+  out = _store.aligned_empty(rec.shape, dtype)
+  np.copyto(out, np.frombuffer(rec.inline, dtype=dtype).reshape(rec.shape))
+  return _leaves.checked_bools(out, rec)
+
+
 def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
   """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
-  when two or more of them take it whole: one copy here instead of one per device."""
+  when two or more of them take it, whole or in slices: one copy here instead of one per
+  device (of each slice whose start stays aligned)."""
   if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
       or next(iter(devices)).platform != "cpu"):
     return host

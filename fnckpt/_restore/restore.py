@@ -401,6 +401,15 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
+  with _state.collector.paused():  # (tens of thousands of objects made: README "Performance")
+    return _restore(path, target, partial, cast, budget_bytes, per_process_from,
+                    storage_options, broadcast, barrier_timeout_s)
+
+
+def _restore(path: str, target: Any, partial: bool, cast: bool, budget_bytes: int | None,
+             per_process_from: int | None, storage_options: dict[str, Any] | None,
+             broadcast: bool | None, barrier_timeout_s: float) -> Any:
+  """:func:`restore`, the collector paused."""
   src = _source.open_any(path, storage_options)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:

@@ -85,12 +85,25 @@ class Copies:
 
   def __init__(self) -> None:
     self._started: list[weakref.ref] = []
+    self._kinds: dict[Any, str | None] = {}   # device -> its host memory kind (None: numpy)
 
-  def get(self, shard: jax.Array, local: tuple[slice, ...] | None = None) -> Any:
-    """``shard`` (one device's array), or its part ``local``, held safe from the caller: an
-    :class:`Owned` copy being made, or (``"asarray"``) a numpy array."""
-    device = next(iter(shard.devices()))
-    kind = host(device) if mode(device) == "owned" else None
+  def _kind(self, device: Any) -> str | None:
+    """The memory kind owned copies from ``device`` land in; None: staged as numpy (asked
+    once per device and save: thousands of small shards ask again and again)."""
+    try:
+      return self._kinds[device]
+    except KeyError:
+      kind = self._kinds[device] = host(device) if mode(device) == "owned" else None
+      return kind
+
+  def get(self, shard: jax.Array, local: tuple[slice, ...] | None = None,
+          device: Any = None) -> Any:
+    """``shard`` (one device's array, on ``device`` when the caller knows it), or its part
+    ``local``, held safe from the caller: an :class:`Owned` copy being made, or
+    (``"asarray"``) a numpy array."""
+    if device is None:
+      device = next(iter(shard.devices()))
+    kind = self._kind(device)
     if kind is None:
       if device.platform in ASARRAY_PLATFORMS:  # a view: slicing it copies nothing
         view = np.asarray(shard)

@@ -31,6 +31,7 @@ from .._format import hashes as _hashes, manifest as _manifest, records as _reco
 from .._io import collective as _collective, arrays as _store
 from .._errors import CheckpointError
 from .. import _state
+from . import buffers as _buffers
 
 __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
 
@@ -173,19 +174,24 @@ class Delta:
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
             host: np.ndarray, write: Callable[[], ts.Future],
-            spans: list[tuple[int, int, int]] | None = None) -> None:
+            spans: list[tuple[int, int, int]] | None = None, reuse: bool = False) -> None:
     """Write one staged chunk and hash it, on a small thread pool: a candidate's chunk is
     hashed first and written only if it differs from the base's; any other stored chunk is
     written at once and hashed meanwhile. Its budget ``cost`` is given back once it is both
     hashed and durable (or skipped). ``leaf`` None: a pack chunk, written at once while
     its ``spans`` (record, offset, bytes) are hashed in order on one more thread (a leaf's
-    bytes may continue in the next chunk)."""
+    bytes may continue in the next chunk); ``reuse``: ``host`` (a pack chunk's buffer from
+    ``buffers.take``) goes back to the pool once both are done: nothing reads it after."""
     if leaf is None:
       fut = write()
+      after = (lambda: (self._release(cost), _buffers.give(host))) if reuse else (
+          lambda: self._release(cost))
       if not spans:
-        self._track(fut, cost)
+        fut.add_done_callback(lambda _f: after())
+        with self._lock:
+          self._writes.append(fut)
         return
-      done = _Countdown(2, lambda: self._release(cost))
+      done = _Countdown(2, after)
       fut.add_done_callback(lambda _f: done())
       with self._lock:
         self._writes.append(fut)

@@ -186,4 +186,4 @@ def _stage_shard(shard: Any, dtype: Any, copies: Copies) -> Any:
   """One device shard staged (a copy the save owns, or a view of a CPU buffer: ``copies``)."""
   shape = tuple(shard.data.shape)
   whole = tuple(slice(0, n) for n in shape)
-  return Staged(shape, np.dtype(dtype), [(whole, copies.get(shard.data))])
+  return Staged(shape, np.dtype(dtype), [(whole, copies.get(shard.data, device=shard.device))])

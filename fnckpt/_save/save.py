@@ -385,8 +385,9 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     where = "reading the base checkpoint"
     based = _base_of(base, base_handle, session, kv_spec, storage_options, location)
     where = "planning"
-    plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
-                 based, pieces=pack_bytes > 0 and not any(codecs))
+    with _state.collector.paused():  # (the caller waits: README "Performance")
+      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
+                   based, pieces=pack_bytes > 0 and not any(codecs))
     handle.planned = plan.records   # (a later save's base, while in flight)
     _agree(session, plan.records, plan.holders)
     where = "checking the location"
@@ -401,7 +402,8 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     writer.start()
     where = "staging the arrays"
     _reached(key, "staging")
-    commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
+    with _state.collector.paused():
+      commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
   except BaseException as e:
     err = wrap(e, location, where)
     if writer is not None:
@@ -524,13 +526,20 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
       {a.index: a.spec for a in plan.arrays if a.index in plan.cands.stored},
       {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.cands.stored},
       kv_spec, plan.data_dir,
-      (lambda records, packs, bases: _manifest.encode(_manifest_record(
-          plan, metadata, records, packs, bases))) if is_main else None,
+      (lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
+      if is_main else None,
       based.check if based is not None else None, plan.layout, plan.regions)
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
       ctx, writer.location), creating, is_main)
+
+
+def _encode(plan: _Plan, metadata: Any, records, packs, bases) -> bytes:
+  """The manifest's bytes (in the writer thread: the collector paused, as it makes an object
+  or more per field of every record)."""
+  with _state.collector.paused():
+    return _manifest.encode(_manifest_record(plan, metadata, records, packs, bases))
 
 
 def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,

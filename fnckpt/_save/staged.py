@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _state
 from .._layout import chunks as _layout
 from .._format import leaves as _leaves
 from .copies import Copies, to_host
@@ -33,13 +34,11 @@ class Staged:
       return Staged(shape, dtype, [(whole, np.array(data, copy=True, order="C"))])
     if data.is_fully_replicated:
       return Staged(shape, dtype, [(whole, copies.get(data.addressable_data(0)))])
-    parts, seen = [], set()
-    for s in data.addressable_shards:  # not np.asarray(data): JAX would cache that copy on
-      index = _layout.normalize_index(s.index, shape)  # the caller's array, unbudgeted
-      if index not in seen:
-        seen.add(index)
-        parts.append((tuple(slice(a, b) for a, b in index), copies.get(s.data)))
-    return Staged(shape, dtype, parts)
+    distinct = _distinct_shards(data.sharding, shape)
+    # not np.asarray(data): JAX would cache that copy on the caller's array, unbudgeted
+    return Staged(shape, dtype, [(index, copies.get(s.data, device=s.device))
+                                 for s in data.addressable_shards
+                                 if (index := distinct.get(s.device)) is not None])
 
   @property
   def nbytes(self) -> int:
@@ -56,6 +55,20 @@ class Staged:
       for index, part in self.parts:
         host[index] = part
     return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
+
+
+@_state.memo(_layout.LEAF_PLAN_CACHE_SIZE)
+def _distinct_shards(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
+  """This process's devices holding a distinct shard of an array of ``shape`` (the first of
+  each replica group, in device order) and the shard's slices (once per sharding and shape:
+  the small leaves of a state share a few). Read-only."""
+  out, seen = {}, set()
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    index = _layout.normalize_index(index, shape)
+    if index not in seen:
+      seen.add(index)
+      out[device] = tuple(slice(a, b) for a, b in index)
+  return out
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import numpy as np
 from .._layout import chunks as _layout
 from .._format import refs as _refs, tree as _tree
 from .._io import arrays as _store
-from . import pieces as _pieces_save
+from . import buffers as _buffers, pieces as _pieces_save
 from .._errors import CheckpointError
 from .handle import SaveHandle
 from .copies import Copies, mode as _mode
@@ -132,18 +132,21 @@ def leaf_nbytes(data: Any) -> int:
 @dataclasses.dataclass
 class Assemble:
   """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
-  staged leaf (record ``i``), at ``offset`` in the chunk. Once built, ``spans`` lists (record,
-  offset, bytes) of each piece, in order, for hashing."""
+  staged leaf (record ``i``), at ``offset`` in the chunk, zeros elsewhere. Once built,
+  ``spans`` lists (record, offset, bytes) of each piece, in order, for hashing. The buffer
+  comes from :mod:`.buffers` (``reuse``: the delta gives it back once written and hashed)."""
   nbytes: int
   pieces: list[tuple[int, Staged, int, int, int]]
   spans: list[tuple[int, int, int]] | None = None
+  reuse = True
 
   def __call__(self) -> np.ndarray:
-    buf = np.zeros(self.nbytes, np.uint8)
+    buf = _buffers.take(self.nbytes)   # (an earlier chunk's bytes: every byte is written)
     self.spans = []
     for offset, leaf, lo, hi, i in self.pieces:
       buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
       self.spans.append((i, offset, hi - lo))
+    _buffers.fill_gaps(buf, sorted((offset, n) for _, offset, n in self.spans))
     self.pieces = []
     return buf
 

@@ -169,7 +169,7 @@ class Writer:
     store = item.store.result()
     self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
                      lambda: _store.write_chunk(store, item.index, host),
-                     getattr(make, "spans", None))
+                     getattr(make, "spans", None), getattr(make, "reuse", False))
 
   def _run(self) -> None:
     error: BaseException | None = None
