@@ -211,6 +211,18 @@ def test_buffer_pool_keeps_at_most_its_bytes(monkeypatch):
   assert c.nbytes == 10 and c.base is a and _state.buffers.kept == 0
 
 
+def test_buffer_pool_keeps_at_most_a_quarter_of_the_budget(monkeypatch):
+  from fnckpt import _state
+  from fnckpt._io.arrays import ByteBudget
+  from fnckpt._save import buffers as _buffers
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())
+  monkeypatch.setattr(_state.saves, "budget", ByteBudget(400))
+  a, b = _buffers.take(60), _buffers.take(60)
+  _buffers.give(a)
+  _buffers.give(b)   # 120 > 400 / 4: dropped
+  assert _state.buffers.kept == 60
+
+
 def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
   """(A save's chunks are covered by their pieces today; a gap would be zeros, as it was
   with a fresh zeroed buffer, never an earlier chunk's bytes.)"""

@@ -5,8 +5,9 @@ fresh memory that copy cost 6x more than into memory touched before (the first t
 page faults; on the bench machine, 110 ms of CPU for the mixed state's 73 MiB of packs,
 against 18 ms). So a buffer goes back to a small pool once its chunk is durable and hashed
 (:func:`give`: nothing reads it any more) and the next chunk takes it (:func:`take`). At
-most :data:`KEEP_BYTES` are kept idle (outside any save's budget); a save that needs more
-allocates as before. A taken buffer holds the bytes of an earlier chunk: the assembler
+most :data:`KEEP_BYTES`, and at most a quarter of the saves' ``budget_bytes``, are kept idle
+(a buffer in use is charged to the budget like any chunk); a save that needs more allocates
+as before. A taken buffer holds the bytes of an earlier chunk: the assembler
 writes every byte of the chunk (its pieces, and zeros between and after them).
 """
 
@@ -40,9 +41,11 @@ def give(buf: np.ndarray) -> None:
   base = buf if buf.base is None else buf.base
   if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8:
     return
+  budget = _state.saves.budget
+  keep = KEEP_BYTES if budget is None else min(KEEP_BYTES, budget.limit // 4)
   pool = _state.buffers
   with pool.lock:
-    if pool.kept + base.nbytes <= KEEP_BYTES and all(b is not base for b in pool.free):
+    if pool.kept + base.nbytes <= keep and all(b is not base for b in pool.free):
       pool.free.append(base)
       pool.kept += base.nbytes
 
