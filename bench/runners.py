@@ -16,7 +16,10 @@ prints one line ``BENCH_RESULT {json}`` on stdout. Operations:
   replicated) until durable, then read back cold (``limits.tensorstore_rw``); best of repeats;
 * ``save``: ``n_saves`` saves in one process (the 1st pays first-call costs, later ones are the
   steady state of a training loop); per save: time the caller is blocked, time to committed,
-  peak RSS over the baseline, files and bytes on disk;
+  peak RSS over the baseline, files and bytes on disk. Each save starts after ``os.sync()``
+  (untimed), so none pays for the writeback of data written before it (by the other library's
+  worker, or an earlier save that did not fsync: on ext4 an ``fsync`` commits the journal,
+  which first writes out every file's pending data);
 * ``restore``: evict the checkpoint from the page cache, restore onto mesh ``a`` (as saved) or
   ``b`` (other mesh shape and PartitionSpecs), peak RSS; then verify values by checksum.
 """
@@ -230,6 +233,7 @@ def op_save(a: dict) -> dict:
   n = a.get("n_saves", 1)
   try:
     for i in range(n):
+      os.sync()   # (untimed: see the module docstring)
       with PeakRSS() as mem:
         prof = _profiler(a.get("profile")) if i == n - 1 else None
         c0 = _cpu_s()
