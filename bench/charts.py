@@ -12,7 +12,7 @@ Run it again whenever a result below changes; it reads only files under ``bench/
 * ``plan_scale.svg``: the newest date's ``*-plan-scale-p<P>.json`` (``bench/plan_scale.py``,
   one file per process count);
 * ``save_phases.svg`` and ``layout.svg``: diagrams of a save and of a checkpoint directory
-  (README "The async contract", "Commit rule and atomicity", "Format (version 3)").
+  (docs/concepts/async.md, docs/concepts/commit.md, docs/format.md).
 
 The output is deterministic (fixed ``svg.hashsalt``, no date in the metadata, text kept as
 text): rerunning on unchanged results rewrites identical files (``tests/test_charts.py``).
@@ -434,8 +434,8 @@ def save_phases(out: str) -> None:
             loc="upper right", ncol=3, frameon=False, bbox_to_anchor=(1, 1.02))
   fig.suptitle("A save's phases: fnckpt.save(tree, path) returns after staging; the rest "
                "runs in the background", x=0.01, ha="left")
-  _note(fig, "Drawn by bench/charts.py from README \"The async contract\" and \"Commit rule "
-        "and atomicity\" (fnckpt/_save/save.py, writer.py). SaveStats fields in monospace. "
+  _note(fig, "Drawn by bench/charts.py from docs/concepts/async.md and commit.md "
+        "(fnckpt/_save/save.py, writer.py). SaveStats fields in monospace. "
         "Time runs left to right, not to scale.")
   fig.subplots_adjust(left=0.01, right=0.99, top=0.9, bottom=0.08)
   _save(fig, os.path.join(out, "save_phases.svg"))
@@ -495,7 +495,7 @@ def layout(out: str) -> None:
   ax.text(39.8, 1.0, "written by", ha="right", fontsize=7.5, color="#666666", weight="bold")
   fig.suptitle("A checkpoint directory, format 3 (one object per file on gs:// and s3://)",
                x=0.01, ha="left")
-  _note(fig, "Drawn by bench/charts.py from README \"Format (version 3)\"; checked against "
+  _note(fig, "Drawn by bench/charts.py from docs/format.md (version 3); checked against "
         "`find` of a saved checkpoint (a 64 MiB sharded array, pieces, packed and inline "
         "leaves, a numpy leaf, PerProcess) and of an incremental save on it.")
   fig.subplots_adjust(left=0.01, right=0.99, top=0.9, bottom=0.1)

@@ -1,4 +1,4 @@
-"""What restore's format-3 hash checks cost (README "Version 3"): the bench transformer state
+"""What restore's format-3 hash checks cost (docs/format.md): the bench transformer state
 saved, made format 3 (``tests/v3util.upgrade`` until the format-3 writer lands), then restored
 onto mesh ``a`` (as saved), mesh ``b`` (other specs) and the host, alternating checks on / off
 (``_state.hooks.check_hashes``), warm page cache (the worst case for the checks' share).

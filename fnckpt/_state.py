@@ -120,7 +120,7 @@ class _Hooks:
     # bench/hashing.py only: False makes the writer record zeros for content hashes (the
     # cost of a save without hashing, measured against one with it; never for real saves)
     self.hashing: bool = True
-    # restore's content hash checks on reads of whole hashed units (README "Version 3");
+    # restore's content hash checks on reads of whole hashed units (docs/format.md "Version 3");
     # the bench turns them off to measure what they cost
     self.check_hashes = True
     # how staging takes shards off their devices (``_save.copies``): None, each platform's

@@ -50,7 +50,7 @@ def make_state(seed=0):
           "s": jnp.asarray(v["s"]), "step": 10 + seed}
 
 
-# What a save of make_state() writes, from the format's rules (README "Format (version 2)").
+# What a save of make_state() writes, from the format's rules (docs/format.md).
 # "w", "r" and "n" are over inline_bytes; "s" is inline.
 ARRAY_BYTES = 256 * 512 * 4 + 1024 * 1024 * 4 + 100 * 300 * 8
 # Default: all three are at most pack_bytes (4 MiB) and this (only) process sees them whole,

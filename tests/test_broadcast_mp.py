@@ -81,7 +81,7 @@ def test_2_processes_every_storage_kind_read_once(tmp_path):
   # piece costs a ~146 KiB read, with or without broadcast): 1 MiB of slack for them
   assert sum(on) < once + nbytes(LEAVES["e"]) + MiB, (on, once)
   assert max(on) < 0.55 * min(off), (on, off)
-  # the default on CPU processes reading local files: off (README "Multi-process")
+  # the default on CPU processes reading local files: off (docs/guides/multi-process.md)
   assert [p[2]["io"]["rchar"] > 0.9 * p[0]["io"]["rchar"] for p in runs] == [True, True]
 
 

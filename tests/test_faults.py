@@ -26,7 +26,7 @@ LEAVES = {
     "n": {"shape": [100, 300], "dtype": "float64", "kind": "numpy"},     # 234 KiB: packed
     "s": {"shape": [4], "spec": "replicated"},                       # inline in the manifest
 }
-# What the save writes (README "Format (version 2)"): "a" is over pack_bytes (4 MiB), so it
+# What the save writes (docs/format.md): "a" is over pack_bytes (4 MiB), so it
 # is a zarr array in chunks of its shard shape: 8 on the 2x4 mesh (its 1 MiB shards would be
 # pieces; these saves turn pieces off, "piece_bytes": 0, so that kills land between chunks). "b" and "n" are over
 # inline_bytes, at most pack_bytes and seen whole, so they share this process's pack; it is

@@ -1,4 +1,4 @@
-"""Reading format 3 (README "Version 3"): checkpoints of every storage kind (inline, packed,
+"""Reading format 3 (docs/format.md "Version 3"): checkpoints of every storage kind (inline, packed,
 pieced over the 8 virtual devices, stored zarr arrays, data referenced by an incremental save)
 made format 3 by ``v3util.upgrade`` (until the format-3 writer lands) restore, export and
 verify bitwise equal; changed data behind valid crc32c checksums (a packed leaf's bytes, a

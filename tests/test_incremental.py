@@ -1,5 +1,5 @@
 """Incremental saves (``save(base=)``), the manager's ``incremental=True`` / ``full_every``,
-forks, and deletes that respect references (README "Incremental saves and forks").
+forks, and deletes that respect references (docs/guides/incremental.md).
 
 What is written is counted on disk (files and bytes under the new checkpoint), never taken
 from the library's own stats alone; every checkpoint is restored and compared bitwise. A

@@ -1,7 +1,7 @@
 """fnckpt._format.manifest, fnckpt._format.records and fnckpt._format.parse: manifest and commit
 marker <-> msgpack bytes, versioning, validation into frozen records (parse), records back to
 msgpack (encode). No files: leaf records come from fnckpt._format.leaves.leaf_record, manifests
-are built here as a writer would (README "Format"), as msgpack maps and as records."""
+are built here as a writer would (docs/format.md), as msgpack maps and as records."""
 
 import collections
 import enum

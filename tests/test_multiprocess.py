@@ -42,7 +42,7 @@ def nbytes(leaf):
 
 
 CHUNKED_BYTES = sum(nbytes(l) for k, l in LEAVES.items() if k != "d")
-# Format 2, 2 processes x 4 devices. Pieces (README "Pieces"; shards of at most 8 MiB of
+# Format 2, 2 processes x 4 devices. Pieces (docs/format.md "Pieces"; shards of at most 8 MiB of
 # sharded arrays): a: 8 shards; b: 4 shards (each held by 2 devices, 1 writer); f: 2 shards
 # (each held by 4 devices): each process puts the ones it writes into its pack. Zarr arrays:
 # c: 16 MiB replicated (its shard is over 8 MiB) split into 2 pieces of 8 MiB. Packs: e (numpy,

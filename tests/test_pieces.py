@@ -1,4 +1,4 @@
-"""Pieces (README "Pieces"): small device shards of sharded arrays stored as byte ranges of
+"""Pieces (docs/format.md "Pieces"): small device shards of sharded arrays stored as byte ranges of
 the per-process packs: which process writes each chunk is a pure function of the sharding;
 where its chunks lie is recorded as one run per writing process (format 3; format 2 computed
 it from per-process pieces regions, still read).
@@ -345,7 +345,7 @@ def _set(getter, key, value):
 
 def _as_format_2(m):
   """A format-3 manifest of one process whose runs lie back to back from byte 0 of pack 0 in
-  leaf order, rewritten as the format-2 manifest of the same bytes (README "Pieces" rule 2:
+  leaf order, rewritten as the format-2 manifest of the same bytes (docs/format.md "Pieces" rule 2:
   process 0's pieces region at 'packs'[0].pieces = 0; no content hashes)."""
   end = 0
   for r in m["leaves"]:

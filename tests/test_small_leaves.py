@@ -1,4 +1,4 @@
-"""Many small leaves (README "Performance", small/mixed states): whole packed leaves lying one
+"""Many small leaves (docs/performance.md, small/mixed states): whole packed leaves lying one
 after another in a pack are read as one byte range (``_sources.read.PackRun``), placed with one
 ``jax.device_put`` per sharding, and array records sharing a head are validated once; the
 results, and the errors naming a leaf, are those of reading and checking each leaf alone."""

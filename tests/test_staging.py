@@ -1,4 +1,4 @@
-"""Staging into host memory fnckpt owns (``fnckpt._save.copies``; README "The async contract").
+"""Staging into host memory fnckpt owns (``fnckpt._save.copies``; docs/concepts/async.md).
 
 On GPU/TPU every shard a save writes is copied with ``jax.device_put`` into a host memory kind
 of its device (``pinned_host``), into buffers the save allocates and drops, instead of

@@ -1,4 +1,4 @@
-"""Restore targets of today's JAX (README "Restore targets"): shardings over abstract meshes
+"""Restore targets of today's JAX (docs/concepts/saving.md): shardings over abstract meshes
 (what ``jax.eval_shape`` gives on ``jax.make_mesh``'s Explicit axes), the mesh in context,
 bare PartitionSpecs, memory kinds and layouts; and whatever else a target holds gives either
 the right values or a CheckpointError naming the key path, never another exception."""

@@ -1,11 +1,11 @@
-"""PURE: content hashes of format 3 (README "Version 3"): XXH3-128, seed 0, the 16-byte digest
+"""PURE: content hashes of format 3 (docs/format.md): XXH3-128, seed 0, the 16-byte digest
 in canonical (big-endian) order, over an array's C-order little-endian bytes.
 
 Why XXH3-128: every save hashes every byte it stores, so the hash must cost a few percent of a
 save. Measured on the CI machine (one core): XXH3-128 22.8 GB/s, BLAKE3 4.7, SHA-256 1.8,
 BLAKE2b 0.8 (SHA-256 added 56% CPU to a save of the bench's transformer state; XXH3 ~4%).
 It decides equality of data nobody chose to collide (two different chunks share a digest with
-probability ~2^-128); it is not a cryptographic hash (see the README).
+probability ~2^-128); it is not a cryptographic hash (see docs/format.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PURE: the manifest and commit marker <-> msgpack bytes; versioning; validation.
 
-The manifest is one msgpack map (schema in README "Format"). The commit marker holds the
+The manifest is one msgpack map (schema in docs/format.md). The commit marker holds the
 manifest's SHA-256, so a reader trusts a manifest only if the marker names it.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READ_VERSION", "MANIFEST", "COMMIT"
 
 FORMAT_NAME = "fnckpt"
 FORMAT_VERSION = 3          # the format save writes
-READ_VERSION = 3            # the newest format this fnckpt reads (README "Format (version 3)")
+READ_VERSION = 3            # the newest format this fnckpt reads (docs/format.md)
 MANIFEST = "manifest.msgpack"
 COMMIT = "COMMIT"
 DATA_DIR = "d"              # format 1: arrays at d/<n>/

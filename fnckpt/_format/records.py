@@ -131,7 +131,7 @@ class Pack:
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
-  """A leaf stored as pieces (README "Pieces"): its chunks (device shards) are byte ranges of
+  """A leaf stored as pieces (docs/format.md): its chunks (device shards) are byte ranges of
   their writers' packs. Format 2: placed by ``Manifest.layout`` (rule 2). Format 3: ``runs``
   (12 bytes per writing process, increasing: pack u32 LE, offset u64 LE) says where each
   writer's chunks lie, ``hashes`` (16 bytes per writer) their hash."""
@@ -168,7 +168,7 @@ class Leaf:
   type: str | None = None          # scalar type, or the empty container's type
   name: str | None = None          # an empty container's class
   value: Any = None
-  hash: bytes | None = None        # content hash (README "References and hashes", "Version 3")
+  hash: bytes | None = None        # content hash (docs/format.md "References and hashes")
   chunk_hashes: bytes | None = None
   chunk_fps: bytes | None = None
   subtype: str | None = None       # a scalar's subclass ("module.Name"; informative only)
@@ -237,7 +237,7 @@ def evolve(r: Any, **changes: Any) -> Any:
   return out
 
 
-# --- records -> the wire format (README "Format (version 3)", and 2) ------------------------
+# --- records -> the wire format (docs/format.md, versions 3 and 2) ------------------------
 # Keys in the order the writer has always written them (so the manifest of a tree is the same
 # bytes as before the writer built records). Derived and record-only fields (``Leaf.index``,
 # ``Packed.nbytes``, ``Pieces.mesh``, a named sharding's ``devices``, ``Manifest.layout``) are

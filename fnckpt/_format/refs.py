@@ -1,6 +1,6 @@
 """PURE: references between checkpoints (incremental saves, forks) and content hashes.
 
-A checkpoint may refer to data another committed checkpoint wrote (README "References and
+A checkpoint may refer to data another committed checkpoint wrote (docs/format.md "References and
 hashes"). This module holds the path arithmetic (where a referenced checkpoint is, relative to
 the referring one), which leaves of a new save may reuse a base's data (:func:`candidates`),
 and the final leaf records once the writer has hashed what it staged (:func:`finalize`).

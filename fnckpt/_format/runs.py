@@ -1,4 +1,4 @@
-"""PURE: where a pieced leaf's chunks lie in the packs (README "Pieces", "Version 3").
+"""PURE: where a pieced leaf's chunks lie in the packs (docs/format.md "Pieces", "Version 3").
 
 Format 2 computes it (rule 2: each writing process's pieces region, ``Manifest.layout``);
 format 3 records it: ``Pieces.runs`` holds, for each process writing at least one chunk of the

@@ -1,7 +1,7 @@
 """The steps of a run directory: which are committed, which are crash leftovers, their metrics.
 
 Layout: ``<run>/<step>/`` (plain decimal, no padding) holds the checkpoint of ``step``; a step
-is committed when its commit marker ``<run>/<step>/COMMIT`` exists (README, "Commit rule").
+is committed when its commit marker ``<run>/<step>/COMMIT`` exists (docs/concepts/commit.md).
 Other names in the run directory are ignored.
 
 What one listing costs, for ``N`` step directories (chunk files are never listed):
@@ -41,7 +41,7 @@ from .._errors import CheckpointError
 
 __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
 
-# The commit marker's key in a checkpoint (the README's format spec; the same key that
+# The commit marker's key in a checkpoint (docs/format.md; the same key that
 # fnckpt._io.commit.is_committed reads; tests/test_manager.py checks that a saved step has it).
 MARKER = "COMMIT"
 HELD = "REFERENCED"   # a deleted step whose data others still refer to (fnckpt._manager.fork)

@@ -9,7 +9,7 @@ plan from the same target (no messages): the mesh, the specs and the leaf order 
 
 The default (``broadcast=None``) is the rule of :func:`decide`: on with several processes when
 some target array is replicated across them, on accelerators or from an object store
-(README "Multi-process": the figures behind it).
+(docs/guides/multi-process.md: the figures behind it).
 
 >>> import jax, numpy as np
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -105,7 +105,7 @@ def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, rem
   between devices than from storage: accelerators (ICI, NVLink, IB), or storage over a
   network (``remote``: ``gs://``, ``s3://``). CPU processes reading local files: off (the
   page cache gives local reads at memory speed; a Gloo reshard over TCP was 2.6-7x slower
-  in README "Multi-process").
+  in docs/guides/multi-process.md).
 
   >>> decide(None, {0: None}, cpu=True, remote=False), decide(None, {0: None}, cpu=False,
   ...                                                         remote=False)

@@ -401,7 +401,7 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
-  with _state.collector.paused():  # (tens of thousands of objects made: README "Performance")
+  with _state.collector.paused():  # (tens of thousands of objects made: docs/performance.md)
     return _restore(path, target, partial, cast, budget_bytes, per_process_from,
                     storage_options, broadcast, barrier_timeout_s)
 

@@ -4,7 +4,7 @@ Today's JAX hands restore targets whose shardings cannot be placed as they stand
 ``jax.eval_shape`` of a state on a mesh from ``jax.make_mesh`` (Explicit axes by default) and
 ``nnx.eval_shape`` give ``NamedSharding``s over an ``AbstractMesh`` (axis names, sizes and
 types, no devices), and a ``ShapeDtypeStruct`` made with a bare ``PartitionSpec`` takes the mesh
-in context. The rule (README "Restore targets"):
+in context. The rule (docs/concepts/saving.md "Restore targets"):
 
 - An abstract mesh becomes the mesh in context (``jax.set_mesh(mesh)``) when one is set, which
   must have the same axis names and sizes; else the devices of this job laid out as

@@ -1,4 +1,4 @@
-"""Device-to-host copies into host memory fnckpt owns (README "The async contract").
+"""Device-to-host copies into host memory fnckpt owns (docs/concepts/async.md).
 
 Two ways to take a device shard off its device, chosen per platform:
 
@@ -10,7 +10,7 @@ Two ways to take a device shard off its device, chosen per platform:
   GPU/TPU array keeps its copy in the array's ``_npy_value``, outside any budget).
 - ``"asarray"`` (the default on CPU): ``np.asarray`` of the caller's shard. On CPU that is a
   view of the device buffer, which JAX keeps alive and untouched if the caller donates or
-  deletes the array: no copy at all (measured faster and smaller: README "Performance"). On
+  deletes the array: no copy at all (measured faster and smaller: docs/performance.md). On
   an accelerator it is JAX's own copy, cached on the caller's array (the old path, kept for
   ``bench/blocking.py`` to compare).
 

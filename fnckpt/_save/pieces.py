@@ -1,4 +1,4 @@
-"""Save's side of pieces (README "Pieces"): which leaves are pieced, their manifest fields, the
+"""Save's side of pieces (docs/format.md): which leaves are pieced, their manifest fields, the
 meshes' process maps, and the chunks this process puts into its pack's pieces region (the
 layout itself is :mod:`fnckpt._layout.pieces`, pure)."""
 

@@ -159,7 +159,7 @@ class _Base:
 def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
           codecs: _store.Codecs, base: _Base | None = None, pieces: bool = False) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
-  queries). ``pieces``: small shards of sharded arrays go into the packs (README "Pieces").
+  queries). ``pieces``: small shards of sharded arrays go into the packs (docs/format.md "Pieces").
   A record gets its storage as it is decided (packed ones: once the packs are laid out)."""
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
   inline: list[tuple[int, Any]] = []
@@ -385,7 +385,7 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
     where = "reading the base checkpoint"
     based = _base_of(base, base_handle, session, kv_spec, storage_options, location)
     where = "planning"
-    with _state.collector.paused():  # (the caller waits: README "Performance")
+    with _state.collector.paused():  # (the caller waits: docs/performance.md)
       plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
                    based, pieces=pack_bytes > 0 and not any(codecs))
     handle.planned = plan.records   # (a later save's base, while in flight)

@@ -1,4 +1,4 @@
-"""Reading slices of pieced leaves (README "Pieces"): a wanted slice is the chunks it
+"""Reading slices of pieced leaves (docs/format.md "Pieces"): a wanted slice is the chunks it
 intersects, each read as byte ranges of its writer's pack (only the chunk's rows the slice
 needs; only its contiguous runs when those are large and rows would read much more), then
 copied into the slice. Where a chunk lies: format 2 computes it (the writer's pieces region),

@@ -288,7 +288,7 @@ class _Stream:
 
 
 class _Hashes:
-  """The recorded content hashes (README "Version 3", "References and hashes") checked against
+  """The recorded content hashes (docs/format.md "References and hashes") checked against
   the bytes :func:`_verify_arrays` reads once: each write chunk of a stored array as it lands,
   each packed leaf and writer's run of pieces (referenced data too) streamed as its pack's
   blocks land in order. A manifest's hashes of hashes that disagree need no read."""
