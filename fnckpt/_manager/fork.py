@@ -3,9 +3,9 @@ breaking the steps that refer to them, and forking a run without copying its dat
 
 A step refers to another step's data through its manifest's ``bases`` (docs/format.md
 "References and hashes"); a fork of the run is recorded under ``<run>/forks/`` with the data
-directories of the run it refers to. Deleting a step (retention, ``delete``, ``cleanup``) removes its commit
-marker and manifest; its data directories that a committed step or a fork still refers to
-stay (``<run>/<step>/REFERENCED`` says so) until nothing refers to them.
+directories of the run it refers to. Deleting a step (retention, ``delete``, ``cleanup``)
+removes its commit marker and manifest; its data directories that a committed step or a fork
+still refers to stay (``<run>/<step>/REFERENCED`` says so) until nothing refers to them.
 """
 
 from __future__ import annotations
