@@ -32,9 +32,9 @@ data:
   host buffers that assembled pack chunks, kept for the next save (at most
   ``_save.buffers.KEEP_BYTES``): touching fresh memory cost more than the copy into it.
 ``collector`` (``_save``, ``_restore``)
-  the cyclic garbage collector paused while a save plans and stages, a save's writer encodes
-  the manifest, or a restore runs (:meth:`_Collector.paused`): how many pauses are open and
-  whether the collector was on when the first began.
+  the cyclic garbage collector paused while a save plans and stages or a restore runs
+  (:meth:`_Collector.paused`): how many pauses are open and whether the collector was on when
+  the first began.
 ``memo`` caches (``_layout.chunks``, ``_save``, ``_restore``)
   pure functions memoised across calls, each a bounded LRU keyed by sharding or mesh objects;
   :func:`memos` lists them all.
@@ -156,6 +156,9 @@ class _Collector:
 
   @contextlib.contextmanager
   def paused(self):
+    """Pause the collector for the block (only in the thread of a caller who waits for it:
+    the pause is process-wide). A ``gc.disable()`` by another thread during a pause is undone
+    when the last pause ends."""
     with self.lock:
       if self.depth == 0:
         self.was_enabled = gc.isenabled()

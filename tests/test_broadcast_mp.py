@@ -178,9 +178,11 @@ def test_process_lost_during_broadcast_fails_every_survivor(tmp_path, at):
 
 def damage_half(path):
   """Flip a byte inside the last inner chunk (rows 512-1023) of the 8 MiB leaf saved at
-  ``path``: with broadcast, only the process reading that half sees it."""
+  ``path``: with broadcast, or sharded by rows over 2 processes, only the process reading
+  that half sees it."""
   (chunk,) = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-              if os.path.basename(d) == "0" and f == "0"]   # the leaf's one shard file
+              if os.path.basename(d) == "0" and f == "0"
+              and os.path.getsize(os.path.join(d, f)) > 8 * MiB]   # the 8 MiB leaf's shard
   with open(chunk, "r+b") as f:
     f.seek(8 * MiB - 4096)
     b = f.read(1)
@@ -190,9 +192,9 @@ def damage_half(path):
 
 def test_a_read_failure_fails_every_process_at_once(tmp_path):
   """A stored chunk damaged where only one process reads it (each reads half of the rows):
-  that process raises the DamagedError; the other learns of it at the wave's barrier and
-  raises a CheckpointError naming that process and the damage (not a BarrierTimeoutError at
-  the 60 s deadline, as when the failed process simply never arrived)."""
+  that process raises its DamagedError; the other learns of it at the wave's barrier and
+  raises a DamagedError naming that process and the damage (not a BarrierTimeoutError at the
+  60 s deadline, as when the failed process simply never arrived)."""
   path = str(tmp_path / "ckpt")
   fnckpt.save({"c": mp_worker.expected("c", (1024, 2048)), "step": 7}, path).wait()
   damage_half(path)
@@ -200,15 +202,35 @@ def test_a_read_failure_fails_every_process_at_once(tmp_path):
                       "leaves": {"c": {"shape": [1024, 2048], "spec": "replicated"}},
                       "target": {}, "path": path, "runs": [True], "barrier_s": 60}, 2))
   errors = {r["process"]: r["runs"][0] for r in results}
-  damaged = [p for p, e in errors.items() if e.get("error") == "DamagedError"]
-  assert len(damaged) == 1, errors
-  (other,) = set(errors) - set(damaged)
-  e = errors[other]
-  assert e["error"] == "CheckpointError", errors
-  assert (f"failed in broadcast-wave-0 (['c']): process {damaged[0]} could not read its parts "
-          "(DamagedError: ") in e["message"], e
-  assert f"This process (process {other}) stops at the same wave." in e["message"], e
-  assert "falls back to an older step" in e["message"], e
+  assert all(e.get("error") == "DamagedError" for e in errors.values()), errors
+  told = [p for p, e in errors.items() if "could not read its parts" in e["message"]]
+  assert len(told) == 1, errors
+  (other,) = told
+  (damaged,) = set(errors) - {other}
+  message = errors[other]["message"]
+  assert (f"failed in broadcast-wave-0 (['c']): process {damaged} could not read its parts "
+          "(DamagedError: ") in message, message
+  assert f"This process (process {other}) stops at the same wave." in message, message
+  assert "falls back to an older step" in message, message
+
+
+def test_a_failure_before_the_waves_is_published_at_the_first(tmp_path):
+  """The damaged leaf is read without broadcast (sharded over the processes: each reads its
+  own half), before the waves of the replicated one: the process that reads it still fails
+  every process at the first wave's barrier (before: the other waited there until the
+  deadline; this test's processes are stopped at 120 s, the deadline is 600 s)."""
+  path = str(tmp_path / "ckpt")
+  fnckpt.save({"c": mp_worker.expected("c", (1024, 2048)),
+               "r": mp_worker.expected("r", (512, 1024)), "step": 7}, path).wait()
+  damage_half(path)
+  leaves = {"c": {"shape": [1024, 2048], "spec": ["x"]},
+            "r": {"shape": [512, 1024], "spec": "replicated"}}
+  results = ok(group({"mode": "restore", "devices": 1, "mesh": [[2], ["x"]], "warm": False,
+                      "leaves": leaves, "target": {}, "path": path, "runs": [True],
+                      "barrier_s": 600}, 2, timeout=120))
+  errors = {r["process"]: r["runs"][0] for r in results}
+  assert all(e.get("error") == "DamagedError" for e in errors.values()), errors
+  assert sum("could not read its parts" in e["message"] for e in errors.values()) == 1, errors
 
 
 def test_the_manager_heals_around_damage_one_process_reads(tmp_path):

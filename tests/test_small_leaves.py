@@ -207,8 +207,9 @@ def test_buffer_pool_keeps_at_most_its_bytes(monkeypatch):
   _buffers.give(b)   # over the limit: dropped
   _buffers.give(a)   # already kept: once
   assert [x.nbytes for x in _state.buffers.free] == [60] and _state.buffers.kept == 60
-  c = _buffers.take(10)
-  assert c.nbytes == 10 and c.base is a and _state.buffers.kept == 0
+  assert _buffers.take(10).base is not a   # 60 bytes for 10: more than twice (uncharged)
+  c = _buffers.take(40)
+  assert c.nbytes == 40 and c.base is a and _state.buffers.kept == 0
 
 
 def test_buffer_pool_keeps_at_most_a_quarter_of_the_budget(monkeypatch):
@@ -231,7 +232,7 @@ def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
   from fnckpt._save.staged import Staged
   from fnckpt._save.staging import Assemble
   monkeypatch.setattr(_state, "buffers", _state._Buffers())
-  poisoned = np.full(64, 0xFF, np.uint8)
+  poisoned = np.full(32, 0xFF, np.uint8)   # (at most twice the 20 bytes: reused)
   _buffers.give(poisoned)
   leaf = Staged((8,), np.dtype(np.uint8), [((slice(0, 8),), np.arange(1, 9, dtype=np.uint8))])
   a = Assemble(20, [(2, leaf, 0, 8, 0), (12, leaf, 2, 6, 1)])

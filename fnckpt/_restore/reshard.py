@@ -8,10 +8,15 @@ on it); a collective that fails (a peer's connection closed) or does not finish 
 deadline ends in a second, short barrier whose absentees are the lost processes, and every
 surviving process raises a :class:`CheckpointError` naming them and the wave's key paths.
 
-A process whose read of its parts fails (damaged data, a storage error) publishes its error
-and still arrives at the wave's barrier (:func:`failed`), so the others learn of it there,
-before any collective, and raise at once instead of waiting for the deadline: every process
-fails the same wave (the manager's self-healing restore then falls back on all of them).
+A process that fails before a wave's collective (its reads, the leaves read without
+broadcast before the first wave, the previous wave's leaves finished) publishes its error and
+still arrives at the wave's barrier (:func:`failed`), so the others learn of it there, before
+any collective, and raise at once instead of waiting for the deadline: every process fails
+the same wave, with a :class:`DamagedError` on all of them where one found damage (so the
+manager's self-healing restore takes the same way on all of them). Barrier ids are the
+location's and the wave's, counted by the coordination service: a process that never reaches
+a barrier (lost, or unable to publish) leaves the counts apart for later restores of that
+location (known limit).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Sequence
 
 import jax
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, DamagedError
 from .._io import commit as _commit, paths as _paths
 
 __all__ = ["start", "reading", "failed", "reshard", "done", "FAILED_WAIT_S"]
@@ -60,8 +65,9 @@ def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> 
   this one until the deadline. The caller raises ``error`` afterwards."""
   if jax.process_count() == 1:
     return
+  kind = "damaged" if isinstance(error, DamagedError) else "error"
   text = f"{type(error).__name__}: {_paths.error_text(error)}"[:4000]
-  if not _commit.publish(location, ERRORS, f"{wave}:{text}"):
+  if not _commit.publish(location, ERRORS, f"{wave}:{kind}:{text}"):
     return  # fail closed: unpublished, the others time out at the barrier (naming this one)
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: failed reading")
@@ -72,19 +78,30 @@ def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> 
 
 
 def _raise_published(location: str, phase: str, wave: int, where: Sequence[str]) -> None:
-  """Raise a :class:`CheckpointError` if another process published a read failure of this
-  restore (past the wave's barrier every process has either published or not)."""
-  try:
-    found = _commit.published(location, ERRORS)
-  except Exception as e:  # fail closed: not knowing is not "no failure"
-    found = [(-1, f"{wave}:the coordination service cannot be read ({type(e).__name__})")]
+  """Raise if another process published a failure of this restore (past the wave's barrier
+  every process has either published or not): a :class:`DamagedError` where that process
+  found damage (so every process takes the same way: the manager reads another copy or an
+  older step on all of them), else a :class:`CheckpointError`."""
+  found = None
+  for attempt in range(3):
+    try:
+      found = _commit.published(location, ERRORS)
+      break
+    except Exception as e:  # fail closed: not knowing is not "no failure"
+      if attempt == 2:
+        found = [(-1, f"{wave}:error:the coordination service cannot be read "
+                      f"({type(e).__name__})")]
+      else:
+        time.sleep(0.2)
   if not found:
     return
   p, text = found[0]
+  _, kind, text = text.split(":", 2) if text.count(":") >= 2 else ("", "error", text)
   who = f"process {p}" if p >= 0 else "another process (unknown)"
-  raise CheckpointError(
+  error = DamagedError if kind == "damaged" else CheckpointError
+  raise error(
       f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
-      f"({_keys(where)}): {who} could not read its parts ({text.partition(':')[2]}). This "
+      f"({_keys(where)}): {who} could not read its parts ({text}). This "
       f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
       f"another checkpoint (the manager's restore() falls back to an older step on every "
       f"process when the data is damaged).")

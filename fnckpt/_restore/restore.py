@@ -8,7 +8,7 @@ once, under a host-memory budget, and places them with the target's shardings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -446,11 +446,17 @@ def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | No
   if not _broadcast.decide(broadcast, readers, cpu=jax.devices()[0].platform == "cpu",
                            remote=src.location.startswith(("gs://", "s3://"))):
     readers = {}
-  _place.read_arrays(src, {i: r for i, r in reads.items() if i not in readers}, budget)
-  for i, r in reads.items():
-    if i not in readers:
+  local = {i: r for i, r in reads.items() if i not in readers}
+
+  def read_local() -> None:
+    _place.read_arrays(src, local, budget)
+    for i, r in local.items():
       values[i] = _finish_leaf(r.want, _assembled(r))
-  _read_broadcast(src, reads, readers, values, budget, timeout_s)
+
+  if readers:  # (a failure reading these is published at the first wave: see below)
+    _read_broadcast(src, reads, readers, values, budget, timeout_s, before=read_local)
+  else:
+    read_local()
   return values
 
 
@@ -473,29 +479,37 @@ def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
 
 def _read_broadcast(src: Source, reads: dict[int, _place.Read],
                     readers: dict[int, _broadcast.Reader], values: list[Any], budget: int,
-                    timeout_s: float) -> None:
+                    timeout_s: float, before: Callable[[], None]) -> None:
   """The leaves of ``readers``, wave by wave: each process reads its parts (onto the reader
   shardings), then one collective reshard per wave fills the replicas. A wave holds at most
-  ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds."""
-  if readers:
-    _reshard.start(src.location)
+  ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds.
+
+  Whatever fails on this process before a wave's barrier (``before``: the leaves read
+  without broadcast; the wave's reads; the previous wave's leaves finished) is published
+  there (:func:`_reshard.failed`), so the others raise at once instead of at the deadline."""
+  _reshard.start(src.location)
+  finish: list[tuple[int, Any]] = []
   for k, wave in enumerate(_broadcast.waves(readers, budget)):
     _reshard.reading(src.location, k)
-    parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
-                                 parts={})
-             for i in wave}
     try:
+      if k == 0:
+        before()
+      for i, value in finish:
+        values[i] = _finish_leaf(reads[i].want, value)
+      parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
+                                   parts={})
+               for i in wave}
       _place.read_arrays(src, parts, budget)
-    except Exception as e:  # the others learn of it at the wave's barrier, not its deadline
+      assembled = [_assembled(parts[i]) for i in wave]
+    except Exception as e:
       _reshard.failed(src.location, k, e, timeout_s)
       raise
-    moved = _reshard.reshard([_assembled(parts[i]) for i in wave],
-                             [readers[i].target for i in wave],
+    moved = _reshard.reshard(assembled, [readers[i].target for i in wave],
                              [reads[i].want.rec.where for i in wave], src.location, k, timeout_s)
-    for i, value in zip(wave, moved):
-      values[i] = _finish_leaf(reads[i].want, value)
-  if readers:
-    _reshard.done(src.location)
+    finish = list(zip(wave, moved))
+  for i, value in finish:  # (past the last collective: a failure here waits for no one)
+    values[i] = _finish_leaf(reads[i].want, value)
+  _reshard.done(src.location)
 
 
 def _assembled(r: _place.Read) -> Any:

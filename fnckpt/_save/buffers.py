@@ -24,10 +24,11 @@ KEEP_BYTES = 128 << 20   # idle bytes kept: two pack chunks of 64 MiB
 
 def take(nbytes: int) -> np.ndarray:
   """A 1-D ``uint8`` buffer of ``nbytes`` (a view of the smallest idle buffer that holds
-  them, else new); its bytes are undefined. Give back its ``.base`` (or it) when done."""
+  them and is at most twice as large, else new); its bytes are undefined. Give back its ``.base`` (or it) when done."""
   pool = _state.buffers
   with pool.lock:
-    fits = [k for k, b in enumerate(pool.free) if b.nbytes >= nbytes]
+    fits = [k for k, b in enumerate(pool.free)   # (at most twice the bytes: the budget
+            if nbytes <= b.nbytes <= 2 * nbytes]     # is charged for nbytes only)
     if fits:  # (by position: list.remove would compare arrays with ==)
       buf = pool.free.pop(min(fits, key=lambda k: pool.free[k].nbytes))
       pool.kept -= buf.nbytes

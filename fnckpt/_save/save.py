@@ -536,10 +536,9 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
 
 
 def _encode(plan: _Plan, metadata: Any, records, packs, bases) -> bytes:
-  """The manifest's bytes (in the writer thread: the collector paused, as it makes an object
-  or more per field of every record)."""
-  with _state.collector.paused():
-    return _manifest.encode(_manifest_record(plan, metadata, records, packs, bases))
+  """The manifest's bytes (in the writer thread, so the collector is not paused here: that
+  would pause it for the caller's threads too, while nobody waits for this)."""
+  return _manifest.encode(_manifest_record(plan, metadata, records, packs, bases))
 
 
 def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
