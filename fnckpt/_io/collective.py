@@ -92,6 +92,11 @@ class Session:
           ". Every process must call save for the same location, in the same order; raise "
           "barrier_timeout_s if process 0 is merely slow.") from None
 
+  @property
+  def _errors(self) -> str:
+    """Where this attempt's failures are published (``fnckpt/<location hash>/`` + this)."""
+    return f"{self.attempt}/{self.nonce}/error"
+
   def _ms(self, seconds: float | None = None) -> int:
     return max(1, int((self.timeout_s if seconds is None else seconds) * 1000))
 
@@ -180,7 +185,7 @@ class Session:
     if not self.multi:
       return None
     try:
-      entries = self.client.key_value_dir_get(f"{self.prefix}/{self.nonce}/error/")
+      found = _commit.published(self.location, self._errors)
     except Exception as e:
       if not strict:
         return None
@@ -189,9 +194,6 @@ class Session:
           f"coordination service ({type(e).__name__}: {e}), so this process stops the save "
           "rather than risk committing without another's data. Check the job's "
           "coordinator.") from e
-    me = jax.process_index()
-    found = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries
-                   if k.rsplit("/", 1)[-1].isdigit() and int(k.rsplit("/", 1)[-1]) != me)
     return (found[0][0], *_unpublish(found[0][1])) if found else None
 
   def raise_peer_error(self, when: str, phase: str | None = None,
@@ -230,14 +232,8 @@ class Session:
     if not isinstance(error, CheckpointError):
       text = f"{type(error).__name__}: {text}"
     published = json.dumps({"text": text[:_MAX_ERROR_CHARS], "committed": committed})
-    for _ in range(3):
-      try:
-        self.client.key_value_set(f"{self.prefix}/{self.nonce}/error/{jax.process_index()}",
-                                  published, allow_overwrite=True)
-        return
-      except Exception:
-        time.sleep(0.2)
-    self.unpublished = True  # abort() must not arrive anywhere: the others would commit
+    if not _commit.publish(self.location, self._errors, published):
+      self.unpublished = True  # abort() must not arrive anywhere: the others would commit
 
   def abort(self) -> None:
     """Arrive at every barrier not yet passed, so no other process waits for this one. A

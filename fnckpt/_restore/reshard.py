@@ -67,7 +67,7 @@ def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> 
     return
   kind = "damaged" if isinstance(error, DamagedError) else "error"
   text = f"{type(error).__name__}: {_paths.error_text(error)}"[:4000]
-  if not _commit.publish(location, ERRORS, f"{wave}:{kind}:{text}"):
+  if not _commit.publish(location, ERRORS, f"{kind}:{text}"):
     return  # fail closed: unpublished, the others time out at the barrier (naming this one)
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: failed reading")
@@ -77,26 +77,16 @@ def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> 
     pass
 
 
-def _raise_published(location: str, phase: str, wave: int, where: Sequence[str]) -> None:
+def _raise_published(location: str, phase: str, where: Sequence[str]) -> None:
   """Raise if another process published a failure of this restore (past the wave's barrier
   every process has either published or not): a :class:`DamagedError` where that process
   found damage (so every process takes the same way: the manager reads another copy or an
   older step on all of them), else a :class:`CheckpointError`."""
-  found = None
-  for attempt in range(3):
-    try:
-      found = _commit.published(location, ERRORS)
-      break
-    except Exception as e:  # fail closed: not knowing is not "no failure"
-      if attempt == 2:
-        found = [(-1, f"{wave}:error:the coordination service cannot be read "
-                      f"({type(e).__name__})")]
-      else:
-        time.sleep(0.2)
+  found = _read_published(location)
   if not found:
     return
-  p, text = found[0]
-  _, kind, text = text.split(":", 2) if text.count(":") >= 2 else ("", "error", text)
+  p, published = found[0]
+  kind, _, text = published.partition(":")
   who = f"process {p}" if p >= 0 else "another process (unknown)"
   error = DamagedError if kind == "damaged" else CheckpointError
   raise error(
@@ -105,6 +95,19 @@ def _raise_published(location: str, phase: str, wave: int, where: Sequence[str])
       f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
       f"another checkpoint (the manager's restore() falls back to an older step on every "
       f"process when the data is damaged).")
+
+
+def _read_published(location: str) -> list[tuple[int, str]]:
+  """The others' published failures, read with retries; unreadable reads as a failure
+  (fail closed: not knowing is not "no failure")."""
+  for attempt in range(3):
+    try:
+      return _commit.published(location, ERRORS)
+    except Exception as e:
+      if attempt == 2:
+        return [(-1, f"error:the coordination service cannot be read ({type(e).__name__})")]
+      time.sleep(0.2)
+  return []
 
 
 def _keys(where: Sequence[str]) -> str:
@@ -120,7 +123,7 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Shardi
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: resharding")
   _commit.barrier(location, phase, timeout_s)   # (names who did not come)
-  _raise_published(location, phase, wave, where)
+  _raise_published(location, phase, where)
   deadline = time.monotonic() + timeout_s
   try:
     out = jax.jit(_identity, out_shardings=tuple(shardings))(*arrays)

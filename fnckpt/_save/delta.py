@@ -183,26 +183,16 @@ class Delta:
     bytes may continue in the next chunk); ``reuse``: ``host`` (a pack chunk's buffer from
     ``buffers.take``) goes back to the pool once both are done: nothing reads it after."""
     if leaf is None:
-      fut = write()
       after = (lambda: (self._release(cost), _buffers.give(host))) if reuse else (
           lambda: self._release(cost))
-      if not spans:
-        fut.add_done_callback(lambda _f: after())
-        with self._lock:
-          self._writes.append(fut)
-        return
-      done = _Countdown(2, after)
-      fut.add_done_callback(lambda _f: done())
-      with self._lock:
-        self._writes.append(fut)
-      self._jobs.append(self._in_order().submit(self._hash_spans, host, spans, done))
+      done = _Countdown(2 if spans else 1, after)
+      self._track(write(), done)
+      if spans:
+        self._jobs.append(self._in_order().submit(self._hash_spans, host, spans, done))
       return
     if expect is None:
-      fut = write()
       done = _Countdown(2, lambda: self._release(cost))
-      fut.add_done_callback(lambda _f: done())
-      with self._lock:
-        self._writes.append(fut)
+      self._track(write(), done)
       self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
       return
     self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
@@ -234,10 +224,11 @@ class Delta:
     if same:
       self._release(cost)
       return
-    self._track(write(), cost)
+    self._track(write(), lambda: self._release(cost))
 
-  def _track(self, fut: ts.Future, cost: int) -> None:
-    fut.add_done_callback(lambda _f: self._release(cost))
+  def _track(self, fut: ts.Future, then: Callable[[], None]) -> None:
+    """Wait for ``fut`` at the end (``settle``); call ``then`` once it is done."""
+    fut.add_done_callback(lambda _f: then())
     with self._lock:
       self._writes.append(fut)
 
