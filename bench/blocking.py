@@ -14,9 +14,18 @@ the mesh then is (1, n)). Per round, in one process, the arms alternate their or
   ``pinned_host`` ``device_put`` per shard): ``blocked`` is the wall time of the call (what a
   training loop waits for), ``total`` until ``wait()`` returns (committed), ``rss`` the peak
   RSS above the RSS before the call (VmHWM reset first), over the state's bytes;
+- ``save asarray``: the old path, ``np.asarray`` of each shard (the CPU default; on an
+  accelerator a copy JAX caches on the caller's array);
 - ``device_get``: ``jax.device_get`` of every shard a save writes (the same bytes);
 - ``pinned put``: a bare ``jax.device_put`` of every such shard into ``pinned_host`` memory,
-  all started, then waited for.
+  all started, then waited for;
+- ``pinned+numpy``: the same, then ``np.asarray`` of each pinned copy (what the writer does
+  with an owned copy): equal to ``pinned put`` if numpy gets a view of the pinned buffer,
+  slower and bigger if it copies once more.
+
+After each save arm, ``cached`` says whether a host copy was left on the caller's arrays
+(``_npy_value``, on the array or any of its per-device arrays), and the first round restores
+each save arm's checkpoint onto the same shardings and compares it bitwise (``verified``).
 
 Each arm gets a fresh copy of the state (made on the devices, not timed), so nothing one arm
 leaves cached on the arrays (``np.asarray`` caches its host copy on GPU/TPU arrays) helps
@@ -55,7 +64,8 @@ import fnckpt  # noqa: E402
 from fnckpt import _state  # noqa: E402
 
 MiB = 1 << 20
-ARMS = ("save default", "save owned", "device_get", "pinned put")
+ARMS = ("save default", "save owned", "save asarray", "device_get", "pinned put", "pinned+numpy")
+STAGING = {"save default": None, "save owned": "owned", "save asarray": "asarray"}
 
 
 def make_state(total_bytes: int) -> dict[str, jax.Array]:
@@ -95,7 +105,41 @@ def _shards(state) -> list[jax.Array]:
   return [s.data for a in state.values() for s in a.addressable_shards if s.replica_id == 0]
 
 
-def run_arm(arm: str, state, root: str, budget: int | None) -> dict:
+def cached(state: dict[str, jax.Array]) -> bool:
+  """Whether a host copy is cached on any of the caller's arrays or their per-device arrays."""
+  return any(getattr(x, "_npy_value", None) is not None
+             or any(getattr(s.data, "_npy_value", None) is not None for s in x.addressable_shards)
+             for x in state.values())
+
+
+def verify(x: dict[str, jax.Array], path: str) -> bool:
+  """Restore ``path`` onto ``x``'s shardings and compare it with ``x`` bitwise."""
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in x.items()}
+  got = fnckpt.restore(path, target)
+  return all(got[k].sharding == x[k].sharding and bool(jnp.array_equal(got[k], x[k]))
+             for k in x)
+
+
+def run_save(arm: str, x, root: str, budget: int | None, check: bool) -> dict:
+  """One save arm: blocked, to committed, peak staged; cached and (``check``) verified."""
+  path = os.path.join(root, arm.replace(" ", "_"))
+  t0 = time.perf_counter()
+  _state.hooks.staging = STAGING[arm]
+  try:
+    h = fnckpt.save(x, path, budget_bytes=budget)
+    out = {"blocked": time.perf_counter() - t0}
+    stats = h.wait()
+  finally:
+    _state.hooks.staging = None
+  out.update(total=time.perf_counter() - t0, staged_peak=stats.peak_staged_bytes,
+             cached=cached(x))
+  if check:
+    out["verified"] = verify(x, path)
+  shutil.rmtree(path)
+  return out
+
+
+def run_arm(arm: str, state, root: str, budget: int | None, check: bool = False) -> dict:
   """One timed arm on a fresh copy of ``state``: seconds blocked (and to committed), peak RSS
   above the RSS before it."""
   x = fresh(state)
@@ -104,26 +148,18 @@ def run_arm(arm: str, state, root: str, budget: int | None) -> dict:
     f.write("5")  # VmHWM := VmRSS
   base = _rss()
   t0 = time.perf_counter()
-  out: dict = {}
   if arm.startswith("save"):
-    _state.hooks.staging = "owned" if arm == "save owned" else None
-    try:
-      h = fnckpt.save(x, os.path.join(root, arm.replace(" ", "_")), budget_bytes=budget)
-      out["blocked"] = time.perf_counter() - t0
-      stats = h.wait()
-    finally:
-      _state.hooks.staging = None
-    out["total"] = time.perf_counter() - t0
-    out["staged_peak"] = stats.peak_staged_bytes
-    shutil.rmtree(os.path.join(root, arm.replace(" ", "_")))
+    out = run_save(arm, x, root, budget, check)
   elif arm == "device_get":
     got = jax.device_get(shards)
-    out["blocked"] = time.perf_counter() - t0
+    out = {"blocked": time.perf_counter() - t0}
     del got
   else:
     got = [jax.device_put(s, s.sharding.with_memory_kind("pinned_host")) for s in shards]
     jax.block_until_ready(got)
-    out["blocked"] = time.perf_counter() - t0
+    if arm == "pinned+numpy":
+      got = [np.asarray(g) for g in got]
+    out = {"blocked": time.perf_counter() - t0}
     del got
   out["rss"] = _rss("VmHWM") - base
   return out
@@ -137,8 +173,11 @@ def report(rows: list[dict[str, dict]], nbytes: int) -> None:
     b = statistics.median(r[arm]["blocked"] for r in rows)
     t = [r[arm]["total"] for r in rows if "total" in r[arm]]
     rss = statistics.median(r[arm]["rss"] for r in rows)
+    flags = [f"{k} {sorted({r[arm][k] for r in rows if k in r[arm]})}"
+             for k in ("cached", "verified") if any(k in r[arm] for r in rows)]
     print(f"{arm:<14} {b:>10.4f} {nbytes / b / 1e9:>8.2f} "
-          f"{statistics.median(t) if t else float('nan'):>9.3f} {rss / nbytes:>17.3f}")
+          f"{statistics.median(t) if t else float('nan'):>9.3f} {rss / nbytes:>17.3f}  "
+          + "; ".join(flags))
   for key in ("blocked", "total", "rss"):
     ratios = [r["save owned"][key] / max(r["save default"][key], 1e-9) for r in rows]
     print(f"owned / default, {key}: median {statistics.median(ratios):.2f} "
@@ -161,13 +200,13 @@ def main(argv=None) -> int:
         f"{dev.platform} devices ({dev.device_kind}); memories {dev.addressable_memories()}; "
         f"writing under {root}; jax {jax.__version__}, fnckpt {fnckpt.__version__}, "
         f"{os.cpu_count()} cores; budget {args.budget_mib or 'default'} MiB")
-  for arm in ARMS[:2]:  # warm-up: thread pools, drivers, first-call compiles
+  for arm in ARMS[:3]:  # warm-up: thread pools, drivers, first-call compiles
     run_arm(arm, {"w": state["layer0"]}, root, budget)
   rows = []
   try:
     for i in range(args.runs):
       order = ARMS if i % 2 == 0 else ARMS[::-1]
-      row = {arm: run_arm(arm, state, root, budget) for arm in order}
+      row = {arm: run_arm(arm, state, root, budget, check=i == 0) for arm in order}
       rows.append(row)
       print(f"round {i + 1}: " + "  ".join(
           f"{a}: {row[a]['blocked']:.4f} s" + (f" / {row[a]['total']:.2f} s" if "total" in row[a]

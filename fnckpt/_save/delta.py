@@ -102,12 +102,27 @@ class _Workers:
     if len(self._threads) < self._n:
       t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
                            daemon=True)
+      try:
+        t.start()
+      except RuntimeError:  # Python 3.12.0-3.12.2 start no thread once the main thread has
+        if not self._threads:  # returned: the caller (a save finishing at exit) runs them
+          self._run(inline=True)
+        return fut
       self._threads.append(t)
-      t.start()
     return fut
 
-  def _run(self) -> None:
-    while (item := self._queue.get()) is not None:
+  def _run(self, inline: bool = False) -> None:
+    """Run submitted calls until told to stop (``inline``: until the queue is empty)."""
+    while True:
+      if inline:
+        try:
+          item = self._queue.get_nowait()
+        except queue.Empty:
+          return
+      else:
+        item = self._queue.get()
+      if item is None:
+        return
       fut, fn, args = item
       if fut.set_running_or_notify_cancel():
         try:
