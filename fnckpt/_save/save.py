@@ -227,8 +227,8 @@ def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me:
   any is waited for, and none left cached on the caller's array (``np.array(x)`` would cache
   its copy there: on CPU too, for a sharded array)."""
   copies = Copies()
-  staged = [(i, data if isinstance(data, np.ndarray) or me != 0 else Staged.of(data, copies))
-            for i, data in inline]
+  staged = [(i, data if isinstance(data, np.ndarray) or me != 0
+             else Staged.of(data, copies.at(records[i].path))) for i, data in inline]
   copies.wait()
   for i, data in staged:
     raw = (b"" if me != 0 else _leaves.host_bytes(data) if isinstance(data, np.ndarray)
@@ -547,12 +547,14 @@ def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
   compare: packed leaves, and this process's runs of pieced leaves (their bytes count as
   written once written: ``_done``)."""
   me = jax.process_index()
-  items = [(i, _nbytes(data), lambda data=data: Staged.of(data, copies),
+  items = [(i, _nbytes(data),
+            lambda i=i, data=data: Staged.of(data, copies.at(plan.records[i].path)),
             plan.cands.packed[i].hash) for i, data in plan.maybe_packed]
   for i, parts in plan.maybe_runs:
     run = plan.cands.pieced[i].runs.get(me)
     items.append((i, sum(p.nbytes for p in parts),
-                  lambda parts=parts: Run([p.make(copies) for p in parts]),
+                  lambda i=i, parts=parts: Run([p.make(copies.at(plan.records[i].path))
+                                                for p in parts]),
                   run.hash if run is not None else None))
   for i, n, make, expect in items:
     try:

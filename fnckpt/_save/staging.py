@@ -44,7 +44,8 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
     n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
     try:
       host = charge(budget, CHUNK_COST * n, writer,
-                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device), copies))
+                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device),
+                                                copies.at(a.rec.path)))
     except BaseException as e:
       raise at_leaf(e, a.rec.path)
     pos = _refs.chunk_pos(unit.index, chunks, shape)
@@ -79,7 +80,8 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
       if part.offset + part.nbytes <= start:
         continue
       try:
-        leaf = staged[k] if k in staged else staged.setdefault(k, part.make(copies))
+        leaf = staged[k] if k in staged else staged.setdefault(
+            k, part.make(copies.at(plan.records[part.leaf].path)))
       except BaseException as e:
         raise at_leaf(e, plan.records[part.leaf].path)
       lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
