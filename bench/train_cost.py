@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles)")
   p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the "
                  "size's; an accelerator trains 100m on far more than its 8)")
+  p.add_argument("--staging", choices=("owned", "asarray"), default=None, help="force how "
+                 "saves take shards off the devices (default: the platform's; see "
+                 "fnckpt/_save/copies.py)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--mesh", default="2,4")
   p.add_argument("--dir", default=str(ROOT / "tmp" / "train_cost"), help="checkpoints "
@@ -205,7 +208,8 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
   manager.close()
   limits = write_limits(fnckpt, {**arrays, "step": step}, saved["bytes"], directory)
   shutil.rmtree(directory, ignore_errors=True)
-  return {"size": name, "batch": size.batch, "every": args.every, "checkpoint_bytes": saved["bytes"],
+  return {"size": name, "batch": size.batch, "staging": args.staging or "default",
+          "every": args.every, "checkpoint_bytes": saved["bytes"],
           "checkpoint_arrays": saved["arrays"], **limits, **summarize(phases, args.every)}
 
 
@@ -241,7 +245,7 @@ def write_limits(fnckpt, arrays: Any, nbytes: int, directory: Path) -> dict[str,
 
 def floor_at_50(r: dict[str, Any]) -> float:
   """The slowdown at 50 of a save that cost only the bare write's CPU (see the docstring)."""
-  cost = r["cost_per_save_s"] * r["raw_write_cpu_s"] / r["save_cpu_s"]
+  cost = r["cost_per_save_s"] * r["raw_write_cpu_s"] / max(r["save_cpu_s"], 1e-9)
   return cost / (50 * r["baseline_step_s"] + cost)
 
 
@@ -253,7 +257,8 @@ def table(results: list[dict[str, Any]]) -> str:
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in results:
     rows.append(
-        f"| {r['size']} (batch {r['batch']}) | {r['checkpoint_bytes'] / 2**20:.1f} MiB, {r['checkpoint_arrays']} "
+        f"| {r['size']} (batch {r['batch']}, staging {r['staging']}) "
+        f"| {r['checkpoint_bytes'] / 2**20:.1f} MiB, {r['checkpoint_arrays']} "
         f"arrays | {r['every']} | {r['steps_per_s_off']:.3f} / {r['steps_per_s_on']:.3f} "
         f"| {100 * r['slowdown']:.1f}% | {r['blocked_s_median']:.3f} s "
         f"({r['stats_blocking_s_median']:.3f} s) | {r['write_total_s_median']:.2f} s "
@@ -268,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   lm = load_example(args.devices)
+  if args.staging:
+    from fnckpt import _state
+    _state.hooks.staging = args.staging
   load_start = os.getloadavg()
   import jax
   dev = jax.devices()[0]
