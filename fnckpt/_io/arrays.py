@@ -11,6 +11,7 @@ never zeros.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -189,7 +190,7 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   ((3, 5), 0)
   """
   dtype = np.dtype(dtype)
-  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  n = math.prod(int(d) for d in shape) * dtype.itemsize   # (np.prod: 4 us a call)
   raw = np.empty(n + ALIGN, np.uint8)
   start = -raw.ctypes.data % ALIGN
   return raw[start:start + n].view(dtype).reshape(shape)
