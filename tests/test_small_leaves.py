@@ -353,3 +353,25 @@ def test_inline_leaves_onto_cpu_devices_share_aligned_blocks(tmp_path, monkeypat
         starts.append(k)
       end = p + tree[k].nbytes
     assert starts == blocks, (limit, starts)
+
+
+def test_int64_leaves_onto_devices_with_x64_off_become_int32_silently(tmp_path):
+  """Whole leaves are placed by jax.make_array_from_callback: as jax.device_put did, an int64
+  array becomes int32 when x64 is off, with no warning (an explicit dtype would warn)."""
+  import warnings
+  if jax.config.jax_enable_x64:
+    pytest.skip("x64 on")
+  tree = {"small": np.arange(16, dtype=np.int64) - 5, "packed": np.arange(40000, dtype=np.int64),
+          "scalar": np.int64(7) * np.ones((), np.int64)}
+  path = str(tmp_path / "c")
+  fnckpt.save(tree, path).wait()
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+      mesh, P("x") if v.ndim else P())) for k, v in tree.items()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = fnckpt.restore(path, target)
+  for k, v in tree.items():
+    assert got[k].dtype == np.int32 and got[k].sharding == target[k].sharding, k
+    np.testing.assert_array_equal(np.asarray(got[k]), v.astype(np.int32), err_msg=k)

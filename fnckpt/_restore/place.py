@@ -10,7 +10,8 @@ awaited (the window's ``idle``), else last. A run's leaves are views of the one 
 it was read into, and inline leaves bound for several CPU devices are copied into shared
 aligned blocks (:func:`inline_hosts`): CPU devices adopt each where it lies, no copy per leaf
 or device (docs/concepts/saving.md, Placement). A slice's bytes stay charged to the budget until
-it is placed: puts go out in batches (one ``jax.device_put`` per sharding or device), when
+it is placed: puts go out in batches (slices: one ``jax.device_put`` per device; whole
+leaves: one ``jax.make_array_from_callback`` each, :func:`place`), when
 256 are waiting, when the next read has not landed yet and an eighth of the budget waits (its
 bytes then leave the budget and the next reads go out meanwhile), or when the budget is full
 and nothing is in flight (the window's ``drain``).
@@ -269,18 +270,8 @@ def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
 
 def place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
               ) -> list[jax.Array]:
-  """Whole host arrays placed with their shardings: one ``jax.device_put`` per distinct
-  sharding for those on this process's devices alone (:func:`put_grouped`), :func:`place`
-  for the others."""
-  local = [k for k, s in enumerate(shardings) if s.is_fully_addressable]
-  out: list[Any] = [None] * len(hosts)
-  for k, arr in zip(local, put_grouped([hosts[k] for k in local],
-                                       [shardings[k] for k in local])):
-    out[k] = arr
-  for k, s in enumerate(shardings):
-    if out[k] is None:
-      out[k] = place(hosts[k], s)
-  return out
+  """Whole host arrays placed with their shardings (:func:`place`, one by one)."""
+  return [place(h, s) for h, s in zip(hosts, shardings)]
 
 
 def put_grouped(hosts: list[np.ndarray], places: list[Any]) -> list[jax.Array]:
@@ -298,11 +289,19 @@ def put_grouped(hosts: list[np.ndarray], places: list[Any]) -> list[jax.Array]:
 
 
 def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-  """A whole host array placed with ``sharding``, from this process's slices alone:
-  ``jax.device_put`` onto a sharding spanning processes would run a cross-process check
-  (a collective), and restore makes none."""
-  if sharding.is_fully_addressable:
-    return jax.device_put(host, sharding)
-  return jax.make_array_from_callback(host.shape, sharding,  # own buffers; dtype: none may
-                                     lambda index: np.array(host[index]),  # be on this process
-                                     dtype=host.dtype)
+  """A whole host array placed with ``sharding``, by ``jax.make_array_from_callback``: from
+  this process's slices alone (``jax.device_put`` onto a sharding spanning processes would
+  run a cross-process check, a collective, and restore makes none). The slices are views of
+  ``host`` (ours, never written: CPU devices adopt the aligned ones, replicas sharing them),
+  own copies onto another process's sharding. Cheaper than ``jax.device_put``, even of a
+  list sharing one sharding: it skips JAX's per-array abstract value and sharding checks
+  (1,000 arrays of 16 KiB onto 8 CPU devices: 24 vs 35 ms replicated, 36 vs 43 ms onto 4
+  slices). No ``dtype`` passed where this process holds slices: an int64 array with x64
+  off then becomes int32 without a warning, as ``jax.device_put`` did."""
+  if not sharding.is_fully_addressable:
+    return jax.make_array_from_callback(host.shape, sharding,  # dtype: none may be on
+                                       lambda index: np.array(host[index]),  # this process
+                                       dtype=host.dtype)
+  if host.ndim == 0:   # (indexing a 0-d array gives a numpy scalar)
+    return jax.make_array_from_callback((), sharding, lambda index: host)
+  return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
