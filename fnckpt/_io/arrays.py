@@ -210,14 +210,16 @@ class Landing:
     return self._out
 
 
-def read_into(array: ts.TensorStore, index: Index) -> Landing:
+def read_into(array: ts.TensorStore, index: Index, batch: ts.Batch | None = None) -> Landing:
   """Read slice ``index`` of ``array`` into a new :func:`aligned_empty` array: on CPU
   devices JAX then places it without a copy, once for all the devices that share it.
-  TensorStore copies the decoded chunks straight into it. No batch: use it for a slice of
-  whole chunks, which no other slice reads (else :func:`read_slice` with a batch, which reads
-  a chunk file's index and an inner chunk several slices share once, in one request)."""
+  TensorStore copies the decoded chunks straight into it. ``batch``: as for
+  :func:`read_slice` (the reads of several slices of one chunk file, sharing it, fetch its
+  index once and its data in one request); none for a slice of whole chunks that no other
+  slice reads."""
   out = aligned_empty([b - a for a, b in index], array.dtype.numpy_dtype)
-  return Landing(ts.array(out, write=True).write(array[_slices(index)]).commit, out)
+  return Landing(ts.array(out, write=True).write(array[_slices(index)], batch=batch).commit,
+                 out)
 
 
 def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:

@@ -186,8 +186,8 @@ class PackRun(StoredLeaf):
   one buffer (a caller that hands them out to a host result copies them; CPU devices adopt
   those that start 64-byte aligned without a copy: the mixed state's 999 packed leaves, all
   multiples of 4 KiB laid one after another, were 999 copies into fresh memory, 74 MB,
-  out of TensorStore's unaligned result). No batch: a 1 MiB
-  inner chunk two runs share is read twice (cold, the second read is the page cache's).
+  out of TensorStore's unaligned result). The read joins the batch: a chunk file's index,
+  and an inner chunk two runs share, are read once.
   ``rec``: the first leaf's record; a failed read is named as the leaves read one by one
   would name it (:meth:`error`)."""
   leaves: tuple = ()   # the _Packed leaves
@@ -195,7 +195,7 @@ class PackRun(StoredLeaf):
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
     (a, b), = index
-    return _store.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),))
+    return _store.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:
     if not (raw.flags.c_contiguous and raw.flags.writeable):
