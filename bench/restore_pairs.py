@@ -24,6 +24,10 @@ import subprocess
 import sys
 import time
 
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+  del sys.path[0]   # (run as a script: bench/ on the path shadows modules jax imports, as
+                    # ``compression``, whose bench namesake puts this checkout on the path)
+
 
 def one(ckpt: str, state: str, mesh: str) -> dict:
   """One cold restore in this process: seconds of wall, process CPU, calling thread CPU."""
@@ -37,7 +41,7 @@ def one(ckpt: str, state: str, mesh: str) -> dict:
   c0, th0, t0 = runners._cpu_s(), time.thread_time(), time.perf_counter()
   jax.block_until_ready(fnckpt.restore(ckpt, target))
   return {"s": time.perf_counter() - t0, "cpu": runners._cpu_s() - c0,
-          "main": time.thread_time() - th0}
+          "main": time.thread_time() - th0, "fnckpt": os.path.dirname(fnckpt.__file__)}
 
 
 def run(tree: str, args: argparse.Namespace) -> dict:
@@ -73,7 +77,7 @@ def main() -> None:
   for t, xs in got.items():
     med = {k: statistics.median(x[k] for x in xs) for k in ("s", "cpu", "main")}
     walls = ", ".join(f"{x['s']:.3f}" for x in xs)
-    print(f"{t}: wall {med['s']:.3f} s, CPU {med['cpu']:.3f} s, calling thread "
+    print(f"{t} ({xs[0]['fnckpt']}): wall {med['s']:.3f} s, CPU {med['cpu']:.3f} s, calling thread "
           f"{med['main']:.3f} s (medians of {len(xs)}; walls {walls})")
 
 
