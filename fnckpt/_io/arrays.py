@@ -11,6 +11,7 @@ never zeros.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -189,7 +190,7 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   ((3, 5), 0)
   """
   dtype = np.dtype(dtype)
-  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  n = math.prod(int(d) for d in shape) * dtype.itemsize   # (np.prod: 4 us a call)
   raw = np.empty(n + ALIGN, np.uint8)
   start = -raw.ctypes.data % ALIGN
   return raw[start:start + n].view(dtype).reshape(shape)
@@ -209,14 +210,16 @@ class Landing:
     return self._out
 
 
-def read_into(array: ts.TensorStore, index: Index) -> Landing:
+def read_into(array: ts.TensorStore, index: Index, batch: ts.Batch | None = None) -> Landing:
   """Read slice ``index`` of ``array`` into a new :func:`aligned_empty` array: on CPU
   devices JAX then places it without a copy, once for all the devices that share it.
-  TensorStore copies the decoded chunks straight into it. No batch: use it for a slice of
-  whole chunks, which no other slice reads (else :func:`read_slice` with a batch, which reads
-  a chunk file's index and an inner chunk several slices share once, in one request)."""
+  TensorStore copies the decoded chunks straight into it. ``batch``: as for
+  :func:`read_slice` (the reads of several slices of one chunk file, sharing it, fetch its
+  index once and its data in one request); none for a slice of whole chunks that no other
+  slice reads."""
   out = aligned_empty([b - a for a, b in index], array.dtype.numpy_dtype)
-  return Landing(ts.array(out, write=True).write(array[_slices(index)]).commit, out)
+  return Landing(ts.array(out, write=True).write(array[_slices(index)], batch=batch).commit,
+                 out)
 
 
 def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:

@@ -464,6 +464,8 @@ def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
   """The read-once plans of the leaves that have one (stored bytes, a target replicated
   across processes)."""
   out = {}
+  if jax.process_count() == 1:   # (reader_of: None for every leaf)
+    return out
   for i, r in reads.items():
     rec = r.want.rec
     if r.sharding is None or rec.inline is not None:
