@@ -28,7 +28,7 @@ import tensorstore as ts
 
 from .._layout import packing as _packing
 from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
-from .._io import collective as _collective, arrays as _store
+from .._io import collective as _collective, arrays as _store, direct as _direct
 from .._errors import CheckpointError
 from .. import _state
 from . import buffers as _buffers
@@ -66,6 +66,11 @@ class Plan:
 
 # Threads hashing chunks beside the writer thread (xxhash releases the GIL from 64 KiB).
 HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+# Pack chunk files written at once (``_io.direct``: each thread waits for its disk write,
+# the GIL released).
+FILE_THREADS = 2
 
 
 def _array_digest(host: np.ndarray) -> bytes:
@@ -124,12 +129,19 @@ class _Workers:
       if item is None:
         return
       fut, fn, args = item
+      del item
       if fut.set_running_or_notify_cancel():
         try:
-          fut.set_result(fn(*args))
+          result, error = fn(*args), None
         except BaseException as e:  # (handed to whoever waits on it)
-          fut.set_exception(e)
-      del item, fut, fn, args  # (not held while waiting for the next: a chunk's bytes)
+          result, error = None, e
+        del fn, args  # (a chunk's bytes: not held once its callbacks give its budget back)
+        if error is None:
+          fut.set_result(result)
+        else:
+          fut.set_exception(error)
+        del result, error
+      fut = fn = args = None  # (not held while waiting for the next)
 
   def shutdown(self) -> None:
     """Finish what was submitted, then stop the threads."""
@@ -148,9 +160,11 @@ class _Countdown:
   def __call__(self) -> None:
     with self._lock:
       self._n -= 1
-      last = self._n == 0
-    if last:
-      self._fn()
+      fn = self._fn if self._n == 0 else None
+      if fn is not None:
+        self._fn = None   # (what it holds, e.g. a chunk's buffer, goes with it)
+    if fn is not None:
+      fn()
 
 
 class Delta:
@@ -177,6 +191,7 @@ class Delta:
     self._lock = threading.Lock()
     self._executor: _Workers | None = None
     self._ordered: _Workers | None = None
+    self._files: _Workers | None = None
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
 
@@ -258,12 +273,19 @@ class Delta:
       for job in self._jobs:
         job.result()
     finally:
-      for pool in (self._executor, self._ordered):
+      for pool in (self._executor, self._ordered, self._files):
         if pool is not None:
           pool.shutdown()
-      self._executor = self._ordered = None
+      self._executor = self._ordered = self._files = None
     with self._lock:
       return list(self._writes)
+
+  def write_file(self, path: str, image: Any, buf: np.ndarray) -> concurrent.futures.Future:
+    """Write a pack chunk's file assembled in ``buf`` (``_io.direct``), on one of
+    :data:`FILE_THREADS` threads (``settle`` waits for them); its future."""
+    if self._files is None:
+      self._files = _Workers(FILE_THREADS, "fnckpt-write")
+    return self._files.submit(_direct.write_chunk, path, image, buf)
 
   def _hash_spans(self, host: np.ndarray, spans: list[tuple[int, int, int]],
                   done: Callable[[], None]) -> None:

@@ -166,9 +166,11 @@ class Writer:
     make = item.host
     host = make() if callable(make) else make
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
-    store = item.store.result()
-    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
-                     lambda: _store.write_chunk(store, item.index, host),
+    store = item.store.result()   # (its zarr.json written: direct writes too)
+    image = getattr(make, "image", None)
+    write = ((lambda: self.delta.write_file(make.path, image, host)) if image is not None
+             else (lambda: _store.write_chunk(store, item.index, host)))
+    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host, write,
                      getattr(make, "spans", None), getattr(make, "reuse", False))
 
   def _run(self) -> None:
