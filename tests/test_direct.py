@@ -44,6 +44,7 @@ def _direct_file(tmp_path, data: np.ndarray, image: ShardImage, buf: np.ndarray 
   for at, skip, n in image.place(0, data.nbytes):
     buf[at:at + n] = data[skip:skip + n]
   path = str(tmp_path / "direct" / "c" / "0")
+  _direct.encode(buf, image)
   _direct.write_chunk(path, image, buf)
   assert not os.path.exists(path + ".__lock")
   with open(path, "rb") as f:

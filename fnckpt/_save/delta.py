@@ -145,10 +145,15 @@ class _Workers:
 
   def shutdown(self) -> None:
     """Finish what was submitted, then stop the threads."""
-    for _ in self._threads:
-      self._queue.put(None)
+    self.close()
     for t in self._threads:
       t.join()
+
+  def close(self) -> None:
+    """Take no more work: each thread ends once what was submitted is done (not waited for
+    here: the submitted futures are)."""
+    for _ in self._threads:
+      self._queue.put(None)
 
 
 class _Countdown:
@@ -194,6 +199,7 @@ class Delta:
     self._files: _Workers | None = None
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
+    self.check_base: Callable[[], None] | None = None   # set by conclude (process 0)
 
   @property
   def me(self) -> int:
@@ -216,9 +222,10 @@ class Delta:
       after = (lambda: (self._release(cost), _buffers.give(host))) if reuse else (
           lambda: self._release(cost))
       done = _Countdown(2 if spans else 1, after)
-      self._track(write(), done)
-      if spans:
+      if spans:  # (first: hashed while the write starts; a write that fails to start never
+        #          counts down, so the buffer is not given back while the hashing reads it)
         self._jobs.append(self._in_order().submit(self._hash_spans, host, spans, done))
+      self._track(write(), done)
       return
     if expect is None:
       done = _Countdown(2, lambda: self._release(cost))
@@ -268,21 +275,25 @@ class Delta:
     return self._executor
 
   def settle(self) -> list[ts.Future]:
-    """Wait for every hashing job (raising the first failure); the writes started."""
+    """Wait for every hashing job (raising the first failure); the writes started (those of
+    pack chunk files may be in flight: their threads end once they are done)."""
     try:
       for job in self._jobs:
         job.result()
     finally:
-      for pool in (self._executor, self._ordered, self._files):
+      for pool in (self._executor, self._ordered):
         if pool is not None:
           pool.shutdown()
+      if self._files is not None:
+        self._files.close()
       self._executor = self._ordered = self._files = None
     with self._lock:
       return list(self._writes)
 
   def write_file(self, path: str, image: Any, buf: np.ndarray) -> concurrent.futures.Future:
-    """Write a pack chunk's file assembled in ``buf`` (``_io.direct``), on one of
-    :data:`FILE_THREADS` threads (``settle`` waits for them); its future."""
+    """Write a pack chunk's file assembled in ``buf`` (``_io.direct``): its checksums here,
+    then the write on one of :data:`FILE_THREADS` threads; its future."""
+    _direct.encode(buf, image)
     if self._files is None:
       self._files = _Workers(FILE_THREADS, "fnckpt-write")
     return self._files.submit(_direct.write_chunk, path, image, buf)
@@ -383,8 +394,10 @@ def _assemble(items: list[PackLeaf], start: int, end: int) -> np.ndarray:
 
 def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvStore,
              ctx: ts.Context, location: str) -> bytes | None:
-  """After this process's writes are durable (collective): share the reports, decide, copy
-  skipped chunks of changed leaves, write their zarr.json; process 0 returns the manifest."""
+  """Once this process's chunks are hashed (collective; its writes may be in flight): share
+  the reports, decide, copy skipped chunks of changed leaves, write their zarr.json; process 0
+  returns the manifest, and sets ``delta.check_base`` (call it once every write is durable,
+  before committing: it raises if the base is gone)."""
   gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(),
                                                      use_bin_type=True))
   manifest, changed = None, set()
@@ -401,8 +414,7 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
         changed)]
   for f in futures:
     f.result()
-  if manifest is not None and plan.check_base is not None:
-    plan.check_base()
+  delta.check_base = plan.check_base if manifest is not None else None   # (once written)
   return manifest
 
 

@@ -79,6 +79,7 @@ class Writer:
     self.commit_s = 0.0
     self.delta: _delta.Delta | None = None   # set before start()
     self.pending: Any = None   # ``pending.Pending``: the base is a save in flight (held items)
+    self._stores: list[ts.Future] = []   # packs opened (zarr.json) whose chunks go direct
     self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
 
   def start(self) -> None:
@@ -166,10 +167,14 @@ class Writer:
     make = item.host
     host = make() if callable(make) else make
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
-    store = item.store.result()   # (its zarr.json written: direct writes too)
     image = getattr(make, "image", None)
-    write = ((lambda: self.delta.write_file(make.path, image, host)) if image is not None
-             else (lambda: _store.write_chunk(store, item.index, host)))
+    if image is not None:  # (its zarr.json, being created, is waited for before commit)
+      if all(f is not item.store for f in self._stores):
+        self._stores.append(item.store)
+      write = lambda: self.delta.write_file(make.path, image, host)  # noqa: E731
+    else:
+      store = item.store.result()
+      write = lambda: _store.write_chunk(store, item.index, host)  # noqa: E731
     self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host, write,
                      getattr(make, "spans", None), getattr(make, "reuse", False))
 
@@ -179,19 +184,16 @@ class Writer:
     try:
       t0 = time.perf_counter()
       commits = self._write_all()
-      extra = self._commit.creating if self._commit else []
-      for c in [*extra, *commits]:  # wait for every write, even after a failure
-        try:
-          c.result()
-        except BaseException as e:
-          self.error = self.error or e
+      try:
+        manifest = self._conclude()   # (while the last writes are in flight)
+      finally:
+        self._wait(commits)
       if self.aborted:
         return
       if self.error is not None:
         raise self.error
-      if self.session.multi:
-        self.phase = "sharing the content hashes"
-      manifest = self._commit.manifest() if self._commit else None
+      if self.delta is not None and self.delta.check_base is not None:
+        self.delta.check_base()   # (process 0, once every write is durable)
       self.write_s = time.perf_counter() - t0
       self._reached("written")
       self._finish(manifest)
@@ -207,6 +209,28 @@ class Writer:
         error = err
       self.session.close()
       self._on_done(None if self.aborted else error)
+
+  def _conclude(self) -> bytes | None:
+    """Every chunk is hashed: share the hashes and build the manifest (collective; process
+    0's bytes), its writes may still be in flight. Not after a failure (raised once every
+    write is done)."""
+    if self.error is not None or self.aborted or self._commit is None:
+      return None
+    if self.session.multi:
+      self.phase = "sharing the content hashes"
+    manifest = self._commit.manifest()
+    self.phase = "writing the arrays"
+    return manifest
+
+  def _wait(self, commits: list) -> None:
+    """Wait for every write (the arrays' zarr.json too), even after a failure; the first
+    failure becomes the save's."""
+    extra = self._commit.creating if self._commit else []
+    for c in [*extra, *self._stores, *commits]:
+      try:
+        c.result()
+      except BaseException as e:
+        self.error = self.error or e
 
   def _finish(self, manifest: bytes | None) -> None:
     """Manifest, barrier, commit marker, barrier."""
