@@ -154,9 +154,9 @@ def _chunk_files(path: str) -> dict[str, bytes]:
 def test_a_save_writes_the_pack_files_tensorstore_writes(tmp_path, monkeypatch):
   monkeypatch.setattr(_packing, "PACK_CHUNK_BYTES", 2 << 20)
   monkeypatch.setattr(_pieces, "PACK_CHUNK_BYTES", 2 << 20)
-  written = []
-  real = _direct.write_chunk
-  monkeypatch.setattr(_direct, "write_chunk", lambda *a: (written.append(a[0]), real(*a))[1])
+  written = []   # (pack chunks and the manifest)
+  real = _direct.write_file
+  monkeypatch.setattr(_direct, "write_file", lambda *a: (written.append(a[0]), real(*a))[1])
   tree = _tree()
   for direct in (True, False, True):   # (the second direct save: buffers from the pool)
     monkeypatch.setattr(_state.hooks, "direct_writes", direct)
@@ -166,7 +166,8 @@ def test_a_save_writes_the_pack_files_tensorstore_writes(tmp_path, monkeypatch):
   files = [_chunk_files(str(tmp_path / p)) for p in paths]
   assert sum(1 for k in files[0] if "/c/" in k) >= 3
   assert files[0] == files[1] == files[2]   # (zarr.json too)
-  assert len(written) == 2 * sum(1 for k in files[0] if "/c/" in k)
+  assert len(written) == 2 * (sum(1 for k in files[0] if "/c/" in k) + 1)
+  assert sum(w.endswith("/manifest.msgpack") for w in written) == 2   # (not with the hook off)
   for p in paths:
     got = fnckpt.restore(str(tmp_path / p), jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

@@ -479,9 +479,9 @@ def test_large_replicated_arrays_are_written_in_pieces_by_different_replicas(tmp
 def test_a_save_reads_no_chunk_only_the_commit_marker_and_zarr_json(tmp_path, layout,
                                                                     monkeypatch):
   from fnckpt._io import direct as _direct
-  direct = []   # a local pack's chunks are written by fnckpt (no read), not TensorStore
-  real = _direct.write_chunk
-  monkeypatch.setattr(_direct, "write_chunk", lambda *a: (direct.append(a[0]), real(*a))[1])
+  direct = []   # a local pack's chunks and the manifest: written by fnckpt (no read)
+  real = _direct.write_file
+  monkeypatch.setattr(_direct, "write_file", lambda *a: (direct.append(a[0]), real(*a))[1])
   mesh = _mesh((2, 4))
   tree = {"a": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("a", "b"))),
           "b": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("a"))),
@@ -500,7 +500,7 @@ def test_a_save_reads_no_chunk_only_the_commit_marker_and_zarr_json(tmp_path, la
   assert io["bytes_read"] == 0
   # chunks, zarr.json files, manifest, COMMIT
   assert io["write"] + len(direct) == n_chunks + n_arrays + 2
-  assert len(direct) == (n_chunks if layout == "pack" else 0)
+  assert len(direct) == (n_chunks if layout == "pack" else 0) + 1   # (+ the manifest)
   # overwriting reads the old COMMIT (it is a checkpoint), clears it, then reads no chunk
   commit = (tmp_path / "c" / _manifest.COMMIT).read_bytes()
   direct.clear()

@@ -11,7 +11,8 @@ TensorStore), and only where ``O_DIRECT`` and the ``crc32c`` module exist; a fil
 refuses ``O_DIRECT`` (tmpfs) gets the same bytes written through the page cache.
 
 Durability as TensorStore's file kvstore does it: the bytes go to ``<key>.__lock``, which is
-``fsync``-ed, renamed to ``<key>``, and the directory ``fsync``-ed.
+``fsync``-ed, renamed to ``<key>``, and the directory ``fsync``-ed. The manifest of a local
+checkpoint is written so too (:func:`write_bytes`: 9.9 MB for 2,000 leaves with 1,000 inline).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ except ImportError:  # pragma: no cover
   _crc32c = None
 
 __all__ = ["ALIGN", "local_root", "chunk_path", "aligned_size", "encode", "write_chunk",
-           "write_file"]
+           "write_file", "write_bytes"]
 
 # Bytes: the buffer's address and the write's length are multiples of this (every device's
 # logical block size divides it).
@@ -61,13 +62,15 @@ def chunk_path(root: str, pack_dir: str, k: int) -> str:
   return f"{root}{pack_dir.strip('/')}/c/{k}"
 
 
-def aligned_size(image: ShardImage) -> int:
-  """The buffer bytes a chunk's file is assembled in (its size rounded up to :data:`ALIGN`).
+def aligned_size(image: ShardImage | int) -> int:
+  """The buffer bytes a chunk's file (or a file of that many bytes) is assembled in (its size
+  rounded up to :data:`ALIGN`).
 
-  >>> aligned_size(ShardImage(8, 16, 4))
-  4096
+  >>> aligned_size(ShardImage(8, 16, 4)), aligned_size(4097)
+  (4096, 8192)
   """
-  return -(-image.size // ALIGN) * ALIGN
+  n = image.size if isinstance(image, ShardImage) else image
+  return -(-n // ALIGN) * ALIGN
 
 
 def encode(buf: np.ndarray, image: ShardImage) -> None:
@@ -93,6 +96,15 @@ def write_chunk(path: str, image: ShardImage, buf: np.ndarray) -> None:
   calls (the caller encodes: a thread waiting for the GIL before each of 64 checksums while
   the writer thread builds the manifest was seen to start its write 100 ms late)."""
   write_file(path, buf, image.size)
+
+
+def write_bytes(path: str, data: bytes, buf: np.ndarray) -> None:
+  """Write ``data`` as the file ``path`` (the manifest), durably, through ``buf`` (at least
+  :func:`aligned_size` of it, :data:`ALIGN`-aligned: its bytes are overwritten)."""
+  n = len(data)
+  buf[:n] = np.frombuffer(data, np.uint8)
+  buf[n:] = 0
+  write_file(path, buf, n)
 
 
 def write_file(path: str, buf: np.ndarray, size: int) -> None:

@@ -23,7 +23,8 @@ from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
 from .._format import (hashes as _hashes, leaves as _leaves, manifest as _manifest,
                        perprocess as _perprocess, records as _records, refs as _refs,
                        tree as _tree)
-from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
+from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store, \
+  direct as _direct
 from .._sources import source as _source
 from . import delta as _delta, pending as _pending, pieces as _pieces_save
 from .. import _state
@@ -532,7 +533,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
-      ctx, writer.location), creating, is_main)
+      ctx, writer.location), creating, is_main, _direct.local_root(kv_spec))
 
 
 def _encode(plan: _Plan, metadata: Any, records, packs, bases) -> bytes:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import tensorstore as ts
 
 from .._format import manifest as _manifest
-from .._io import collective as _collective, commit as _commit, arrays as _store
-from . import delta as _delta
+from .._io import collective as _collective, commit as _commit, arrays as _store, direct as _direct
+from . import buffers as _buffers, delta as _delta
 from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -44,6 +44,7 @@ class Commit:
   manifest: Callable[[], bytes | None]   # collective (hashes shared); bytes on process 0
   creating: list                  # futures of zarr.json writes (process 0)
   write_marker: bool              # process 0
+  local: str | None = None        # the directory, when the manifest is written by _io.direct
 
 
 _END = object()
@@ -240,7 +241,7 @@ class Writer:
       raise RuntimeError("internal: the writer reached commit without close()")
     if manifest is not None:
       self.phase = "writing the manifest"
-      c.kv.write(_manifest.MANIFEST, manifest).result()
+      _write_manifest(c, manifest)
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
     try:
@@ -258,3 +259,15 @@ class Writer:
     self.commit_s = time.perf_counter() - t0
     self._reached("committed")
 
+
+def _write_manifest(c: Commit, manifest: bytes) -> None:
+  """The manifest, durably: through a pool buffer past the page cache (``_io.direct``) for a
+  local checkpoint, else through TensorStore."""
+  if c.local is None:
+    c.kv.write(_manifest.MANIFEST, manifest).result()
+    return
+  buf = _buffers.take(_direct.aligned_size(len(manifest)))
+  try:
+    _direct.write_bytes(c.local + _manifest.MANIFEST, manifest, buf)
+  finally:
+    _buffers.give(buf)
