@@ -645,15 +645,21 @@ def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
                      packs: tuple[_records.Pack, ...], bases: tuple[_records.Base, ...]
                      ) -> _records.Manifest:
   """The manifest of a save: its final leaf records, packs and bases (``_refs.finalize``)."""
-  from importlib import metadata as importlib_metadata
-  try:
-    ts_version = importlib_metadata.version("tensorstore")
-  except importlib_metadata.PackageNotFoundError:
-    ts_version = "unknown"
   return _records.Manifest(
       _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
-      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": ts_version}, metadata,
-      records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout, _hashes.ALG)
+      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": _tensorstore_version()},
+      metadata, records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout,
+      _hashes.ALG)
+
+
+@_state.memo(1)
+def _tensorstore_version() -> str:
+  """The installed TensorStore's version (read once: 5 ms of package metadata per save)."""
+  from importlib import metadata as importlib_metadata
+  try:
+    return importlib_metadata.version("tensorstore")
+  except importlib_metadata.PackageNotFoundError:
+    return "unknown"
 
 
 def _is_ours(key: str) -> bool:
