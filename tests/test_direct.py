@@ -174,3 +174,19 @@ def test_a_save_writes_the_pack_files_tensorstore_writes(tmp_path, monkeypatch):
         if isinstance(x, jax.Array) else x, tree))
     for k, v in tree.items():
       assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), (p, k)
+
+
+def test_a_leaf_of_several_parts_is_gathered_into_the_chunk_as_raw_gathers_it():
+  from fnckpt._save.staged import Staged
+  x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+  parts = [((slice(0, 6), slice(0, 4)), x[:, :4].copy()), ((slice(0, 6), slice(4, 8)),
+                                                           x[:, 4:].copy())]
+  leaf = Staged((6, 8), np.dtype(np.float32), parts)
+  dst = np.full(leaf.nbytes + 3, 0xAB, np.uint8)
+  assert leaf.gather_into(dst[1:1 + leaf.nbytes])   # (at an unaligned place)
+  assert dst[1:1 + leaf.nbytes].tobytes() == leaf.raw().tobytes() == x.tobytes()
+  assert dst[0] == dst[-2] == dst[-1] == 0xAB
+  one = Staged((6, 8), np.dtype(np.float32), [((slice(0, 6), slice(0, 8)), x)])
+  assert not one.gather_into(np.empty(one.nbytes, np.uint8))   # (raw() is a view: no copy)
+  big = Staged((6, 8), np.dtype(">f4"), [(i, p.astype(">f4")) for i, p in parts])
+  assert not big.gather_into(np.empty(big.nbytes, np.uint8))   # (stored little-endian)

@@ -164,9 +164,13 @@ class Assemble:
     buf = _buffers.take(self.nbytes if image is None else _direct.aligned_size(image))
     self.spans = []   # (an earlier chunk's bytes in buf: every byte is written)
     for offset, leaf, lo, hi, i in self.pieces:
+      places = [(offset, 0, hi - lo)] if image is None else image.place(offset, hi - lo)
+      if len(places) == 1 and hi - lo == leaf.nbytes and leaf.gather_into(
+          buf[places[0][0]:places[0][0] + hi - lo]):   # (a sharded leaf, in one place)
+        self.spans.append((i, places[0][0], hi - lo))
+        continue
       src = leaf.raw()[lo:hi]
-      for at, skip, n in ([(offset, 0, hi - lo)] if image is None else
-                          image.place(offset, hi - lo)):
+      for at, skip, n in places:
         buf[at:at + n] = src[skip:skip + n]
         self.spans.append((i, at, n))
     _buffers.fill_gaps(buf, sorted((offset, n) for _, offset, n in self.spans))
