@@ -30,7 +30,8 @@ data:
   ``on_phase(name)``, called as a save passes each phase ("staging", "staged", "written",
   "manifest", "committing", "committed"): a no-op that fault-injection tests replace;
   ``hashing`` (bench/hashing.py's baseline arm only); ``staging`` (the staging mode
-  forced by tests and bench/blocking.py, ``_save.copies``).
+  forced by tests and bench/blocking.py, ``_save.copies``); ``direct_writes`` (local pack
+  chunks written by ``_io.direct``; tests turn it off to compare with TensorStore's).
 ``buffers`` (``_save.buffers``)
   host buffers that assembled pack chunks, kept for the next save (at most
   ``_save.buffers.KEEP_BYTES``): touching fresh memory cost more than the copy into it.
@@ -140,6 +141,9 @@ class _Hooks:
     # default; "owned" (copies into host memory the save owns) or "asarray" forces one on
     # every platform (tests and bench/blocking.py force "owned" on CPU)
     self.staging: str | None = None
+    # pack chunks of local checkpoints written by fnckpt (``_io.direct``, past the page
+    # cache); False: through TensorStore (tests compare the two, byte for byte)
+    self.direct_writes = True
 
 
 class _Buffers:

@@ -135,19 +135,34 @@ def install_fault(phase: str | None, action: str, after_chunks: int = 2) -> None
       shutil.rmtree(action[len("delete:"):])
 
   if phase == "midwrite":
-    real = store_mod.write_chunk
+    import concurrent.futures
+    from fnckpt._io import direct as direct_mod
+    real, real_direct = store_mod.write_chunk, direct_mod.write_chunk
     issued = []
 
-    def write_chunk(store, index, data):
+    def before() -> None:
       if len(issued) == after_chunks:
-        for f in issued:
+        for f in list(issued):
           f.result()
         act("midwrite")
+
+    def write_chunk(store, index, data):
+      before()
       fut = real(store, index, data)
       issued.append(fut)
       return fut
 
+    def write_direct(path, image, buf):   # (a local pack chunk, on a thread that waits)
+      before()
+      fut = concurrent.futures.Future()
+      issued.append(fut)
+      try:
+        real_direct(path, image, buf)
+      finally:
+        fut.set_result(None)
+
     store_mod.write_chunk = write_chunk
+    direct_mod.write_chunk = write_direct
     return
   if phase == "marker":  # (as this process arrives at the last barrier, 'committed')
     from fnckpt._io import collective as collective_mod

@@ -4,7 +4,8 @@ reports errors, pending saves survive interpreter exit, host memory stays under 
 and nothing grows across saves.
 
 Deterministic gates (a replaced ``fnckpt._state.hooks.on_phase`` hook,
-``fnckpt._io.arrays.write_chunk`` or the writer's pack assembly) hold the background writer at a
+``fnckpt._io.arrays.write_chunk``, ``fnckpt._io.direct.write_chunk`` or the writer's pack
+assembly) hold the background writer at a
 chosen point, so each test knows which side of the race it is on; no test depends on timing
 thresholds.
 """
@@ -21,7 +22,7 @@ import tensorstore as ts
 
 import fnckpt
 from fnckpt._layout import packing as _packing
-from fnckpt._io import arrays as _store
+from fnckpt._io import arrays as _store, direct as _direct
 from fnckpt import _state
 from fnckpt._save import staging as _staging
 import helpers_proc as hp
@@ -84,7 +85,7 @@ def assert_restores(path, seed=0):
 
 
 class GatedWrites:
-  """Replaces ``_store.write_chunk``: each chunk is handed to TensorStore only once ``gate``
+  """Replaces ``_store.write_chunk`` (and ``_direct.write_chunk``): each chunk is handed to TensorStore only once ``gate``
   is set (``hold_issue``), or is issued at once but reported durable only then.
 
   With ``hold_issue`` the writer thread's assembly of pack chunks from their staged pieces
@@ -98,6 +99,8 @@ class GatedWrites:
     self.hold_issue = hold_issue
     self.real = _store.write_chunk
     monkeypatch.setattr(_store, "write_chunk", self)
+    self.real_direct = _direct.write_chunk
+    monkeypatch.setattr(_direct, "write_chunk", self.direct)
     if hold_issue:
       assemble = _staging.Assemble.__call__
 
@@ -125,6 +128,14 @@ class GatedWrites:
     threading.Thread(target=forward, daemon=True).start()
     self.issued.append(index)
     return out
+
+  def direct(self, path, image, buf):
+    """The same for a local pack chunk (``_io.direct``, on a thread that waits for it)."""
+    if self.hold_issue:
+      assert self.gate.wait(60)
+    self.issued.append(path)
+    self.real_direct(path, image, buf)
+    assert self.gate.wait(60)
 
 
 @pytest.fixture(autouse=True)

@@ -182,12 +182,14 @@ def test_reused_pack_buffers_write_the_bytes_fresh_zeroed_ones_write(tmp_path, m
   monkeypatch.setattr(_buffers, "take", lambda n: np.zeros(n, np.uint8))
   fnckpt.save(tree, str(tmp_path / "zeroed")).wait()
   monkeypatch.setattr(_buffers, "take", real_take)
+  monkeypatch.setattr(_state, "buffers", _state._Buffers())   # (not the zeroed one: unaligned)
   fnckpt.save(tree, str(tmp_path / "first")).wait()   # fills the pool
   assert _state.buffers.free
   for b in _state.buffers.free:
     b[:] = 0xFF
   fnckpt.save(tree, str(tmp_path / "reused")).wait()
-  assert not any(b.nbytes and b[0] == 0xFF for b in _state.buffers.free)   # they were used
+  assert not any(b.nbytes and b[-b.ctypes.data % _buffers.ALIGN] == 0xFF   # they were used
+                 for b in _state.buffers.free)   # (from their first aligned byte)
   want = _pack_chunk_files(str(tmp_path / "zeroed"))
   assert want and _pack_chunk_files(str(tmp_path / "reused")) == want
   assert _pack_chunk_files(str(tmp_path / "first")) == want
@@ -202,15 +204,18 @@ def test_buffer_pool_keeps_at_most_its_bytes(monkeypatch):
   from fnckpt import _state
   from fnckpt._save import buffers as _buffers
   monkeypatch.setattr(_state, "buffers", _state._Buffers())
-  monkeypatch.setattr(_buffers, "KEEP_BYTES", 100)
+  room = 60 + _buffers.ALIGN    # a buffer taken for 60 bytes (room to align its start)
+  monkeypatch.setattr(_buffers, "KEEP_BYTES", room + 40)
   a, b = _buffers.take(60), _buffers.take(60)
+  assert a.ctypes.data % _buffers.ALIGN == 0 and a.nbytes == 60
   _buffers.give(a)
   _buffers.give(b)   # over the limit: dropped
   _buffers.give(a)   # already kept: once
-  assert [x.nbytes for x in _state.buffers.free] == [60] and _state.buffers.kept == 60
-  assert _buffers.take(10).base is not a   # 60 bytes for 10: more than twice (uncharged)
+  assert [x.nbytes for x in _state.buffers.free] == [room] and _state.buffers.kept == room
+  assert _buffers.take(10).base is not a.base   # 60 bytes for 10: more than twice (uncharged)
   c = _buffers.take(40)
-  assert c.nbytes == 40 and c.base is a and _state.buffers.kept == 0
+  assert c.nbytes == 40 and c.base is a.base and _state.buffers.kept == 0
+  assert c.ctypes.data % _buffers.ALIGN == 0
 
 
 def test_buffer_pool_keeps_at_most_a_quarter_of_the_budget(monkeypatch):
@@ -218,11 +223,12 @@ def test_buffer_pool_keeps_at_most_a_quarter_of_the_budget(monkeypatch):
   from fnckpt._io.arrays import ByteBudget
   from fnckpt._save import buffers as _buffers
   monkeypatch.setattr(_state, "buffers", _state._Buffers())
-  monkeypatch.setattr(_state.saves, "budget", ByteBudget(400))
+  room = 60 + _buffers.ALIGN
+  monkeypatch.setattr(_state.saves, "budget", ByteBudget(4 * room + 100))
   a, b = _buffers.take(60), _buffers.take(60)
   _buffers.give(a)
-  _buffers.give(b)   # 120 > 400 / 4: dropped
-  assert _state.buffers.kept == 60
+  _buffers.give(b)   # 2 * room > budget / 4: dropped
+  assert _state.buffers.kept == room
 
 
 def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
@@ -233,7 +239,7 @@ def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
   from fnckpt._save.staged import Staged
   from fnckpt._save.staging import Assemble
   monkeypatch.setattr(_state, "buffers", _state._Buffers())
-  poisoned = np.full(32, 0xFF, np.uint8)   # (at most twice the 20 bytes: reused)
+  poisoned = np.full(32 + _buffers.ALIGN, 0xFF, np.uint8)   # (room for 32: reused for 20)
   _buffers.give(poisoned)
   leaf = Staged((8,), np.dtype(np.uint8), [((slice(0, 8),), np.arange(1, 9, dtype=np.uint8))])
   a = Assemble(20, [(2, leaf, 0, 8, 0), (12, leaf, 2, 6, 1)])

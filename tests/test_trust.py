@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnckpt
 from fnckpt._format import hashes as _hashes, manifest as _manifest, records as _records
-from fnckpt._io import arrays as _store, paths as _paths
+from fnckpt._io import arrays as _store, direct as _direct, paths as _paths
 from fnckpt import _state
 from fnckpt._errors import DamagedError, SaveOutcome
 
@@ -150,10 +150,12 @@ def _fail_at(monkeypatch, phase, error):
 
 
 def _break_writes(monkeypatch):
-  """Every chunk write fails (``_store.write_chunk``), as on a failing disk."""
-  def broken(store, index, data):
+  """Every chunk write fails (``_store.write_chunk``, and ``_direct.write_chunk``: a local
+  pack chunk), as on a failing disk."""
+  def broken(*_):
     raise OSError("disk on fire (simulated)")
   monkeypatch.setattr(_store, "write_chunk", broken)
+  monkeypatch.setattr(_direct, "write_chunk", broken)
 
 
 def test_every_background_failure_is_raised_by_wait(tmp_path, monkeypatch):

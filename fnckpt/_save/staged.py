@@ -44,6 +44,19 @@ class Staged:
   def nbytes(self) -> int:
     return _layout.nbytes(self.shape, self.dtype.itemsize)
 
+  def gather_into(self, dst: np.ndarray) -> bool:
+    """Copy a leaf of several parts straight into ``dst`` (1-D ``uint8``, :attr:`nbytes`),
+    as :meth:`raw` would gather them, without gathering them first (a copy fewer); False
+    (nothing written) for one part, or a dtype not stored as it is in memory."""
+    if len(self.parts) == 1 or _leaves.to_little_endian(np.empty(0, self.dtype)).dtype != \
+        self.dtype or dst.nbytes != self.nbytes:
+      return False
+    self.parts = [(index, to_host(part)) for index, part in self.parts]
+    out = dst.view(self.dtype).reshape(self.shape)
+    for index, part in self.parts:
+      out[index] = part
+    return True
+
   def raw(self) -> np.ndarray:
     """The leaf's C-order little-endian bytes (1-D ``uint8``); a view when it is one part.
     Owned copies become numpy here, in the writer's threads (waiting for them if needed)."""

@@ -15,7 +15,8 @@ import numpy as np
 
 from .._layout import chunks as _layout
 from .._format import refs as _refs, tree as _tree
-from .._io import arrays as _store
+from .._io import arrays as _store, direct as _direct
+from .._layout.shard import ShardImage
 from . import buffers as _buffers, pieces as _pieces_save
 from .._errors import CheckpointError
 from .handle import SaveHandle
@@ -88,16 +89,26 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
       out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
     return out
 
+  root = _direct.local_root(kv_spec)
   for start in range(0, pack.nbytes, pack.chunk):
     end = min(start + pack.chunk, pack.nbytes)
     cost = CHUNK_COST * (end - start)
     got = charge(budget, cost, writer, lambda: parts(start, end))
-    writer.put(Chunk(fut, ((start, end),), Assemble(end - start, got), cost))
+    writer.put(Chunk(fut, ((start, end),), _assemble(got, start, end, pack, root), cost))
     del got  # (while staging the next chunk) the writer frees them once assembled
     count_staged(handle, budget, end - start)
     while first < len(todo) and todo[first].offset + todo[first].nbytes <= end:
       staged.pop(first, None)  # a part that ends in this chunk is not needed any more
       first += 1
+
+
+def _assemble(got: list, start: int, end: int, pack: Any, root: str | None) -> Assemble:
+  """A pack chunk to assemble: as the file ``_io.direct`` writes under the local ``root``,
+  else as the chunk's bytes for TensorStore."""
+  if root is None or not ShardImage.fits(end - start, pack.chunk, pack.inner):
+    return Assemble(end - start, got)
+  return Assemble(end - start, got, image=ShardImage(end - start, pack.chunk, pack.inner),
+                  path=_direct.chunk_path(root, pack.dir, start // pack.chunk))
 
 
 def charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
@@ -136,18 +147,32 @@ class Assemble:
   """A pack chunk's bytes, built by the writer thread: each piece is bytes ``[lo, hi)`` of a
   staged leaf (record ``i``), at ``offset`` in the chunk, zeros elsewhere. Once built,
   ``spans`` lists (record, offset, bytes) of each piece, in order, for hashing. The buffer
-  comes from :mod:`.buffers` (``reuse``: the delta gives it back once written and hashed)."""
+  comes from :mod:`.buffers` (``reuse``: the delta gives it back once written and hashed).
+
+  With ``image`` (a local chunk written by ``fnckpt._io.direct`` to ``path``) the buffer is
+  the chunk's file: each piece goes to its place among the inner chunks (split where one
+  ends), and ``spans`` are offsets in the file."""
   nbytes: int
   pieces: list[tuple[int, Staged, int, int, int]]
   spans: list[tuple[int, int, int]] | None = None
+  image: ShardImage | None = None
+  path: str | None = None
   reuse = True
 
   def __call__(self) -> np.ndarray:
-    buf = _buffers.take(self.nbytes)   # (an earlier chunk's bytes: every byte is written)
-    self.spans = []
+    image = self.image
+    buf = _buffers.take(self.nbytes if image is None else _direct.aligned_size(image))
+    self.spans = []   # (an earlier chunk's bytes in buf: every byte is written)
     for offset, leaf, lo, hi, i in self.pieces:
-      buf[offset:offset + hi - lo] = leaf.raw()[lo:hi]
-      self.spans.append((i, offset, hi - lo))
+      places = [(offset, 0, hi - lo)] if image is None else image.place(offset, hi - lo)
+      if len(places) == 1 and hi - lo == leaf.nbytes and leaf.gather_into(
+          buf[places[0][0]:places[0][0] + hi - lo]):   # (a sharded leaf, in one place)
+        self.spans.append((i, places[0][0], hi - lo))
+        continue
+      src = leaf.raw()[lo:hi]
+      for at, skip, n in places:
+        buf[at:at + n] = src[skip:skip + n]
+        self.spans.append((i, at, n))
     _buffers.fill_gaps(buf, sorted((offset, n) for _, offset, n in self.spans))
     self.pieces = []
     return buf

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import tensorstore as ts
 
 from .._format import manifest as _manifest
-from .._io import collective as _collective, commit as _commit, arrays as _store
-from . import delta as _delta
+from .._io import collective as _collective, commit as _commit, arrays as _store, direct as _direct
+from . import buffers as _buffers, delta as _delta
 from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -44,6 +44,7 @@ class Commit:
   manifest: Callable[[], bytes | None]   # collective (hashes shared); bytes on process 0
   creating: list                  # futures of zarr.json writes (process 0)
   write_marker: bool              # process 0
+  local: str | None = None        # the directory, when the manifest is written by _io.direct
 
 
 _END = object()
@@ -79,6 +80,7 @@ class Writer:
     self.commit_s = 0.0
     self.delta: _delta.Delta | None = None   # set before start()
     self.pending: Any = None   # ``pending.Pending``: the base is a save in flight (held items)
+    self._stores: list[ts.Future] = []   # packs opened (zarr.json) whose chunks go direct
     self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
 
   def start(self) -> None:
@@ -166,9 +168,15 @@ class Writer:
     make = item.host
     host = make() if callable(make) else make
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
-    store = item.store.result()
-    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host,
-                     lambda: _store.write_chunk(store, item.index, host),
+    image = getattr(make, "image", None)
+    if image is not None:  # (its zarr.json, being created, is waited for before commit)
+      if all(f is not item.store for f in self._stores):
+        self._stores.append(item.store)
+      write = lambda: self.delta.write_file(make.path, image, host)  # noqa: E731
+    else:
+      store = item.store.result()
+      write = lambda: _store.write_chunk(store, item.index, host)  # noqa: E731
+    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host, write,
                      getattr(make, "spans", None), getattr(make, "reuse", False))
 
   def _run(self) -> None:
@@ -177,19 +185,16 @@ class Writer:
     try:
       t0 = time.perf_counter()
       commits = self._write_all()
-      extra = self._commit.creating if self._commit else []
-      for c in [*extra, *commits]:  # wait for every write, even after a failure
-        try:
-          c.result()
-        except BaseException as e:
-          self.error = self.error or e
+      try:
+        manifest = self._conclude()   # (while the last writes are in flight)
+      finally:
+        self._wait(commits)
       if self.aborted:
         return
       if self.error is not None:
         raise self.error
-      if self.session.multi:
-        self.phase = "sharing the content hashes"
-      manifest = self._commit.manifest() if self._commit else None
+      if self.delta is not None and self.delta.check_base is not None:
+        self.delta.check_base()   # (process 0, once every write is durable)
       self.write_s = time.perf_counter() - t0
       self._reached("written")
       self._finish(manifest)
@@ -206,6 +211,28 @@ class Writer:
       self.session.close()
       self._on_done(None if self.aborted else error)
 
+  def _conclude(self) -> bytes | None:
+    """Every chunk is hashed: share the hashes and build the manifest (collective; process
+    0's bytes), its writes may still be in flight. Not after a failure (raised once every
+    write is done)."""
+    if self.error is not None or self.aborted or self._commit is None:
+      return None
+    if self.session.multi:
+      self.phase = "sharing the content hashes"
+    manifest = self._commit.manifest()
+    self.phase = "writing the arrays"
+    return manifest
+
+  def _wait(self, commits: list) -> None:
+    """Wait for every write (the arrays' zarr.json too), even after a failure; the first
+    failure becomes the save's."""
+    extra = self._commit.creating if self._commit else []
+    for c in [*extra, *self._stores, *commits]:
+      try:
+        c.result()
+      except BaseException as e:
+        self.error = self.error or e
+
   def _finish(self, manifest: bytes | None) -> None:
     """Manifest, barrier, commit marker, barrier."""
     t0 = time.perf_counter()
@@ -214,7 +241,7 @@ class Writer:
       raise RuntimeError("internal: the writer reached commit without close()")
     if manifest is not None:
       self.phase = "writing the manifest"
-      c.kv.write(_manifest.MANIFEST, manifest).result()
+      _write_manifest(c, manifest)
       self._reached("manifest")
     self.phase = "waiting for every process to finish writing"
     try:
@@ -232,3 +259,15 @@ class Writer:
     self.commit_s = time.perf_counter() - t0
     self._reached("committed")
 
+
+def _write_manifest(c: Commit, manifest: bytes) -> None:
+  """The manifest, durably: through a pool buffer past the page cache (``_io.direct``) for a
+  local checkpoint, else through TensorStore."""
+  if c.local is None:
+    c.kv.write(_manifest.MANIFEST, manifest).result()
+    return
+  buf = _buffers.take(_direct.aligned_size(len(manifest)))
+  try:
+    _direct.write_bytes(c.local + _manifest.MANIFEST, manifest, buf)
+  finally:
+    _buffers.give(buf)
