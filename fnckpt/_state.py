@@ -21,9 +21,6 @@ data:
   locations is dropped alike).
 ``pieces`` (``_layout.pieces``)
   the last pieces layout built (a training loop saves one tree again and again).
-``paths`` (``_format.tree``)
-  the checked key paths of the tree structures flattened lately, by treedef (at most
-  ``MAX_TREEDEFS``; a training loop saves one structure again and again).
 ``reads`` (``_sources.pieces``)
   bytes and byte ranges read from packs for pieces (tests read them).
 ``hooks`` (``_save``)
@@ -65,13 +62,11 @@ import itertools
 import threading
 from typing import Any, Callable
 
-__all__ = ["saves", "storage", "sessions", "pieces", "paths", "reads", "hooks", "buffers",
-           "collector", "memo", "memos", "MAX_LOCATIONS", "MAX_TREEDEFS"]
+__all__ = ["saves", "storage", "sessions", "pieces", "reads", "hooks", "buffers", "collector",
+           "memo", "memos", "MAX_LOCATIONS"]
 
 # The most save locations whose attempt numbers are remembered (``sessions``).
 MAX_LOCATIONS = 4096
-# The most tree structures whose key paths are kept (``paths``).
-MAX_TREEDEFS = 64
 
 
 class _Saves:
@@ -108,14 +103,6 @@ class _Slot:
 
   def __init__(self) -> None:
     self.last: Any = None                   # (key, layout) of the latest pieces layout
-
-
-class _Paths:
-  """Key paths by treedef (``_format.tree.flatten``): equal treedefs have equal paths. Dict
-  operations are atomic under the GIL; a full table is emptied, not evicted one by one."""
-
-  def __init__(self) -> None:
-    self.by_treedef: dict[Any, list[Any]] = {}
 
 
 class _PieceReads:
@@ -198,7 +185,6 @@ saves = _Saves()
 storage = _Storage()
 sessions = _Sessions()
 pieces = _Slot()
-paths = _Paths()
 reads = _PieceReads()
 hooks = _Hooks()
 buffers = _Buffers()

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnckpt import CheckpointError, TreeMismatchError
-from fnckpt import _state
 from fnckpt._format import tree as _tree
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
@@ -126,7 +125,7 @@ def test_flatten_keeps_the_paths_of_a_structure_and_gives_each_tree_its_own_leav
   fresh flatten), with this tree's leaves; another structure, or the same with other keys,
   gets its own; a refused tree is refused every time."""
   first, treedef = _tree.flatten({"a": {"w": 1, "b": []}, "c": Params(2, None)})
-  assert _state.paths.by_treedef[treedef] == [p for p, _ in first]   # kept
+  assert _tree._PATHS[treedef] == [p for p, _ in first]   # kept
   again, _ = _tree.flatten({"a": {"w": 10, "b": []}, "c": Params(20, None)})
   fresh, _ = _tree._flatten_with_paths({"a": {"w": 10, "b": []}, "c": Params(20, None)})
   assert [p for p, _ in again] == [p for p, _ in first] == [p for p, _ in fresh]

@@ -12,7 +12,6 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
-from .. import _state
 from .._errors import CheckpointError, TreeMismatchError
 
 __all__ = ["PathEntry", "flatten", "keystr", "match_key", "unflatten_from_paths", "diff",
@@ -113,17 +112,21 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   """
   try:
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_empty_node)
-    paths = _state.paths.by_treedef.get(treedef)
+    paths = _PATHS.get(treedef)
   except (TypeError, ValueError):  # not flattenable (the error, with advice, below), or a
     return _flatten_with_paths(tree)  # node whose aux data cannot be hashed (not kept)
   if paths is not None:
     return list(zip(paths, leaves)), treedef
   pairs, treedef = _flatten_with_paths(tree)
-  kept = _state.paths.by_treedef
-  if len(kept) >= _state.MAX_TREEDEFS:
-    kept.clear()
-  kept[treedef] = [path for path, _ in pairs]   # (read-only)
+  if len(_PATHS) >= 64:
+    _PATHS.clear()
+  _PATHS[treedef] = [path for path, _ in pairs]
   return pairs, treedef
+
+
+# Key paths (checked) of the tree structures flattened lately, by treedef (equal treedefs:
+# equal node types, keys and aux data, so equal paths). Read-only lists.
+_PATHS: dict[Any, list[Path]] = {}
 
 
 def _flatten_with_paths(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
