@@ -106,40 +106,6 @@ def test_flatten_rejects_unsortable_dict_keys_with_a_fnckpt_error():
     _tree.flatten({1: "a", "b": 2})
 
 
-class Unhashable:
-  """A keyed pytree node whose aux data (a list) cannot be hashed: its treedef is not kept."""
-
-  def __init__(self, names, values):
-    self.names, self.values = names, values
-
-
-jax.tree_util.register_pytree_with_keys(
-    Unhashable,
-    lambda u: ([(jax.tree_util.GetAttrKey(n), v) for n, v in zip(u.names, u.values)],
-               list(u.names)),
-    lambda names, values: Unhashable(names, values))
-
-
-def test_flatten_keeps_the_paths_of_a_structure_and_gives_each_tree_its_own_leaves():
-  """A structure flattened again takes its key paths from the last time (the same paths as a
-  fresh flatten), with this tree's leaves; another structure, or the same with other keys,
-  gets its own; a refused tree is refused every time."""
-  first, treedef = _tree.flatten({"a": {"w": 1, "b": []}, "c": Params(2, None)})
-  assert _tree._PATHS[treedef] == [p for p, _ in first]   # kept
-  again, _ = _tree.flatten({"a": {"w": 10, "b": []}, "c": Params(20, None)})
-  fresh, _ = _tree._flatten_with_paths({"a": {"w": 10, "b": []}, "c": Params(20, None)})
-  assert [p for p, _ in again] == [p for p, _ in first] == [p for p, _ in fresh]
-  assert [v for _, v in again] == [[], 10, 20, None]  # (dict keys sorted: "b" < "w")
-  other, _ = _tree.flatten({"a": {"v": 1, "b": []}, "c": Params(2, None)})
-  assert other[1][0] == (("dict", "a"), ("dict", "v"))
-  for _ in range(2):
-    with pytest.raises(CheckpointError, match="a dict key of 5000 characters"):
-      _tree.flatten({"k" * 5000: 1})
-  for _ in range(2):  # unhashable aux data: flattened with paths each time
-    pairs, _ = _tree.flatten(Unhashable(["x", "y"], [1, 2]))
-    assert pairs == [((("attr", "x"),), 1), ((("attr", "y"),), 2)]
-
-
 # --- unflatten_from_paths ----------------------------------------------------------------
 
 def _normalise(tree):

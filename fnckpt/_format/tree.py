@@ -103,33 +103,11 @@ def match_key(path: Sequence[Sequence[Any]]) -> tuple:
 
 def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   """``[(path, leaf)]`` in pytree order and the treedef; empty containers and None are leaves.
-  The key paths of a tree structure are made and checked once (a training loop saves the
-  same structure again and again: 300 leaves cost ~10 ms a save).
 
   >>> leaves, _ = flatten({"a": 1, "b": [], "c": None})
   >>> [(keystr(p), v) for p, v in leaves]
   [("['a']", 1), ("['b']", []), ("['c']", None)]
   """
-  try:
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_empty_node)
-    paths = _PATHS.get(treedef)
-  except (TypeError, ValueError):  # not flattenable (the error, with advice, below), or a
-    return _flatten_with_paths(tree)  # node whose aux data cannot be hashed (not kept)
-  if paths is not None:
-    return list(zip(paths, leaves)), treedef
-  pairs, treedef = _flatten_with_paths(tree)
-  if len(_PATHS) >= 64:
-    _PATHS.clear()
-  _PATHS[treedef] = [path for path, _ in pairs]
-  return pairs, treedef
-
-
-# Key paths (checked) of the tree structures flattened lately, by treedef (equal treedefs:
-# equal node types, keys and aux data, so equal paths). Read-only lists.
-_PATHS: dict[Any, list[Path]] = {}
-
-
-def _flatten_with_paths(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   try:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
   except (TypeError, ValueError) as e:  # e.g. a dict whose keys do not sort (1 and "a")
