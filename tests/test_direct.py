@@ -46,7 +46,7 @@ def _direct_file(tmp_path, data: np.ndarray, image: ShardImage, buf: np.ndarray 
   path = str(tmp_path / "direct" / "c" / "0")
   _direct.encode(buf, image)
   _direct.write_chunk(path, image, buf)
-  assert not os.path.exists(path + ".__lock")
+  assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".__lock")]
   with open(path, "rb") as f:
     return f.read()
 
@@ -190,3 +190,58 @@ def test_a_leaf_of_several_parts_is_gathered_into_the_chunk_as_raw_gathers_it():
   assert not one.gather_into(np.empty(one.nbytes, np.uint8))   # (raw() is a view: no copy)
   big = Staged((6, 8), np.dtype(">f4"), [(i, p.astype(">f4")) for i, p in parts])
   assert not big.gather_into(np.empty(big.nbytes, np.uint8))   # (stored little-endian)
+
+
+def test_two_writers_of_one_key_never_tear_the_file(tmp_path):
+  """Concurrent writes of one key (two saves to one directory reached by two spellings):
+  each writes its own temporary file, so the key always holds one writer's bytes whole."""
+  import threading
+  path = str(tmp_path / "k" / "manifest.msgpack")
+  datas = [bytes([i]) * (400_000 + 4096 * i) for i in range(2)]
+  errors = []
+
+  def write(data):
+    buf = _buffers.take(_direct.aligned_size(len(data)))
+    try:
+      for _ in range(20):
+        _direct.write_bytes(path, data, buf)
+    except BaseException as e:  # (reported below)
+      errors.append(e)
+  threads = [threading.Thread(target=write, args=(d,)) for d in datas]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []
+  with open(path, "rb") as f:
+    assert f.read() in datas
+  assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".__lock")]
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+  path = str(tmp_path / "k" / "c" / "0")
+  os.makedirs(os.path.dirname(path))
+
+  def full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(os, "fsync", full)
+  buf = _buffers.take(_direct.ALIGN)
+  with pytest.raises(OSError, match="No space left"):
+    _direct.write_bytes(path, b"x" * 100, buf)
+  monkeypatch.undo()
+  assert os.listdir(os.path.dirname(path)) == []
+
+
+def test_a_crc32c_module_that_cannot_compute_leaves_writing_to_tensorstore(tmp_path, monkeypatch):
+  """(``CRC32C_SW_MODE=none`` on a CPU without the instruction: every call raises.)"""
+  class Broken:
+    @staticmethod
+    def crc32c(data):
+      raise RuntimeError("no hardware crc32c and software mode disabled")
+  assert _direct.local_root({"driver": "file", "path": str(tmp_path) + "/"}) is not None
+  monkeypatch.setattr(_direct, "_crc32c", Broken)
+  assert _direct.local_root({"driver": "file", "path": str(tmp_path) + "/"}) is None
+  tree = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(8)}
+  fnckpt.save(tree, str(tmp_path / "c")).wait()
+  got = fnckpt.restore(str(tmp_path / "c"))
+  assert all(np.array_equal(got[k], v) for k, v in tree.items())

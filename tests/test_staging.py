@@ -248,3 +248,27 @@ def test_a_failed_copy_in_a_batch_names_its_own_leaf(tmp_path, monkeypatch):
                            r"from .* into its pinned_host memory failed .*RESOURCE_EXHAUSTED"):
     fnckpt.save(state, str(tmp_path / "c"))
   assert not (tmp_path / "c" / "COMMIT").exists()
+
+
+def test_a_failed_batch_leaves_every_copy_with_its_bytes_or_its_error(monkeypatch):
+  """One copy of a batch fails: the others still land; the failed one raises its own error
+  (naming its leaf) wherever it is used; none gives ``None`` for bytes."""
+  monkeypatch.setattr(_state.hooks, "staging", "owned")
+  xs = [jax.device_put(np.full((4,), i, np.float32), jax.devices()[0]) for i in range(5)]
+  real = jax.device_put
+
+  def failing(x, device=None, **kw):
+    if any(a is xs[2] for a in (x if isinstance(x, list) else [x])):
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+    return real(x, device, **kw)
+  monkeypatch.setattr(jax, "device_put", failing)
+  copies = _copies.Copies()
+  owned = [copies.at((("dict", f"w{i}"),)).get(x) for i, x in enumerate(xs)]
+  with pytest.raises(fnckpt.CheckpointError, match=r"Staging \['w2'\] failed"):
+    copies.wait()
+  for i, o in enumerate(owned):
+    if i == 2:
+      with pytest.raises(fnckpt.CheckpointError, match=r"Staging \['w2'\] failed"):
+        o()
+    else:
+      assert np.array_equal(o(), np.full((4,), i, np.float32))

@@ -64,17 +64,23 @@ class Owned:
 
   def __init__(self, copies: "Copies"):
     self.array: jax.Array | None = None
-    self._copies: Copies | None = copies   # None once started
+    self._copies: Copies | None = copies   # None once started (or failed)
     self._host: np.ndarray | None = None
+    self.error: BaseException | None = None   # its batch failed: this copy never started
 
   def __call__(self) -> np.ndarray:
     host = self._host
     if host is None:
       if self._copies is not None:  # not started: start it (and every other one pending)
         self._copies.flush()
+      if self.error is not None:
+        raise self.error
       array = self.array
       if array is None:  # another thread converted it meanwhile (it sets _host first)
-        return self._host
+        host = self._host
+        if host is None:
+          raise RuntimeError("internal: an owned copy with neither bytes nor array")
+        return host
       host = self._host = np.asarray(array)
       self.array = None
     return host
@@ -152,19 +158,38 @@ class Copies:
         arrays = jax.device_put([p[0] for p in pending], [
             jax.sharding.SingleDeviceSharding(p[1], memory_kind=p[2]) for p in pending])
       except Exception:
-        arrays = [_copy(src, device, kind, label) for src, device, kind, _, label in pending]
+        arrays = _one_by_one(pending)
       for (_, _, _, owned, _), array in zip(pending, arrays):
-        owned.array, owned._copies = array, None
-        self._started.append(weakref.ref(array))
+        owned._copies = None
+        if isinstance(array, BaseException):
+          owned.error = array
+        else:
+          owned.array = array
+          self._started.append(weakref.ref(array))
+    failed = next((a for a in arrays if isinstance(a, BaseException)), None)
+    if failed is not None:
+      raise failed
 
   def wait(self) -> None:
     """Start what is pending, then wait until every copy started is on the host (the
     caller may then reuse its arrays)."""
     self.flush()
-    live = [a for ref in self._started if (a := ref()) is not None]
-    self._started = []
+    with self._lock:
+      started, self._started = self._started, []
+    live = [a for ref in started if (a := ref()) is not None]
     if live:
       jax.block_until_ready(live)
+
+
+def _one_by_one(pending: list) -> list:
+  """Each pending copy alone (their batch failed): the array, or the error that names it."""
+  out: list = []
+  for src, device, kind, _, label in pending:
+    try:
+      out.append(_copy(src, device, kind, label))
+    except Exception as e:  # (each copy that failed raises its own error when used)
+      out.append(e)
+  return out
 
 
 def _copy(src: jax.Array, device: Any, kind: str, label: Any) -> jax.Array:

@@ -290,6 +290,11 @@ class Delta:
     with self._lock:
       return list(self._writes)
 
+  def started(self) -> list:
+    """The writes started so far (those a failed :meth:`settle` did not return)."""
+    with self._lock:
+      return list(self._writes)
+
   def write_file(self, path: str, image: Any, buf: np.ndarray) -> concurrent.futures.Future:
     """Write a pack chunk's file assembled in ``buf`` (``_io.direct``): its checksums here,
     then the write on one of :data:`FILE_THREADS` threads; its future."""

@@ -133,6 +133,7 @@ class Writer:
         commits += self.delta.finish()
     except BaseException as e:
       self.error = self.error or e
+      commits += self.delta.started()   # (waited for all the same: none left writing)
     return commits
 
   def _write_one(self, item: Any, commits: list) -> None:
