@@ -119,21 +119,24 @@ class Writer:
     self._queue.put(marker)
 
   def _write_all(self) -> list[ts.Future]:
-    commits = []
-    self._drain.wait()
-    while (item := self._next(commits)) is not _END:
-      for ready in (self.pending.admit(item) if self.pending is not None else (item,)):
-        self._write_one(ready, commits)
-    if self.pending is not None:  # items held for a base in flight: once it is done
-      for ready in self.pending.drain(lambda: self.error is not None or self.aborted):
-        self._write_one(ready, commits)
-    try:  # (after a failure too: every hashing job ends and gives its budget back)
-      commits += self.delta.settle()
-      if self.error is None and not self.aborted:
-        commits += self.delta.finish()
-    except BaseException as e:
-      self.error = self.error or e
-      commits += self.delta.started()   # (waited for all the same: none left writing)
+    commits, done = [], False
+    try:
+      self._drain.wait()
+      while (item := self._next(commits)) is not _END:
+        for ready in (self.pending.admit(item) if self.pending is not None else (item,)):
+          self._write_one(ready, commits)
+      if self.pending is not None:  # items held for a base in flight: once it is done
+        for ready in self.pending.drain(lambda: self.error is not None or self.aborted):
+          self._write_one(ready, commits)
+      done = True
+    finally:  # (after any failure too: every hashing job and file thread ends)
+      try:
+        commits += self.delta.settle()
+        if done and self.error is None and not self.aborted:
+          commits += self.delta.finish()
+      except BaseException as e:
+        self.error = self.error or e
+        commits += self.delta.started()   # (waited for all the same: none left writing)
     return commits
 
   def _write_one(self, item: Any, commits: list) -> None:
