@@ -197,6 +197,7 @@ class Delta:
     self._executor: _Workers | None = None
     self._ordered: _Workers | None = None
     self._files: _Workers | None = None
+    self._closed: _Workers | None = None     # file threads told to end (:meth:`join`)
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
     self.check_base: Callable[[], None] | None = None   # set by conclude (process 0)
@@ -286,9 +287,17 @@ class Delta:
           pool.shutdown()
       if self._files is not None:
         self._files.close()
+        self._closed = self._files
       self._executor = self._ordered = self._files = None
     with self._lock:
       return list(self._writes)
+
+  def join(self) -> None:
+    """Once every write is waited for: the file threads are gone too (a save leaves no
+    thread behind it)."""
+    closed, self._closed = self._closed, None
+    if closed is not None:
+      closed.shutdown()
 
   def started(self) -> list:
     """The writes started so far (those a failed :meth:`settle` did not return)."""

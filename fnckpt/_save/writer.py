@@ -236,6 +236,8 @@ class Writer:
         c.result()
       except BaseException as e:
         self.error = self.error or e
+    if self.delta is not None:
+      self.delta.join()
 
   def _finish(self, manifest: bytes | None) -> None:
     """Manifest, barrier, commit marker, barrier."""
