@@ -361,9 +361,10 @@ def test_inline_leaves_onto_cpu_devices_share_aligned_blocks(tmp_path, monkeypat
     assert starts == blocks, (limit, starts)
 
 
-def test_int64_leaves_onto_devices_with_x64_off_become_int32_silently(tmp_path):
+def test_int64_leaves_that_fit_onto_devices_with_x64_off_become_int32_silently(tmp_path):
   """Whole leaves are placed by jax.make_array_from_callback: as jax.device_put did, an int64
-  array becomes int32 when x64 is off, with no warning (an explicit dtype would warn)."""
+  array whose values fit becomes int32 when x64 is off, with no warning (an explicit dtype
+  would warn); values that do not fit are refused (the test below)."""
   import warnings
   if jax.config.jax_enable_x64:
     pytest.skip("x64 on")
@@ -381,3 +382,23 @@ def test_int64_leaves_onto_devices_with_x64_off_become_int32_silently(tmp_path):
   for k, v in tree.items():
     assert got[k].dtype == np.int32 and got[k].sharding == target[k].sharding, k
     np.testing.assert_array_equal(np.asarray(got[k]), v.astype(np.int32), err_msg=k)
+
+
+@pytest.mark.parametrize("n", [16, 40_000, 2_500_000], ids=["inline", "packed", "stored"])
+def test_int64_values_beyond_int32_with_x64_off_are_refused_not_wrapped(tmp_path, n):
+  """With x64 off JAX would hold int64 as int32 and wrap 2**40 to 0: restoring such values
+  onto devices is an error naming the leaf and the fix; onto a numpy target they come back
+  whole; values that fit are restored (the test above)."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("x64 on")
+  big = np.arange(n, dtype=np.int64) + (1 << 40)
+  path = str(tmp_path / "c")
+  fnckpt.save({"w": big}, path).wait()
+  mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+  target = {"w": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh, P()))}
+  with pytest.raises(fnckpt.CheckpointError,
+                     match=r"\['w'\]: the checkpoint holds int64 values from 1099511627776 to "
+                           r"\d+, beyond int32, and jax_enable_x64 is off.*Turn x64 on"):
+    fnckpt.restore(path, target)
+  got = fnckpt.restore(path, {"w": np.zeros_like(big)})
+  np.testing.assert_array_equal(got["w"], big)

@@ -25,13 +25,15 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from .._errors import CheckpointError
 from .._layout import chunks as _layout
 from .._format import leaves as _leaves
 from .._io import arrays as _store
 from .._sources import read as _read
 from .._sources.source import Source
 
-__all__ = ["Read", "read_arrays", "place", "place_all", "put_grouped", "convert", "inline_hosts"]
+__all__ = ["Read", "read_arrays", "place", "place_all", "put_grouped", "convert", "check_fits",
+           "inline_hosts"]
 
 WHOLE = "whole"   # a region's devices: the whole leaf, placed with its sharding
 FLUSH_PUTS = 256  # placements batched into one device_put at most
@@ -195,10 +197,39 @@ class _Placer:
 
 
 def convert(w: Any, host: np.ndarray) -> np.ndarray:
-  """``host`` in the dtype the target asks for (``w.dtype``; None: as saved)."""
+  """``host`` in the dtype the target asks for (``w.dtype``; None: as saved), checked to
+  fit the devices' dtype (:func:`check_fits`)."""
   if w.dtype is not None and host.dtype != w.dtype:
-    return _leaves.cast(host, w.dtype, w.rec.where)
+    host = _leaves.cast(host, w.dtype, w.rec.where)
+  if not w.host:
+    check_fits(host, w.rec.where)
   return host
+
+
+# With jax_enable_x64 off, JAX holds 64-bit integers as 32-bit ones on devices, wrapping
+# what does not fit (jax.device_put does so without a word): the range that fits.
+_X32 = {"i": (-(1 << 31), (1 << 31) - 1), "u": (0, (1 << 32) - 1)}
+
+
+def check_fits(host: np.ndarray, where: str) -> None:
+  """A 64-bit integer array bound for devices while ``jax_enable_x64`` is off holds only
+  values its 32-bit form keeps; else a CheckpointError naming the leaf (never wrapped
+  values: 2**40 would come back as 0).
+
+  >>> check_fits(np.array([2**31 - 1]), "['step']")
+  """
+  if (host.dtype.kind not in _X32 or host.dtype.itemsize != 8 or not host.size
+      or jax.config.jax_enable_x64):
+    return
+  lo, hi = _X32[host.dtype.kind]
+  low, high = int(host.min()), int(host.max())
+  if low < lo or high > hi:
+    raise CheckpointError(
+        f"{where}: the checkpoint holds {host.dtype} values from {low} to {high}, beyond "
+        f"{host.dtype.name.replace('64', '32')}, and jax_enable_x64 is off, so JAX would "
+        "hold them as 32-bit integers and wrap them. Turn x64 on "
+        "(jax.config.update('jax_enable_x64', True)) before restoring, or restore this leaf "
+        "into a numpy array target.")
 
 
 def inline_hosts(recs: list[Any], shardings: list[jax.sharding.Sharding | None]
@@ -297,7 +328,8 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   list sharing one sharding: it skips JAX's per-array abstract value and sharding checks
   (1,000 arrays of 16 KiB onto 8 CPU devices: 24 vs 35 ms replicated, 36 vs 43 ms onto 4
   slices). No ``dtype`` passed where this process holds slices: an int64 array with x64
-  off then becomes int32 without a warning, as ``jax.device_put`` did."""
+  off then becomes int32 without a warning, as ``jax.device_put`` did (its values checked
+  to fit first: :func:`check_fits`)."""
   if not sharding.is_fully_addressable:
     return jax.make_array_from_callback(host.shape, sharding,  # dtype: none may be on
                                        lambda index: np.array(host[index]),  # this process
