@@ -44,8 +44,7 @@ class ShardImage:
   inner: int
 
   def __post_init__(self) -> None:
-    if (self.inner <= 0 or self.chunk % self.inner or self.nbytes % self.inner
-        or not 0 < self.nbytes <= self.chunk):
+    if not self.fits(self.nbytes, self.chunk, self.inner):
       raise ValueError(f"not a pack chunk: {self}")
 
   @staticmethod

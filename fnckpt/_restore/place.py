@@ -262,9 +262,13 @@ def inline_hosts(recs: list[Any], shardings: list[jax.sharding.Sharding | None]
 
 
 def _adopted_on_cpu(sharding: jax.sharding.Sharding | None) -> bool:
-  """Whether ``sharding`` places on two or more CPU devices (which adopt one aligned host
-  buffer instead of each copying it)."""
-  devices = () if sharding is None else sharding.device_set
+  """Whether ``sharding`` places on two or more CPU devices (:func:`_cpu_shared`)."""
+  return sharding is not None and _cpu_shared(sharding.device_set)
+
+
+def _cpu_shared(devices: Any) -> bool:
+  """Whether ``devices`` are two or more CPU devices, which adopt one aligned host buffer
+  instead of each copying it."""
   return len(devices) >= 2 and next(iter(devices)).platform == "cpu"
 
 
@@ -291,8 +295,7 @@ def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
   """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
   when two or more of them take it, whole or in slices: one copy here instead of one per
   device (of each slice whose start stays aligned)."""
-  if (len(devices) < 2 or host.ctypes.data % _store.ALIGN == 0
-      or next(iter(devices)).platform != "cpu"):
+  if host.ctypes.data % _store.ALIGN == 0 or not _cpu_shared(devices):
     return host
   out = _store.aligned_empty(host.shape, host.dtype)
   np.copyto(out, host)

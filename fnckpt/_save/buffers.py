@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _state
+from .._io.direct import ALIGN
 
 __all__ = ["KEEP_BYTES", "ALIGN", "take", "give", "fill_gaps"]
 
 KEEP_BYTES = 128 << 20   # idle bytes kept: two pack chunks of 64 MiB
-# Bytes: every buffer taken starts on such a boundary (``O_DIRECT`` writes: ``_io.direct``).
-ALIGN = 4096
+# (ALIGN: every buffer taken starts on such a boundary, as ``_io.direct``'s writes need.)
 
 
 def take(nbytes: int) -> np.ndarray:

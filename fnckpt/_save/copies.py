@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .. import _state
-from .._errors import CheckpointError
-from .._format import tree as _tree
+from .errors import at_leaf
 
 __all__ = ["ASARRAY_PLATFORMS", "MODES", "Copies", "Owned", "mode", "host", "to_host"]
 
@@ -91,6 +90,15 @@ def to_host(part: Any) -> np.ndarray:
   return part() if isinstance(part, Owned) else part
 
 
+class _Pending(NamedTuple):
+  """A copy asked for and not started yet (:meth:`Copies.flush` starts it)."""
+  src: jax.Array
+  device: Any
+  kind: str          # the host memory kind it lands in
+  owned: Owned       # what the writer calls for its bytes
+  label: Any         # the key path of its leaf (None: unnamed)
+
+
 class Copies:
   """One save's owned copies: asked for by :meth:`get` as staging charges each chunk, started
   in batches (one ``jax.device_put`` for many shards: a call per shard cost ~75 us, 300
@@ -104,8 +112,7 @@ class Copies:
   def __init__(self) -> None:
     self._started: list[weakref.ref] = []
     self._kinds: dict[Any, str | None] = {}   # device -> its host memory kind (None: numpy)
-    self._pending: list[tuple[jax.Array, Any, str, Owned, Any]] = []  # (source, device,
-    # memory kind, the copy, label)
+    self._pending: list[_Pending] = []
     self._pending_bytes = 0
     self._lock = threading.Lock()
     self.label: Any = None   # the key path being staged (names it if its copy fails)
@@ -140,7 +147,7 @@ class Copies:
     src = shard if local is None else shard[local]
     owned = Owned(self)
     with self._lock:
-      self._pending.append((src, device, kind, owned, self.label))
+      self._pending.append(_Pending(src, device, kind, owned, self.label))
       self._pending_bytes += src.nbytes
       full = len(self._pending) >= self.BATCH or self._pending_bytes >= self.BATCH_BYTES
     if full:
@@ -155,12 +162,12 @@ class Copies:
       if not pending:
         return
       try:
-        arrays = jax.device_put([p[0] for p in pending], [
-            jax.sharding.SingleDeviceSharding(p[1], memory_kind=p[2]) for p in pending])
+        arrays = jax.device_put([p.src for p in pending], [
+            jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind) for p in pending])
       except Exception:
         arrays = _one_by_one(pending)
-      for (_, _, _, owned, _), array in zip(pending, arrays):
-        owned._copies = None
+      for p, array in zip(pending, arrays):
+        owned, owned._copies = p.owned, None
         if isinstance(array, BaseException):
           owned.error = array
         else:
@@ -181,25 +188,20 @@ class Copies:
       jax.block_until_ready(live)
 
 
-def _one_by_one(pending: list) -> list:
-  """Each pending copy alone (their batch failed): the array, or the error that names it."""
+def _one_by_one(pending: list[_Pending]) -> list:
+  """Each pending copy alone (their batch failed): its array, or the error that names its
+  bytes, device and leaf (raised by the copy when used)."""
   out: list = []
-  for src, device, kind, _, label in pending:
+  for p in pending:
     try:
-      out.append(_copy(src, device, kind, label))
-    except Exception as e:  # (each copy that failed raises its own error when used)
-      out.append(e)
+      out.append(jax.device_put(
+          p.src, jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind)))
+    except Exception as e:
+      error = RuntimeError(
+          f"copying {p.src.nbytes} bytes from {p.device} into its {p.kind} memory failed "
+          f"({e}); save with a smaller budget_bytes= so that fewer copies are in flight at once")
+      if p.label is not None:
+        error = at_leaf(error, p.label)
+      error.__cause__ = e
+      out.append(error)
   return out
-
-
-def _copy(src: jax.Array, device: Any, kind: str, label: Any) -> jax.Array:
-  """One copy alone (a batch failed): the error names the bytes, device and leaf."""
-  try:
-    return jax.device_put(src, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
-  except Exception as e:
-    text = (f"copying {src.nbytes} bytes from {device} into its {kind} memory failed "
-            f"({e}); save with a smaller "
-            "budget_bytes= so that fewer copies are in flight at once")
-    if label is None:
-      raise RuntimeError(text) from e
-    raise CheckpointError(f"Staging {_tree.keystr(label)} failed: RuntimeError: {text}") from e

@@ -8,8 +8,20 @@ import re
 
 from .._io import paths as _paths
 from .._errors import CheckpointError
+from .._format import tree as _tree
 
-__all__ = ["wrap"]
+__all__ = ["wrap", "at_leaf"]
+
+
+def at_leaf(e: BaseException, path) -> BaseException:
+  """An error staging the leaf at ``path``, naming it (a CheckpointError passes through).
+
+  >>> print(at_leaf(RuntimeError("out of memory"), [("dict", "w")]))
+  Staging ['w'] failed: RuntimeError: out of memory
+  """
+  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+    return e
+  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
 
 
 def wrap(e: BaseException, location: str, phase: str) -> BaseException:

@@ -30,11 +30,11 @@ from . import delta as _delta, pending as _pending, pieces as _pieces_save
 from .. import _state
 from .._errors import CheckpointError
 from .._version import __version__
-from .errors import wrap
+from .errors import at_leaf as _at, wrap
 from .handle import SaveHandle, begin
 from .copies import Copies
 from .staged import Run, Staged
-from .staging import (CHUNK_COST, at_leaf as _at, charge as _charge, leaf_nbytes as _nbytes,
+from .staging import (CHUNK_COST, charge as _charge, leaf_nbytes as _nbytes,
                       stage_array as _stage_array, stage_pack as _stage_pack,
                       start_copies as _start_copies)
 from .writer import Commit, Writer

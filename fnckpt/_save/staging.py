@@ -14,17 +14,17 @@ import jax
 import numpy as np
 
 from .._layout import chunks as _layout
-from .._format import refs as _refs, tree as _tree
+from .._format import refs as _refs
 from .._io import arrays as _store, direct as _direct
 from .._layout.shard import ShardImage
 from . import buffers as _buffers, pieces as _pieces_save
-from .._errors import CheckpointError
 from .handle import SaveHandle
 from .copies import Copies, mode as _mode
+from .errors import at_leaf
 from .staged import Staged
 from .writer import Chunk, Writer
 
-__all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged", "at_leaf",
+__all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged",
            "leaf_nbytes", "Assemble", "stage_unit", "start_copies", "to_copy"]
 
 # Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
@@ -128,13 +128,6 @@ def count_staged(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
   handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
   handle.stats.bytes_written += n
   handle.stats.chunks_written += 1
-
-
-def at_leaf(e: BaseException, path) -> BaseException:
-  """An error staging the leaf at ``path``, naming it (a CheckpointError passes through)."""
-  if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-    return e
-  return CheckpointError(f"Staging {_tree.keystr(path)} failed: {type(e).__name__}: {e}")
 
 
 def leaf_nbytes(data: Any) -> int:
