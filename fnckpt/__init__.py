@@ -7,6 +7,10 @@ the format in docs/format.md.
 """
 
 from ._version import __version__ as __version__
+from ._version import check as _check_versions
+
+_check_versions()  # an older JAX than the floor: one clear ImportError, before anything fails
+
 from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError

@@ -5,6 +5,7 @@
     fnckpt verify PATH       read every chunk, check every checksum (PATH may be a run DIR)
     fnckpt diff A B          key paths added / removed / changed; --values compares the data
     fnckpt export CKPT OUT   the arrays as safetensors (OUT.safetensors, or a directory of shards)
+    fnckpt --version         fnckpt's version, and JAX's, TensorStore's and Python's
 
 Exit status: 0 all is well; 1 damage found (verify), differences found (diff) or nothing to
 list (ls); 2 a usage error or a location that cannot be read.
@@ -32,6 +33,7 @@ from typing import Any, Sequence
 
 from .._io import paths as _paths
 from .._errors import CheckpointError
+from .._version import __version__
 from . import diff as _diff, export as _export, inspect as _inspect, ls as _ls, \
     verify as _verify
 
@@ -93,12 +95,32 @@ def _add_storage_option(p: argparse.ArgumentParser, dest: str) -> None:
                  help=_STORAGE_OPTION_HELP)
 
 
+def _version_text() -> str:
+  """``fnckpt --version``: this fnckpt, and what it runs on (for bug reports).
+
+  >>> _version_text()  # doctest: +ELLIPSIS
+  'fnckpt ... (jax ..., jaxlib ..., tensorstore ..., Python ...)'
+  """
+  import importlib.metadata
+  import platform
+
+  def version(name: str) -> str:
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return "?"
+  deps = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "tensorstore"))
+  return f"fnckpt {__version__} ({deps}, Python {platform.python_version()})"
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="fnckpt", description="Inspect, check and export fnckpt checkpoints (no devices "
       "needed).",
       epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
              "(ls); 2 usage error or unreadable location.")
+  p.add_argument("--version", action="version", version=_version_text(),
+                 help="print fnckpt's version (and JAX's, TensorStore's, Python's) and exit")
   # Accepted before and after the command; two dests, since a subparser's value would replace
   # the main parser's.
   _add_storage_option(p, "storage_option_pairs")
