@@ -1,25 +1,21 @@
-"""What hashing costs a plain save: paired saves of the bench's transformer state (quick size).
+"""What hashing costs a save: the hash function timed on the bytes a save of the bench's
+transformer state (quick size) stores, beside that save.
 
-    python bench/hashing.py                          # 9 pairs, a temp dir
+    python bench/hashing.py                          # 9 rounds, a temp dir
     python bench/hashing.py --pairs 15 --dir /mnt/nvme/tmp --out bench/results/x.md
 
-Arms (:data:`ARMS`: name -> callable ``(tree, path) -> SaveHandle``; the first is the
-baseline, every other arm is compared with it; add an arm with one line):
-
-- ``none``: ``fnckpt.save`` with hashing replaced by a no-op (``_state.hooks.hashing =
-  False``, a private bench-only hook: the checkpoint records zeros; never for real saves).
-- ``xxh3``: ``fnckpt.save`` as shipped: the XXH3-128 of every stored chunk, packed leaf and
-  pieces run recorded (format 3; every save).
+Every save records XXH3-128 content hashes of what it stores (format 3); there is no switch
+that turns them off (a save without them would record hashes that incremental saves trust).
+So the cost is measured honestly from outside: per round, one ``fnckpt.save`` as shipped
+(time to committed, ``SaveStats.total_s``; CPU seconds of the whole process from the call to
+the end of ``wait()``, ``getrusage``: every thread, user + sys; blocked, ``SaveStats
+.blocking_s``), then ``fnckpt._format.hashes.array_digest`` of every array leaf's bytes, one
+after another on this thread (wall and CPU): the hashing work the save does, without its
+threads overlapping it with writes. Reported: medians, and the median of the per-round ratios
+hash / save (time and CPU), with a bootstrap 90% interval (2000 resamples, seed 0). One
+warm-up round first.
 (Before format 3, the arms were ``start(hashes=False)`` and ``start(hashes=True)``: SHA-256;
 ``bench/results/2026-11-25-hashing-before.md``.)
-
-One warm-up save per arm, then ``--pairs`` rounds, each saving once per arm, in ABBA order
-(the arms' order reversed every other round), each to a fresh path deleted after it is
-measured. Per save: time to committed (``SaveStats.total_s``), CPU seconds of the whole
-process from the call to the end of ``wait()`` (``getrusage``: every thread, user + sys),
-and the time the caller was blocked (``SaveStats.blocking_s``). Reported: per arm medians,
-and per other arm the median of its paired ratios to the baseline (same round) for time and
-CPU, with a bootstrap 90% interval (2000 resamples of the rounds, seed 0).
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -47,34 +42,9 @@ import numpy as np  # noqa: E402
 
 from bench import states  # noqa: E402
 import fnckpt  # noqa: E402
-from fnckpt import _state  # noqa: E402
-
-
-class _Waited:
-  """A save whose hook setting stays in force until ``wait()`` returns (the background
-  writer hashes after ``save`` returned)."""
-
-  def __init__(self, tree, path, hashing: bool):
-    _state.hooks.hashing = hashing
-    self.handle = fnckpt.save(tree, path, **SAVE_OPTIONS)
-
-  def wait(self):
-    try:
-      return self.handle.wait()
-    finally:
-      _state.hooks.hashing = True
-
-
-def _save_with(hashing: bool) -> Callable:
-  return lambda tree, path: _Waited(tree, path, hashing)
-
+from fnckpt._format import hashes  # noqa: E402
 
 SAVE_OPTIONS: dict = {}   # (--pack-bytes)
-
-ARMS: dict[str, Callable] = {
-    "none": _save_with(False),   # hashing a no-op (the baseline)
-    "xxh3": _save_with(True),    # as shipped
-}
 
 
 def cpu_s() -> float:
@@ -83,26 +53,32 @@ def cpu_s() -> float:
   return r.ru_utime + r.ru_stime
 
 
-def measure(arm: Callable, tree: dict, path: str) -> dict:
+def measure_save(tree: dict, path: str) -> dict:
   """One save to ``path`` (deleted afterwards): committed s, CPU s, blocked s."""
   c0, t0 = cpu_s(), time.perf_counter()
-  stats = arm(tree, path).wait()
+  stats = fnckpt.save(tree, path, **SAVE_OPTIONS).wait()
   wall, cpu = time.perf_counter() - t0, cpu_s() - c0
   shutil.rmtree(path)
   total = getattr(stats, "total_s", None)
   return {"committed": total if total else wall, "cpu": cpu, "blocked": stats.blocking_s}
 
 
+def measure_hash(arrays: list[np.ndarray]) -> dict:
+  """The content hash of every array, one after another: wall s and CPU s."""
+  c0, t0 = cpu_s(), time.perf_counter()
+  for a in arrays:
+    hashes.array_digest(a)
+  return {"committed": time.perf_counter() - t0, "cpu": cpu_s() - c0, "blocked": 0.0}
+
+
 def run_pairs(tree: dict, root: str, pairs: int) -> list[dict[str, dict]]:
-  """A warm-up save per arm, then ``pairs`` rounds in ABBA order: per round, arm -> figures."""
-  names = list(ARMS)
-  for name in names:
-    measure(ARMS[name], tree, os.path.join(root, f"warmup-{name}"))
-  rounds = []
-  for r in range(pairs):
-    order = names if r % 2 == 0 else names[::-1]
-    rounds.append({n: measure(ARMS[n], tree, os.path.join(root, f"{r}-{n}")) for n in order})
-  return rounds
+  """A warm-up round, then ``pairs`` rounds: per round, {"save": ..., "hash": ...}."""
+  arrays = [np.ascontiguousarray(np.asarray(x)) for x in jax.tree.leaves(tree)
+            if isinstance(x, (jax.Array, np.ndarray))]   # host bytes made before timing
+  measure_save(tree, os.path.join(root, "warmup"))
+  measure_hash(arrays)
+  return [{"save": measure_save(tree, os.path.join(root, str(r))), "hash": measure_hash(arrays)}
+          for r in range(pairs)]
 
 
 def bootstrap_median(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -114,21 +90,21 @@ def bootstrap_median(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float
 
 def report(rounds: list[dict[str, dict]]) -> list[str]:
   """The markdown tables: per arm medians, then paired ratios to the first arm."""
-  names = list(ARMS)
-  lines = ["| arm | committed s (median) | CPU s (median) | blocked s (median) |",
+  names = ["save", "hash"]
+  lines = ["| what | s to committed (hash: wall) | CPU s | blocked s |",
            "| --- | --- | --- | --- |"]
   for n in names:
     med = {k: np.median([r[n][k] for r in rounds]) for k in ("committed", "cpu", "blocked")}
     lines.append(f"| {n} | {med['committed']:.3f} | {med['cpu']:.3f} | {med['blocked']:.4f} |")
   lines += ["", f"| ratio (paired, {len(rounds)} rounds) | median | 90% bootstrap interval |",
             "| --- | --- | --- |"]
-  base = names[0]
-  for n in names[1:]:
+  base = "save"
+  for n in ["hash"]:
     for k, label in (("committed", "time to committed"), ("cpu", "CPU s")):
       x = np.array([r[n][k] / r[base][k] for r in rounds])
       lo, hi = bootstrap_median(x)
       lines.append(f"| {n}/{base} {label} | {np.median(x):.3f} | {lo:.3f} - {hi:.3f} |")
-  lines += ["", "Every save (round: arm committed s / CPU s / blocked s):", ""]
+  lines += ["", "Every round (save: committed s / CPU s / blocked s; hash: wall s / CPU s):", ""]
   for i, r in enumerate(rounds):
     lines.append(f"- {i}: " + "; ".join(
         f"{n} {v['committed']:.3f} / {v['cpu']:.3f} / {v['blocked']:.4f}" for n, v in r.items()))
@@ -144,7 +120,7 @@ def git_commit() -> str:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--pairs", type=int, default=9, help="rounds (one save per arm each)")
+  p.add_argument("--pairs", type=int, default=9, help="rounds (one save and one hash pass each)")
   p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
   p.add_argument("--out", default=None, help="also write the markdown report here")
   p.add_argument("--state", default="transformer", choices=states.STATES)
@@ -157,7 +133,7 @@ def main() -> None:
   leaves = states.leaves_for(args.state, "quick")
   tree = states.build(leaves, states.make_mesh("a"))
   root = tempfile.mkdtemp(prefix="fnckpt-hashing-", dir=args.dir)
-  head = [f"# Hashing a plain save: {' vs '.join(ARMS)} (paired, ABBA)", "",
+  head = ["# Hashing's cost: the hash function on a save's bytes, beside the save", "",
           f"`python bench/hashing.py --pairs {args.pairs} --state {args.state}"
           + (f" --pack-bytes {args.pack_bytes}" if args.pack_bytes is not None else "")
           + f"`; fnckpt {git_commit()}; "

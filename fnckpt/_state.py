@@ -118,9 +118,6 @@ class _Hooks:
 
   def __init__(self) -> None:
     self.on_phase: Callable[[str], None] = _no_op
-    # bench/hashing.py only: False makes the writer record zeros for content hashes (the
-    # cost of a save without hashing, measured against one with it; never for real saves)
-    self.hashing: bool = True
     # restore's content hash checks on reads of whole hashed units (docs/format.md "Version 3");
     # the bench turns them off to measure what they cost
     self.check_hashes = True

@@ -113,9 +113,9 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
     raise
   names = [target] if single else [os.path.join(target, f.name) for f in p.files] + [
       os.path.join(target, _export_plan.INDEX_NAME)]
-  return ExportResult(target, tuple(names), sum(len(f.tensors) for f in p.files),
-                      p.total_bytes, dict(p.metadata), p.skipped,
-                      time.monotonic() - started, window.peak)
+  return ExportResult(out=target, files=tuple(names), tensors=sum(len(f.tensors) for f in p.files),
+                      bytes=p.total_bytes, metadata=dict(p.metadata), skipped=p.skipped,
+                      seconds=time.monotonic() - started, peak_read_bytes=window.peak)
 
 
 def _output(out: str | os.PathLike) -> tuple[str, str | None]:

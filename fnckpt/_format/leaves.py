@@ -203,8 +203,8 @@ def leaf_record(index: int, path: Any, leaf: Any) -> tuple[_records.Leaf, Any]:
     kind, impl, data = "array", None, leaf
     if is_key_array(leaf):
       kind, impl, data = "key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
-    return _records.Leaf(index, path, kind, _dtype_name(np.dtype(data.dtype)),
-                         tuple(data.shape), "jax", sharding_record(leaf.sharding), impl), data
+    return _records.Leaf(index=index, path=path, kind=kind, dtype=_dtype_name(np.dtype(data.dtype)),
+                         shape=tuple(data.shape), source="jax", sharding=sharding_record(leaf.sharding), impl=impl), data
   if isinstance(leaf, np.ndarray):
     name = _stored_name(leaf.dtype)
     if name is None:

@@ -37,6 +37,20 @@ from .tree import MAX_PATH_DEPTH, key_problem, keystr
 __all__ = ["parse", "parse_values", "check_dir", "check_rel"]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Context:
+  """What a leaf record is validated against: the manifest's ``version``, its ``packs``,
+  ``bases`` and ``meshes``, ``hash_bytes`` (a content hash's size: SHA-256's in format 2, else
+  the manifest's ``hash`` algorithm's) and ``heads``, the array heads validated so far in this
+  parse (see :func:`_array`; None: none kept)."""
+  version: int
+  packs: tuple[Pack, ...] = ()
+  bases: tuple[Base, ...] = ()
+  meshes: tuple[np.ndarray, ...] = ()
+  hash_bytes: int = HASH_BYTES
+  heads: dict | None = None
+
+
 class _Bad(Exception):
   """A field is invalid: raised inside parsing, turned into a CheckpointError naming the leaf.
   ``whole``: the message is about the record itself ("it lacks 'data'"), not one of its
@@ -170,10 +184,12 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if e.whole else f"its {e}") from None
-  leaves, heads = [], {}
+  leaves = []
+  context = _Context(version=version, packs=packs, bases=bases, meshes=meshes, hash_bytes=hn,
+                     heads={})
   for i, rec in enumerate(raw):
     try:
-      leaves.append(_leaf(i, rec, version, packs, bases, meshes, hn, heads))
+      leaves.append(_leaf(i, rec, context))
     except (TypeError, ValueError, KeyError, OverflowError) as e:  # a check this file lacks
       raise _error(location, f"the record of leaf #{i} is malformed ({type(e).__name__})") \
           from None
@@ -187,8 +203,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   layout = _check_pieces(location, leaves, packs, meshes, nproc, version == 2)
   if version >= 3 and layout is not None:
     _check_runs(location, leaves, packs, layout, hn)
-  return Manifest(version, float(created), nproc, dict(versions), top["metadata"],
-                  tuple(leaves), data, packs, bases, fork, meshes, layout, alg)
+  return Manifest(version=version, created=float(created), process_count=nproc, versions=dict(versions), metadata=top["metadata"],
+                  leaves=tuple(leaves), data=data, packs=packs, bases=bases, fork=fork, meshes=meshes, layout=layout, hash=alg)
 
 
 def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
@@ -207,10 +223,10 @@ def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...]
                   meshes: tuple[np.ndarray, ...], nproc: int, regions: bool = True) -> Any:
   """The layout of the pieced leaves; with ``regions`` (format 2), every writer's region
   inside its pack."""
-  todo = [_pieces.PieceLeaf(l.index, l.pieces.mesh, l.sharding.sizes,
-                            l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
-                            _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
-                            l.pieces.chunks, math.prod(l.pieces.chunks) * itemsize(l.dtype))
+  todo = [_pieces.PieceLeaf(index=l.index, mesh=l.pieces.mesh, axis_sizes=l.sharding.sizes,
+                            dim_axes=l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
+                            shift=_pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
+                            chunk=l.pieces.chunks, nbytes=math.prod(l.pieces.chunks) * itemsize(l.dtype))
           for l in leaves if l.pieces is not None]
   if not todo:
     return None
@@ -296,7 +312,7 @@ def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
   try:
     raw = _list(_keys(m, "it", ("leaves",))["leaves"], "'leaves'")
     for i, rec in enumerate(raw):
-      leaf = _leaf(i, rec, 2, ())
+      leaf = _leaf(i, rec, _Context(version=2))
       _req(leaf.kind != "perprocess" and leaf.stored is None,
            lambda: f"leaf #{i} must hold its value inline")
       leaves.append(leaf)
@@ -365,8 +381,8 @@ def _pack(p: Any, i: int, bases: tuple[Base, ...] = (), nproc: int = 1 << 24,
   if "process" in p:
     process = _int(p["process"], f"'packs'[{i}].process", 0, nproc - 1)
     pieces = _int(p["pieces"], f"'packs'[{i}].pieces", 0, nbytes)
-  return Pack(d, nbytes, chunk, inner, _base_of(p.get("base"), d, f"'packs'[{i}]", bases),
-              process, pieces)
+  return Pack(dir=d, nbytes=nbytes, chunk=chunk, inner=inner, base=_base_of(p.get("base"), d, f"'packs'[{i}]", bases),
+              process=process, pieces=pieces)
 
 
 def _path_ok(rec: Any) -> bool:
@@ -391,12 +407,9 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   return tuple(out)
 
 
-def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
-          bases: tuple[Base, ...] = (), meshes: tuple[np.ndarray, ...] = (),
-          hn: int = HASH_BYTES, heads: dict | None = None) -> Leaf:
-  """One leaf record (``hn``: bytes of a content hash: SHA-256's in format 2, else the
-  manifest's ``hash`` algorithm's; ``heads``: the array heads validated so far, see
-  :func:`_array`)."""
+def _leaf(i: int, rec: Any, context: _Context) -> Leaf:
+  """Leaf record ``i`` of a manifest, validated in ``context``."""
+  version = context.version
   _req(isinstance(rec, dict), lambda: f"it must be a map, found {_short(rec)}")
   kind = rec.get("kind")
   _req(isinstance(kind, str) and kind in LEAF_KINDS,
@@ -408,7 +421,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
     _keys(rec, "it", common)
     return Leaf(i, path, kind)
   if kind in ("array", "key"):
-    return _array(i, path, rec, version, packs, bases, meshes, hn, heads)
+    return _array(i, path, rec, context)
   if kind == "empty":
     _keys(rec, "it", common + ("type", "name"))
     _req(rec["type"] in ("none", "dict", "list", "tuple"), "'type' must be none/dict/list/tuple")
@@ -462,11 +475,11 @@ def _shape(v: Any) -> tuple[int, ...]:
   return shape
 
 
-def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
-           heads: dict | None = None) -> Leaf:
+def _array(i: int, path: tuple, rec: dict, context: _Context) -> Leaf:
   """An array record. Its head (fields, dtype, shape, source, sharding, PRNG impl) is
-  validated once per distinct head (``heads``: this parse's cache; a failure is never
+  validated once per distinct head (``context.heads``: this parse's cache; a failure is never
   cached, so every record with a bad head fails with the same message as on its own)."""
+  version, meshes, hn, heads = context.version, context.meshes, context.hash_bytes, context.heads
   if heads is None:
     dtype, shape, sharding, impl = _array_head(rec, version, meshes)
   else:
@@ -481,23 +494,23 @@ def _array(i, path, rec, version, packs, bases=(), meshes=(), hn=HASH_BYTES,
     _req(isinstance(data, bytes) and len(data) == nbytes,
          lambda: f"'inline' must hold {nbytes} bytes")
     _req(not {"hash", "chunk_hashes", "chunk_fps"} & set(rec), "an inline array has no 'hash'")
-    return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, data)
+    return Leaf(index=i, path=path, kind=rec["kind"], dtype=dtype, shape=shape, source=rec["source"], sharding=sharding, impl=impl, inline=data)
   if version >= 3:   # every array stored outside the manifest carries its hash
     _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
          "array has one)")
   digest = _hash(rec["hash"], "'hash'", hn) if "hash" in rec else None
-  leaf = Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl, hash=digest)
+  leaf = Leaf(index=i, path=path, kind=rec["kind"], dtype=dtype, shape=shape, source=rec["source"], sharding=sharding, impl=impl, hash=digest)
   if "pieces" in rec:
     _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
          "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
     return evolve(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version, hn))
   if "store" in rec:
-    return _stored_leaf(leaf, rec, version, bases, hn)
+    return _stored_leaf(leaf, rec, version, context.bases, hn)
   _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
        "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
-  return Leaf(i, path, rec["kind"], dtype, shape, rec["source"], sharding, impl,
-              packed=_packed(rec["pack"], leaf.nbytes, packs), hash=digest)
+  return Leaf(index=i, path=path, kind=rec["kind"], dtype=dtype, shape=shape, source=rec["source"], sharding=sharding, impl=impl,
+              packed=_packed(rec["pack"], leaf.nbytes, context.packs), hash=digest)
 
 
 def _head_key(rec: dict) -> tuple:

@@ -1,4 +1,4 @@
-"""PURE: what a checkpoint's records are (formats 1 and 2): the format's constants and
+"""PURE: what a checkpoint's records are (formats 1, 2 and 3): the format's constants and
 allow-lists (dtypes, leaf kinds, PRNG implementations, bit generators, the bounds parsing
 enforces), the dtype helpers (:func:`np_dtype`, :func:`itemsize`), the frozen records
 (:class:`Manifest` with its :class:`Leaf` records, :class:`Stored`, :class:`Pack`,
@@ -8,9 +8,9 @@ enforces), the dtype helpers (:func:`np_dtype`, :func:`itemsize`), the frozen re
 Other modules read these records, never the raw dicts. Records read from storage come from
 :func:`fnckpt._format.parse.parse`, the one validator (untrusted data in, records or one
 :class:`~fnckpt._errors.CheckpointError` out). The writers build the same records and
-:func:`encode` turns them into the msgpack data (format 2 only):
-``parse(encode(m), location, 2) == m`` for every valid record. Encoding never validates, and the
-records have no checks of their own.
+:func:`encode` turns them into the msgpack data (formats 2 and 3: fnckpt writes 3, a fork
+keeps its parent's 2): ``parse(encode(m), location, 3) == m`` for every valid record.
+Encoding never validates, and the records have no checks of their own.
 """
 
 from __future__ import annotations
@@ -152,7 +152,10 @@ class Packed:
 @dataclasses.dataclass(frozen=True)
 class Leaf:
   """One validated leaf record. Array kinds ("array", "key") have ``dtype``/``shape`` and
-  exactly one of ``inline``/``stored``/``packed``; other kinds hold ``value`` (checked)."""
+  exactly one of ``inline``/``stored``/``packed``/``pieces`` (where the bytes are); other
+  kinds hold ``value`` (checked). ``hash`` is the leaf's content hash (format 3: of every
+  array outside the manifest; format 2: when saved with hashes), ``chunk_hashes`` a stored
+  leaf's per-chunk hashes, ``chunk_fps`` format 2's chunk fingerprints (read only)."""
   index: int
   path: tuple[tuple[str, Any], ...]
   kind: str

@@ -208,7 +208,7 @@ def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
       if where is not None:
         stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes)
     elif rec.pieces is not None and old.pieces is not None:
-      got = _run_cand(base, old, rec, i, meshes, base_loc, new_loc)
+      got = _run_cand(base=base, old=old, rec=rec, i=i, meshes=meshes, base_loc=base_loc, new_loc=new_loc)
       if got is None:
         apart.append((rec.where, "its sharding or mesh differs from the base's"))
         continue
@@ -377,8 +377,8 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
   own = {p.process: k for k, p in enumerate(packs) if p.process is not None}
   for i, rec in enumerate(records):
     if rec.pieces is not None:
-      records[i] = _runs(rec, reports, cands.pieced.get(i), layout, regions, own, packs,
-                         place, location)
+      records[i] = _runs(rec=rec, reports=reports, cand=cands.pieced.get(i), layout=layout, regions=regions, own=own, packs=packs,
+                         place=place, location=location)
   packs = [dataclasses.replace(p, process=None, pieces=None) for p in place.packs]
   return tuple(records), tuple(packs), tuple(bases.items)
 

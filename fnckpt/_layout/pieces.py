@@ -223,5 +223,5 @@ def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes:
         g.counts.max(initial=0)) * t > limit:
       raise ValueError("a pieces region would exceed 2^62 bytes")
     region += g.counts * t
-  return Layout(tuple(leaves), processes, tuple(groups), tuple(group_of), tuple(before), region,
-                {leaf.index: k for k, leaf in enumerate(leaves)})
+  return Layout(leaves=tuple(leaves), processes=processes, groups=tuple(groups), group_of=tuple(group_of), before=tuple(before), region=region,
+                position={leaf.index: k for k, leaf in enumerate(leaves)})

@@ -314,5 +314,5 @@ def make_record(staged: Staged, step: int, process: int, count: int) -> HeldReco
   sizes = tuple(tuple(len(staged.pieces[(i, j)]) for j in h) for i, h in enumerate(staged.held))
   crcs = tuple(tuple(zlib.crc32(staged.pieces[(i, j)]) for j in h)
                for i, h in enumerate(staged.held))
-  return HeldRecord(step, process, count, socket.gethostname(), staged.layout, staged.counts,
-                    staged.held, sizes, crcs)
+  return HeldRecord(step=step, process=process, count=count, host=socket.gethostname(), layout=staged.layout, counts=staged.counts,
+                    held=staged.held, sizes=sizes, crcs=crcs)

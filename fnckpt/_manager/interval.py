@@ -208,5 +208,5 @@ class Cadence:
     t = (optimal_interval_s(max(cost, 1e-6), self.mtbf_s)
          if cost is not None and self.mtbf_s is not None else None)
     lost = steps * step_s / 2 + cost if step_s is not None and cost is not None else None
-    return Schedule(steps, self.auto, t, cost, self.mtbf_s, self.mtbf_source, step_s, lost,
-                    saves, skipped, waited)
+    return Schedule(interval_steps=steps, auto=self.auto, interval_s=t, save_cost_s=cost, mtbf_s=self.mtbf_s, mtbf_source=self.mtbf_source, step_time_s=step_s, expected_lost_s=lost,
+                    saves=saves, skipped=skipped, copy_wait_s=waited)

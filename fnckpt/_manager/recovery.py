@@ -90,9 +90,10 @@ class Recovery:
       return None
     self.claims.wait_saved(choice.step)
     with self.claims.reading(choice.step):
-      value = _peers.restore(self.index.root, self.local.index.path(choice.step),
-                             self.local.index.storage_options, choice.step, reports, target,
-                             self.timeout_s)
+      value = _peers.restore(location=self.index.root,
+                             step_path=self.local.index.path(choice.step),
+                             options=self.local.index.storage_options, step=choice.step,
+                             reports=reports, target=target, timeout_s=self.timeout_s)
     return None if value is None else (value, choice.step)
 
   def _newest(self, local_steps: list[list[int]], skipped: set[int]) -> int | None:

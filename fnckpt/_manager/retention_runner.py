@@ -38,10 +38,10 @@ class Background:
     self._threads: list[threading.Thread] = []
     self._errors: list[BaseException] = []
 
-  def spawn(self, name: str, fn: Callable[..., None], *args: Any) -> None:
+  def spawn(self, name: str, fn: Callable[..., None], /, *args: Any, **kwargs: Any) -> None:
     def run() -> None:
       try:
-        fn(*args)
+        fn(*args, **kwargs)
       except BaseException as e:  # kept for wait(); nothing may die silently in a thread
         self.record(e)
     thread = threading.Thread(target=run, name=name)  # the interpreter waits for it at exit

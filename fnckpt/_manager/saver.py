@@ -134,7 +134,8 @@ class Saver:
     if self.local and durable and index is not self.index:
       self.local.begin(step)
     self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step, handle, durable, index, base, staged)
+                          step=step, handle=handle, durable=durable, index=index, base=base,
+                          staged=staged)
     return handle
 
   def _stage_held(self, step: int, tree: Any, index: _steps.StepIndex) -> Any:

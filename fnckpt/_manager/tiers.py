@@ -209,8 +209,8 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
       raise DamagedError(f"{_paths.display(src_path)!r} was saved again while being copied; "
                          "the copy was not committed.")
     manifest = bytes(src.read(_manifest.MANIFEST).result().value)  # checked against commit above
-    copied += copy_referenced(src_root, dst_root, step, manifest, src_options, dst_options,
-                              concurrency)
+    copied += copy_referenced(src_root=src_root, dst_root=dst_root, step=step, manifest=manifest, src_options=src_options, dst_options=dst_options,
+                              concurrency=concurrency)
     dst.write(_manifest.COMMIT, commit).result()
   except CheckpointError:
     raise

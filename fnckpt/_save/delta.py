@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -30,7 +31,6 @@ from .._layout import packing as _packing
 from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
 from .._io import collective as _collective, arrays as _store, direct as _direct
 from .._errors import CheckpointError
-from .. import _state
 from . import buffers as _buffers
 
 __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
@@ -71,24 +71,6 @@ HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
 # Pack chunk files written at once (``_io.direct``: each thread waits for its disk write,
 # the GIL released).
 FILE_THREADS = 2
-
-
-def _array_digest(host: np.ndarray) -> bytes:
-  return _hashes.array_digest(host) if _state.hooks.hashing else bytes(_hashes.NBYTES)
-
-
-def _digest(data: Any) -> bytes:
-  return _hashes.digest(data) if _state.hooks.hashing else bytes(_hashes.NBYTES)
-
-
-class _NoHash:
-  """(bench/hashing.py's baseline) a hasher that hashes nothing."""
-
-  def update(self, data: Any) -> None:
-    del data
-
-  def digest(self) -> bytes:
-    return bytes(_hashes.NBYTES)
 
 
 class _Workers:
@@ -233,12 +215,13 @@ class Delta:
       self._track(write(), done)
       self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
       return
-    self._jobs.append(self._pool().submit(self._decide, leaf, pos, host, expect, nbytes,
-                                          cost, write))
+    decide = functools.partial(self._decide, leaf=leaf, pos=pos, host=host, expect=expect,
+                               nbytes=nbytes, cost=cost, write=write)
+    self._jobs.append(self._pool().submit(decide))
 
   def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
     try:
-      h = _array_digest(host)
+      h = _hashes.array_digest(host)
       with self._lock:
         self.report.chunks.setdefault(leaf, {})[pos] = h
     finally:
@@ -246,7 +229,7 @@ class Delta:
 
   def _decide(self, leaf, pos, host, expect, nbytes, cost, write) -> None:
     try:
-      h = _array_digest(host)
+      h = _hashes.array_digest(host)
     except BaseException:
       self._release(cost)
       raise
@@ -330,13 +313,13 @@ class Delta:
     """Bytes of a packed leaf, or of this process's run of a pieced leaf, in a (plan-laid)
     pack, in order."""
     if leaf not in self._hashers:
-      self._hashers[leaf] = _hashes.hasher() if _state.hooks.hashing else _NoHash()
+      self._hashers[leaf] = _hashes.hasher()
     self._hashers[leaf].update(memoryview(data))
 
   # pack segments ------------------------------------------------------------------------
 
   def pack_leaf(self, item: PackLeaf) -> list[ts.Future]:
-    h = _digest(memoryview(item.staged.raw()))
+    h = _hashes.digest(memoryview(item.staged.raw()))
     if h == item.expect:
       self.report.maybe[item.leaf] = (h, -1, 0)
       self.reused_pack_bytes += item.staged.nbytes
@@ -418,8 +401,8 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
   if gathered is not None:  # process 0
     reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
     changed = _refs.changed_leaves(reports, plan.cands.stored)
-    records, packs, bases = _refs.finalize(plan.records, plan.packs, reports, plan.cands,
-                                           changed, location, plan.layout, plan.regions)
+    records, packs, bases = _refs.finalize(records=plan.records, packs=plan.packs, reports=reports, cands=plan.cands,
+                                           changed=changed, location=location, layout=plan.layout, regions=plan.regions)
     manifest = plan.build(records, packs, bases)
   changed = set(msgpack.unpackb(session.share("changed", msgpack.packb(sorted(changed)))))
   futures = _copy_skipped(plan, delta, kv, ctx, changed)

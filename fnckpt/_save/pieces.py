@@ -96,8 +96,8 @@ class Planner:
       return None
     m = self._mesh(sharding.mesh)
     dim_axes = info.dim_axes + ((),) * (len(shape) - len(info.dim_axes))
-    spec = _pieces.PieceLeaf(i, m, info.axis_sizes, dim_axes,
-                             _pieces.shift_of(i, info.axis_sizes, dim_axes), shard, n)
+    spec = _pieces.PieceLeaf(index=i, mesh=m, axis_sizes=info.axis_sizes, dim_axes=dim_axes,
+                             shift=_pieces.shift_of(i, info.axis_sizes, dim_axes), chunk=shard, nbytes=n)
     self.leaves.append(_Leaf(i, data, info, spec))
     return dataclasses.replace(rec, sharding=dataclasses.replace(rec.sharding, mesh=m),
                                pieces=_records.Pieces(tuple(shard), m))

@@ -50,8 +50,8 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
     except BaseException as e:
       raise at_leaf(e, a.rec.path)
     pos = _refs.chunk_pos(unit.index, chunks, shape)
-    writer.put(Chunk(fut, unit.index, host, CHUNK_COST * n, a.index, pos,
-                     cand.expect(pos) if cand is not None else None, n))
+    writer.put(Chunk(store=fut, index=unit.index, host=host, cost=CHUNK_COST * n, leaf=a.index, pos=pos,
+                     expect=cand.expect(pos) if cand is not None else None, nbytes=n))
     count_staged(handle, budget, n)
 
 

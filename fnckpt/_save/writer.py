@@ -180,8 +180,8 @@ class Writer:
     else:
       store = item.store.result()
       write = lambda: _store.write_chunk(store, item.index, host)  # noqa: E731
-    self.delta.chunk(item.leaf, item.pos, item.expect, item.nbytes, item.cost, host, write,
-                     getattr(make, "spans", None), getattr(make, "reuse", False))
+    self.delta.chunk(leaf=item.leaf, pos=item.pos, expect=item.expect, nbytes=item.nbytes, cost=item.cost, host=host, write=write,
+                     spans=getattr(make, "spans", None), reuse=getattr(make, "reuse", False))
 
   def _run(self) -> None:
     error: BaseException | None = None

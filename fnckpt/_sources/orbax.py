@@ -326,9 +326,9 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
         continue
       shape = tuple(store.shape)
       leaves.append(_records.Leaf(
-          i, e.path, "array", store.dtype.name, shape,
-          "jax" if e.value_type == "jax.Array" else "numpy",
-          _sharding(shardings.get(e.name), len(shape)),
+          index=i, path=e.path, kind="array", dtype=store.dtype.name, shape=shape,
+          source="jax" if e.value_type == "jax.Array" else "numpy",
+          sharding=_sharding(shardings.get(e.name), len(shape)),
           stored=_records.Stored(e.name, _chunks(store), _chunks(store), None)))
       stores[i], names[i] = store, e.name
     else:

@@ -72,8 +72,8 @@ class SliceReader:
       _state.reads.bytes_read += hi - lo  # (every reader of this process: for tests)
       _state.reads.ranges += 1
     checks = [self.run_hash(r) for r in reads] if self.damaged is not None else None
-    return _Pending(_store.aligned_empty(shape, self.dtype), parts, reads, futures, self.leaf,
-                    checks, self.damaged)
+    return _Pending(out=_store.aligned_empty(shape, self.dtype), parts=parts, reads=reads,
+                    futures=futures, leaf=self.leaf, checks=checks, damaged=self.damaged)
 
   def run_hash(self, read: tuple[int, int, int]) -> tuple[int, bytes] | None:
     """(writer process, recorded hash) when ``read`` (pack, lo, hi) is a writer's whole run

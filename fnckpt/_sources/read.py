@@ -244,8 +244,9 @@ def run_of(leaves: list[StoredLeaf]) -> PackRun:
   """The :class:`PackRun` reading ``leaves`` (a run of :func:`pack_runs`, two or more)."""
   first, lo = leaves[0], leaves[0].offset
   hi = leaves[-1].offset + leaves[-1].rec.packed.nbytes
-  return PackRun(first.src, first.rec, "packrun", (hi - lo,), np.dtype(np.uint8), None,
-                 first.where, leaves=tuple(leaves), lo=lo)
+  return PackRun(src=first.src, rec=first.rec, kind="packrun", shape=(hi - lo,),
+                 dtype=np.dtype(np.uint8), align=None, where=first.where, leaves=tuple(leaves),
+                 lo=lo)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -336,8 +337,9 @@ class Opener:
   def pack(self, k: int) -> StoredLeaf:
     """Pack ``k`` whole, as a 1-D uint8 array (what verify reads)."""
     p = self.src.manifest.packs[k]
-    return _Pack(self.src, None, "pack", (p.nbytes,), np.dtype(np.uint8), (p.inner,),
-                 data_location(self.src, p.base, p.dir), array=self._pack(k))
+    return _Pack(src=self.src, rec=None, kind="pack", shape=(p.nbytes,),
+                 dtype=np.dtype(np.uint8), align=(p.inner,),
+                 where=data_location(self.src, p.base, p.dir), array=self._pack(k))
 
   def _open(self, rec: _records.Leaf) -> StoredLeaf:
     src = self.src
@@ -359,7 +361,7 @@ class Opener:
       damaged = None
       if self.hashes:
         def damaged(what: str, rec=rec, where=where) -> DamagedError:
-          return hash_damage(StoredLeaf(src, rec, "pieces", shape, dtype, None, where), what)
+          return hash_damage(StoredLeaf(src=src, rec=rec, kind="pieces", shape=shape, dtype=dtype, align=None, where=where), what)
       return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
                      reader=_pieces_read.SliceReader(man, rec, self._pack, damaged))
     st = rec.stored

@@ -257,7 +257,7 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
 def _manifest(tensors: list[Tensor], meta: Any, where: str) -> _records.Manifest:
   paths = key_paths([t.name for t in tensors], where)
   leaves = tuple(
-      _records.Leaf(i, path, "array", t.dtype, t.shape, "numpy", None,
+      _records.Leaf(index=i, path=path, kind="array", dtype=t.dtype, shape=t.shape, source="numpy", sharding=None,
                     stored=_records.Stored(t.file, t.shape, t.shape, None))
       for i, (path, t) in enumerate(zip(paths, tensors)))
   try:
