@@ -163,7 +163,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
                    reader_version)
     top = _keys(m, "it", *_top_keys(version))
     alg = _alg(top["hash"]) if version >= 3 else None
-    hn = HASH_ALGS[alg] if alg is not None else HASH_BYTES
+    hash_bytes = HASH_ALGS[alg] if alg is not None else HASH_BYTES
     _req(top["format"] == "fnckpt", "'format' must be 'fnckpt'")
     created = top["created"]
     _req(isinstance(created, (int, float)) and not isinstance(created, bool)
@@ -185,7 +185,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if e.whole else f"its {e}") from None
   leaves = []
-  context = _Context(version=version, packs=packs, bases=bases, meshes=meshes, hash_bytes=hn,
+  context = _Context(version=version, packs=packs, bases=bases, meshes=meshes, hash_bytes=hash_bytes,
                      heads={})
   for i, rec in enumerate(raw):
     try:
@@ -202,7 +202,7 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     raise _error(location, str(e)) from None
   layout = _check_pieces(location, leaves, packs, meshes, nproc, version == 2)
   if version >= 3 and layout is not None:
-    _check_runs(location, leaves, packs, layout, hn)
+    _check_runs(location, leaves, packs, layout, hash_bytes)
   return Manifest(version=version, created=float(created), process_count=nproc, versions=dict(versions), metadata=top["metadata"],
                   leaves=tuple(leaves), data=data, packs=packs, bases=bases, fork=fork, meshes=meshes, layout=layout, hash=alg)
 
@@ -260,7 +260,7 @@ def _pieces_error(location: str, leaves: Sequence[Leaf], layout: Any, proc: int,
 
 
 def _check_runs(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...], layout: Any,
-                hn: int) -> None:
+                hash_bytes: int) -> None:
   """Format 3: each pieced leaf's ``runs`` and ``hashes`` have one entry per process writing
   its chunks (rule 1), and each run lies inside the pack it names (all runs of all leaves
   checked at once, numpy)."""
@@ -273,9 +273,9 @@ def _check_runs(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...], 
       c = layout.groups[g].counts
       counts[g] = c[c > 0]
     w, p = len(counts[g]), rec.pieces
-    if len(p.runs) != RUN_BYTES * w or len(p.hashes) != hn * w:
+    if len(p.runs) != RUN_BYTES * w or len(p.hashes) != hash_bytes * w:
       raise _error(location, f"the record of {rec.where} is invalid: 'pieces'.runs and "
-                   f"'pieces'.hashes must hold {RUN_BYTES} and {hn} bytes per process writing "
+                   f"'pieces'.hashes must hold {RUN_BYTES} and {hash_bytes} bytes per process writing "
                    f"its chunks ({w} processes), found {len(p.runs)} and {len(p.hashes)}")
     runs.append(p.runs)
     sizes.append(counts[g] * pl.nbytes)
@@ -479,7 +479,7 @@ def _array(i: int, path: tuple, rec: dict, context: _Context) -> Leaf:
   """An array record. Its head (fields, dtype, shape, source, sharding, PRNG impl) is
   validated once per distinct head (``context.heads``: this parse's cache; a failure is never
   cached, so every record with a bad head fails with the same message as on its own)."""
-  version, meshes, hn, heads = context.version, context.meshes, context.hash_bytes, context.heads
+  version, meshes, hash_bytes, heads = context.version, context.meshes, context.hash_bytes, context.heads
   if heads is None:
     dtype, shape, sharding, impl = _array_head(rec, version, meshes)
   else:
@@ -498,14 +498,14 @@ def _array(i: int, path: tuple, rec: dict, context: _Context) -> Leaf:
   if version >= 3:   # every array stored outside the manifest carries its hash
     _req("hash" in rec, f"it lacks 'hash' (format {version}: every stored, packed and pieced "
          "array has one)")
-  digest = _hash(rec["hash"], "'hash'", hn) if "hash" in rec else None
+  digest = _hash(rec["hash"], "'hash'", hash_bytes) if "hash" in rec else None
   leaf = Leaf(index=i, path=path, kind=rec["kind"], dtype=dtype, shape=shape, source=rec["source"], sharding=sharding, impl=impl, hash=digest)
   if "pieces" in rec:
     _req(not {"chunk_hashes", "chunk_fps"} & set(rec) and (version >= 3 or "hash" not in rec),
          "a pieced array has no 'chunk_hashes'" + ("" if version >= 3 else " or 'hash'"))
-    return evolve(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version, hn))
+    return evolve(leaf, pieces=_pieced(rec["pieces"], shape, sharding, version, hash_bytes))
   if "store" in rec:
-    return _stored_leaf(leaf, rec, version, context.bases, hn)
+    return _stored_leaf(leaf, rec, version, context.bases, hash_bytes)
   _req("chunk_hashes" not in rec and "chunk_fps" not in rec,
        "'chunk_hashes' and 'chunk_fps' belong to stored arrays only")
   _req(version >= 2, "'pack' needs format 2")
@@ -550,7 +550,7 @@ def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
   return dtype, shape, sharding, impl
 
 
-def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hn: int) -> Leaf:
+def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hash_bytes: int) -> Leaf:
   """A stored array's record: its ``store`` and chunk hashes (required in format 3)."""
   stored = _stored(rec["store"], leaf.shape, leaf.dtype, version, bases)
   _req(version < 3 or "chunk_hashes" in rec,
@@ -560,7 +560,7 @@ def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], h
     n = math.prod(-(-s // c) for s, c in zip(shape, stored.chunks)) if all(shape) else 0
     _req(leaf.hash is not None, "'chunk_hashes' needs 'hash'")
     leaf = dataclasses.replace(leaf, chunk_hashes=_hash(
-        rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", hn * n))
+        rec["chunk_hashes"], "'chunk_hashes' (one hash per chunk)", hash_bytes * n))
     if "chunk_fps" in rec:
       leaf = dataclasses.replace(leaf, chunk_fps=_hash(
           rec["chunk_fps"], "'chunk_fps' (one fingerprint per chunk)", FP_BYTES * n))
@@ -581,7 +581,7 @@ def _packed(p: Any, nbytes: int, packs: tuple[Pack, ...]) -> Packed:
 
 
 def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None, version: int = 2,
-            hn: int = HASH_BYTES) -> Pieces:
+            hash_bytes: int = HASH_BYTES) -> Pieces:
   """A pieced array's ``pieces``; format 3's ``runs`` and ``hashes`` (their lengths, one
   entry per writing process, are checked with the layout: :func:`_check_runs`)."""
   _keys(p, "'pieces'", ("chunks", "runs", "hashes") if version >= 3 else ("chunks",))
@@ -591,8 +591,8 @@ def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None, version: 
     _req(isinstance(runs, bytes) and len(runs) % RUN_BYTES == 0,
          lambda: f"'pieces'.runs must be bytes, {RUN_BYTES} per writing process, found "
          f"{_short(runs)}")
-    _req(isinstance(hashes, bytes) and len(hashes) % hn == 0,
-         lambda: f"'pieces'.hashes must be bytes, {hn} per writing process, found "
+    _req(isinstance(hashes, bytes) and len(hashes) % hash_bytes == 0,
+         lambda: f"'pieces'.hashes must be bytes, {hash_bytes} per writing process, found "
          f"{_short(hashes)}")
   chunks = tuple(_int(c, "a 'pieces' chunk dimension", 1, MAX_ELEMENTS)
                  for c in _list(p["chunks"], "'pieces'.chunks", MAX_DIMS))

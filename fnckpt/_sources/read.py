@@ -350,9 +350,9 @@ class Opener:
     if src.reader is not None:   # Orbax, safetensors
       return _Foreign(*head, "foreign", shape, dtype, None, src.location, reader=src.reader,
                       slices=src.reader.slice_reader(rec))
-    man = src.manifest
+    manifest = src.manifest
     if rec.packed is not None:
-      p = man.packs[rec.packed.pack]
+      p = manifest.packs[rec.packed.pack]
       return _Packed(*head, "packed", shape, dtype, None, data_location(src, p.base, p.dir),
                      pack=self._pack(rec.packed.pack), offset=rec.packed.offset,
                      digest=rec.hash if self.hashes else None)
@@ -363,7 +363,7 @@ class Opener:
         def damaged(what: str, rec=rec, where=where) -> DamagedError:
           return hash_damage(StoredLeaf(src=src, rec=rec, kind="pieces", shape=shape, dtype=dtype, align=None, where=where), what)
       return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
-                     reader=_pieces_read.SliceReader(man, rec, self._pack, damaged))
+                     reader=_pieces_read.SliceReader(manifest, rec, self._pack, damaged))
     st = rec.stored
     array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
                                          rec.shape))
@@ -581,13 +581,13 @@ def _pieces_pack(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
 
 def _stored_at(src: Source, rec: _records.Leaf) -> tuple[int | None, str]:
   """(:func:`base_of`, the storage location a read error names) of an array leaf."""
-  man = src.manifest
-  base = base_of(man, rec)
+  manifest = src.manifest
+  base = base_of(manifest, rec)
   if rec.packed is not None:
-    return base, data_location(src, base, man.packs[rec.packed.pack].dir)
+    return base, data_location(src, base, manifest.packs[rec.packed.pack].dir)
   if rec.pieces is not None:
-    k = _pieces_pack(man, rec)
-    d = posixpath.dirname(man.packs[k].dir) if k is not None else f"{man.data}/p"
+    k = _pieces_pack(manifest, rec)
+    d = posixpath.dirname(manifest.packs[k].dir) if k is not None else f"{manifest.data}/p"
     return base, f"{data_location(src, base, d)} (pieces of {rec.where})"
   if rec.stored is not None:
     return base, data_location(src, base, rec.stored.dir)
