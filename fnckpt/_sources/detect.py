@@ -50,7 +50,7 @@ def is_file_location(path: str) -> bool:
   return name.endswith(".safetensors") or name.endswith(".json")
 
 
-def _resolve(path: str, options: dict[str, Any] | None
+def _resolve(path: str, options: Mapping[str, Any] | None
              ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
   """Like :func:`fnckpt._io.paths.resolve`, with a bounded cache for OCDBT's B-tree nodes."""
   spec = _paths.kvstore_spec(path, options)

@@ -390,11 +390,11 @@ def _verify_per_process(src: _source.Source) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
   options = args.storage_options
-  keys = _paths.list_keys(args.path, options)
+  keys = _paths.list_keys(_paths.Location.of(args.path, options))
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys or not keys:
     targets = [args.path]
   else:  # a run directory: verify every committed step
-    committed, uncommitted = _steps.scan(args.path, options)
+    committed, uncommitted = _steps.scan(_paths.Location.of(args.path, options))
     if not committed and not uncommitted:
       targets = [args.path]
     else:
