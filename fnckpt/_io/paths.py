@@ -296,11 +296,11 @@ class Opened(NamedTuple):
   kv: ts.KvStore         # the opened directory
 
 
-def resolve(where: Location | str) -> Opened:
+def resolve(where: Location | str, options: Mapping[str, Any] | None = None) -> Opened:
   """For one save or restore: the directory's kvstore spec (without context resources), a
   fresh context holding them, and the opened directory kvstore. ``where``: a location, or a
-  path without storage options."""
-  where = Location.of(where)
+  path (with its storage ``options``; here and below, ``options`` are only for a path)."""
+  where = Location.of(where, options)
   spec = where.spec()
   resources: dict[str, Any] = {}
   if spec["driver"] in ("s3", "gcs"):
@@ -313,12 +313,13 @@ def resolve(where: Location | str) -> Opened:
     raise io_error(e, where.path, "opening the location") from e
 
 
-def open_kvstore(where: Location | str) -> ts.KvStore:
+def open_kvstore(where: Location | str, options: Mapping[str, Any] | None = None
+                 ) -> ts.KvStore:
   """Open the directory ``where`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
-  return resolve(where)[2]
+  return resolve(where, options)[2]
 
 
-def list_keys(where: Location | str) -> list[str]:
+def list_keys(where: Location | str, options: Mapping[str, Any] | None = None) -> list[str]:
   """Every key under the directory ``where``, relative to it, sorted (one kvstore list; a
   location that does not exist has no keys).
 
@@ -327,7 +328,7 @@ def list_keys(where: Location | str) -> list[str]:
   >>> list_keys("memory://doc/list_keys")
   ['3/COMMIT']
   """
-  where = Location.of(where)
+  where = Location.of(where, options)
   kv = resolve(where)[2]
   try:
     keys = kv.list().result()
@@ -344,7 +345,8 @@ def clear(kv: ts.KvStore, first: tuple[str, ...] = ()) -> None:
   kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def delete_prefix(where: Location | str, first: tuple[str, ...] = ()) -> None:
+def delete_prefix(where: Location | str, options: Mapping[str, Any] | None = None,
+                  first: tuple[str, ...] = ()) -> None:
   """Delete the directory ``where`` and everything under it, on any backend. The keys in
   ``first`` (e.g. a commit marker) are deleted before the rest, so a reader never sees them
   beside a partly deleted directory. On local files the emptied directory is removed too
@@ -356,7 +358,7 @@ def delete_prefix(where: Location | str, first: tuple[str, ...] = ()) -> None:
   >>> list_keys("memory://doc/delete_prefix")
   []
   """
-  where = Location.of(where)
+  where = Location.of(where, options)
   _, _, kv = resolve(where)
   try:
     clear(kv, first)

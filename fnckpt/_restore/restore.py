@@ -147,9 +147,11 @@ def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
             _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
             for r in leaves]
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
-  return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
-                            dict(manifest.versions), manifest.created, manifest.process_count,
-                            leaves, format)
+  return CheckpointMetadata(location=location, tree=tree, user_metadata=manifest.metadata,
+                            format_version=manifest.version,
+                            versions=dict(manifest.versions), created=manifest.created,
+                            process_count=manifest.process_count, leaves=leaves,
+                            format=format)
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------

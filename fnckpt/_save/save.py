@@ -513,14 +513,16 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
+  maybe_stored = [a for a in plan.arrays if a.index in plan.cands.stored]
   dplan = _delta.Plan(
-      plan.records, plan.packs, plan.cands,
-      {a.index: a.spec for a in plan.arrays if a.index in plan.cands.stored},
-      {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.cands.stored},
-      kv_spec, plan.data_dir,
-      (lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
+      records=plan.records, packs=plan.packs, cands=plan.cands,
+      store_specs={a.index: a.spec for a in maybe_stored},
+      store_dirs={a.index: a.rec.stored.dir for a in maybe_stored},
+      kv_spec=kv_spec, data_dir=plan.data_dir,
+      build=(lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
       if is_main else None,
-      based.check if based is not None else None, plan.layout, plan.regions)
+      check_base=based.check if based is not None else None, layout=plan.layout,
+      regions=plan.regions)
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
@@ -637,10 +639,11 @@ def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
                      ) -> _records.Manifest:
   """The manifest of a save: its final leaf records, packs and bases (``_refs.finalize``)."""
   return _records.Manifest(
-      _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
-      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": _tensorstore_version()},
-      metadata, records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout,
-      _hashes.ALG)
+      version=_manifest.FORMAT_VERSION, created=time.time(), process_count=jax.process_count(),
+      versions={"fnckpt": __version__, "jax": jax.__version__,
+                "tensorstore": _tensorstore_version()},
+      metadata=metadata, leaves=records, data=plan.data_dir, packs=packs, bases=bases,
+      fork=None, meshes=plan.meshes, layout=plan.layout, hash=_hashes.ALG)
 
 
 @_state.memo(1)

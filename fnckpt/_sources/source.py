@@ -65,8 +65,9 @@ def open_any(where: _paths.Location | str, options: Mapping[str, Any] | None = N
                             "model.safetensors.index.json).") from None
     if opened is None:
       raise
-  return Source(opened.location, opened.kv_spec, opened.ctx, opened.kv, opened.manifest, b"",
-                opened.format, opened.reader)
+  return Source(location=opened.location, kv_spec=opened.kv_spec, ctx=opened.ctx,
+                kv=opened.kv, manifest=opened.manifest, commit=b"", format=opened.format,
+                reader=opened.reader)
 
 
 def _has_own_files(where: _paths.Location) -> bool:

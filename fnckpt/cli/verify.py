@@ -99,10 +99,11 @@ def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
   for rec in manifest.leaves:
     if rec.stored is not None:
       hashed = rec if rec.index in hashes.chunked else None
-      units.append(_Unit(rec.where, _read.data_location(src, rec.stored.base, rec.stored.dir),
-                         lambda o, rec=rec: o.leaf(rec), rec.shape,
-                         rec.stored.chunks if hashed else rec.stored.inner,
-                         _records.itemsize(rec.dtype), hashed))
+      units.append(_Unit(label=rec.where,
+                         here=_read.data_location(src, rec.stored.base, rec.stored.dir),
+                         open=lambda o, rec=rec: o.leaf(rec), shape=rec.shape,
+                         grid=rec.stored.chunks if hashed else rec.stored.inner,
+                         itemsize=_records.itemsize(rec.dtype), hashed=hashed))
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
     if pack.process is not None and manifest.layout is not None and int(
