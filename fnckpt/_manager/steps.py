@@ -29,6 +29,7 @@ import dataclasses
 import os
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -141,8 +142,8 @@ class StepIndex:
   ([3], [5])
   """
 
-  def __init__(self, root: _paths.Location | str):
-    self.location = _paths.Location.of(root)  # (a path: no storage options)
+  def __init__(self, root: _paths.Location | str, options: Mapping[str, Any] | None = None):
+    self.location = _paths.Location.of(root, options)  # (``options``: for a path)
     self.root = self.location.path
     self.display = self.location.display
     spec = self.location.spec()
