@@ -1,8 +1,10 @@
 """Checkpoint locations -> TensorStore kvstore specs; listing and deletion.
 
-A location is a string: a local path, ``file://...``, ``memory://...``, ``gs://bucket/...`` or
-``s3://bucket/...``. Every function here works on the kvstore of the *directory* (a spec whose
-path ends in ``/``), so the same code lists, reads, writes and deletes on every backend.
+A path is a string: a local path, ``file://...``, ``memory://...``, ``gs://bucket/...`` or
+``s3://bucket/...``. A :class:`Location` is a path with the storage options that apply to it,
+made once where a public function is called and passed down as one value. Every function here
+works on the kvstore of the *directory* (a spec whose path ends in ``/``), so the same code
+lists, reads, writes and deletes on every backend.
 
 The only shared state is the TensorStore context holding the ``memory://`` store (kept in
 ``fnckpt._state.storage``): by design its contents live as long as the process (that is what an
@@ -11,16 +13,20 @@ in-memory checkpoint is).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from typing import Any
+import types
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import tensorstore as ts
 
 from .. import _state
 from .._errors import CheckpointError
 
-__all__ = ["kvstore_spec", "join", "display", "resolve", "open_kvstore", "context", "list_keys",
+__all__ = ["Location", "Opened", "kvstore_spec", "join", "display", "resolve", "open_kvstore",
+           "context", "list_keys",
            "delete_prefix", "clear", "io_error", "io_hint", "location_of",
            "redact", "error_text", "status_code", "read_failure"]
 
@@ -79,7 +85,7 @@ def join(path: str, *names: str) -> str:
   return out
 
 
-def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def kvstore_spec(path: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The TensorStore kvstore JSON spec for the *directory* ``path`` (its path ends in ``/``).
 
   ``options`` are per-backend settings (see :func:`fnckpt.save`'s ``storage_options``).
@@ -105,6 +111,52 @@ def kvstore_spec(path: str, options: dict[str, Any] | None = None) -> dict[str, 
         f"storage_options {sorted(options)} are not used by {display(path)!r}; "
         "they apply to gs:// and s3:// locations only.")
   return spec
+
+
+def _frozen(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+  return types.MappingProxyType(dict(options or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """Where a checkpoint (or a manager's directory) is: the path as given and the storage
+  options that apply to it (the public functions' ``storage_options``), as one value. Made
+  once, where a public function is called (:meth:`of`), and passed down instead of a (path,
+  options) pair. Compares by value and hashes by its path (the options are a read-only copy).
+  The kvstore spec is derived when asked (:meth:`spec`: it reads the environment, as each
+  operation did), and every operation opens it in a fresh TensorStore context
+  (:func:`resolve`), so neither is held here.
+
+  >>> loc = Location.of("memory://doc/loc", None)
+  >>> loc.join("3").display, loc.join("3") == Location.of("memory://doc/loc/3")
+  ('memory://doc/loc/3', True)
+  >>> loc.join("3").spec()
+  {'driver': 'memory', 'path': 'doc/loc/3/'}
+  """
+  path: str
+  options: Mapping[str, Any] = dataclasses.field(default_factory=_frozen, hash=False)
+
+  @classmethod
+  def of(cls, path: str | os.PathLike[str] | Location,
+         options: Mapping[str, Any] | None = None) -> Location:
+    """``path`` (with ``options``, the user's storage options) as a location; a location
+    is returned as it is."""
+    if isinstance(path, Location):
+      return path
+    return cls(os.fspath(path), _frozen(options))
+
+  @property
+  def display(self) -> str:
+    """The location as users wrote it, normalised (:func:`display`)."""
+    return display(self.path)
+
+  def join(self, *names: str) -> Location:
+    """``path/name/...`` with the same options."""
+    return Location(join(self.path, *names), self.options)
+
+  def spec(self) -> dict[str, Any]:
+    """The kvstore spec of the directory (:func:`kvstore_spec`; it validates the options)."""
+    return kvstore_spec(self.path, self.options)
 
 
 # Local file system errors, by the OS's words (TensorStore reports them as PERMISSION_DENIED /
@@ -237,29 +289,38 @@ def location_of(kv: ts.KvStore) -> str:
   return f"{scheme}://{bucket}{path}".rstrip("/")
 
 
-def resolve(path: str, options: dict[str, Any] | None = None
-            ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
+class Opened(NamedTuple):
+  """A location opened for one operation (:func:`resolve`)."""
+  spec: dict[str, Any]   # the directory's kvstore spec, without context resources
+  context: ts.Context    # fresh, holding them
+  kv: ts.KvStore         # the opened directory
+
+
+def resolve(where: Location | str, options: Mapping[str, Any] | None = None) -> Opened:
   """For one save or restore: the directory's kvstore spec (without context resources), a
-  fresh context holding them, and the opened directory kvstore."""
-  spec = kvstore_spec(path, options)
+  fresh context holding them, and the opened directory kvstore. ``where``: a location, or a
+  path (with its storage ``options``; here and below, ``options`` are only for a path)."""
+  where = Location.of(where, options)
+  spec = where.spec()
   resources: dict[str, Any] = {}
   if spec["driver"] in ("s3", "gcs"):
     from . import object_stores as _object_stores
     spec, resources = _object_stores.split_context_resources(spec)
   ctx = context(resources=resources)
   try:  # no I/O, except an S3 bucket's region lookup when no region is given
-    return spec, ctx, ts.KvStore.open(spec, context=ctx).result()
+    return Opened(spec, ctx, ts.KvStore.open(spec, context=ctx).result())
   except Exception as e:
-    raise io_error(e, path, "opening the location") from e
+    raise io_error(e, where.path, "opening the location") from e
 
 
-def open_kvstore(path: str, options: dict[str, Any] | None = None) -> ts.KvStore:
-  """Open the directory ``path`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
-  return resolve(path, options)[2]
+def open_kvstore(where: Location | str, options: Mapping[str, Any] | None = None
+                 ) -> ts.KvStore:
+  """Open the directory ``where`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
+  return resolve(where, options)[2]
 
 
-def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
-  """Every key under the directory ``path``, relative to it, sorted (one kvstore list; a
+def list_keys(where: Location | str, options: Mapping[str, Any] | None = None) -> list[str]:
+  """Every key under the directory ``where``, relative to it, sorted (one kvstore list; a
   location that does not exist has no keys).
 
   >>> kv = open_kvstore("memory://doc/list_keys")
@@ -267,11 +328,12 @@ def list_keys(path: str, options: dict[str, Any] | None = None) -> list[str]:
   >>> list_keys("memory://doc/list_keys")
   ['3/COMMIT']
   """
-  kv = resolve(path, options)[2]
+  where = Location.of(where, options)
+  kv = resolve(where)[2]
   try:
     keys = kv.list().result()
   except Exception as e:
-    raise io_error(e, path, "listing") from e
+    raise io_error(e, where.path, "listing") from e
   return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
 
@@ -283,9 +345,9 @@ def clear(kv: ts.KvStore, first: tuple[str, ...] = ()) -> None:
   kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def delete_prefix(path: str, options: dict[str, Any] | None = None,
+def delete_prefix(where: Location | str, options: Mapping[str, Any] | None = None,
                   first: tuple[str, ...] = ()) -> None:
-  """Delete the directory ``path`` and everything under it, on any backend. The keys in
+  """Delete the directory ``where`` and everything under it, on any backend. The keys in
   ``first`` (e.g. a commit marker) are deleted before the rest, so a reader never sees them
   beside a partly deleted directory. On local files the emptied directory is removed too
   (TensorStore removes the files and subdirectories, not the directory it was opened on).
@@ -296,12 +358,13 @@ def delete_prefix(path: str, options: dict[str, Any] | None = None,
   >>> list_keys("memory://doc/delete_prefix")
   []
   """
-  _, _, kv = resolve(path, options)
+  where = Location.of(where, options)
+  _, _, kv = resolve(where)
   try:
     clear(kv, first)
   except Exception as e:
-    raise io_error(e, path, "deleting") from e
-  scheme, rest = _split_scheme(path)
+    raise io_error(e, where.path, "deleting") from e
+  scheme, rest = _split_scheme(where.path)
   if scheme == "file":
     try:
       os.rmdir(os.path.abspath(os.path.expanduser(rest)))

@@ -35,10 +35,9 @@ class References:
   """The data directories of a run that its committed steps and its forks refer to. A
   committed step's manifest is read once per commit (cached under its marker's stamp)."""
 
-  def __init__(self, root: str, storage_options: dict[str, Any] | None):
-    self.root = root
-    self.storage_options = storage_options
-    self.loc = _refs.locate(_paths.kvstore_spec(root, storage_options))
+  def __init__(self, run: _paths.Location):
+    self.run = run
+    self.loc = _refs.locate(run.spec())
     self._lock = threading.Lock()
     self._cache: dict[int, tuple[bytes, frozenset[tuple[int, str]]]] = {}
 
@@ -48,8 +47,8 @@ class References:
       hit = self._cache.get(step)
     if hit is not None and hit[0] == stamp:
       return hit[1]
-    kv = _paths.open_kvstore(_paths.join(self.root, str(step)), self.storage_options)
-    manifest = _commit.read_header(kv, _paths.join(self.root, str(step)))[0]
+    kv = _paths.open_kvstore(self.run.join(str(step)))
+    manifest = _commit.read_header(kv, _paths.join(self.run.path, str(step)))[0]
     out = _siblings(manifest, self.loc, step)
     with self._lock:
       self._cache[step] = (stamp, frozenset(out))
@@ -57,7 +56,7 @@ class References:
 
   def of_forks(self) -> set[tuple[int, str]]:
     """(step, data) pairs the forks of this run refer to."""
-    kv = _paths.open_kvstore(_paths.join(self.root, FORKS), self.storage_options)
+    kv = _paths.open_kvstore(self.run.join(FORKS))
     out = set()
     for key in kv.list().result():
       raw = kv.read(key).result()
@@ -70,7 +69,7 @@ class References:
           out.add((int(step), data))
       except Exception as e:
         raise CheckpointError(
-            f"The fork record {self.root}/{FORKS}/{key.decode()} is damaged ({e}); retention "
+            f"The fork record {self.run.path}/{FORKS}/{key.decode()} is damaged ({e}); retention "
             "stops rather than delete data a fork may need. Fix or remove that file.") from e
     return out
 
@@ -89,7 +88,7 @@ class References:
           pairs |= self.of_step(step, stamp)
         except CheckpointError:
           if step in listing.damaged or not _commit.is_committed(_paths.open_kvstore(
-              _paths.join(self.root, str(step)), self.storage_options)):
+              self.run.join(str(step)))):
             continue  # deleted meanwhile, or a marked step that cannot be read: unrestorable
           raise
     out: dict[int, set[str]] = {}
@@ -112,12 +111,11 @@ def _siblings(manifest: _records.Manifest, run: _refs.Location, step: int
   return out
 
 
-def sibling_refs(root: str, step: int, manifest: bytes,
-                 storage_options: dict[str, Any] | None) -> set[tuple[int, str]]:
-  """(step, data) pairs of the run ``root`` that the manifest bytes of its ``step`` refer to
+def sibling_refs(run: _paths.Location, step: int, manifest: bytes) -> set[tuple[int, str]]:
+  """(step, data) pairs of the run ``run`` that the manifest bytes of its ``step`` refer to
   (decoded and validated like every manifest)."""
-  decoded = _manifest.decode(manifest, _paths.join(root, str(step)))
-  return _siblings(decoded, _refs.locate(_paths.kvstore_spec(root, storage_options)), step)
+  decoded = _manifest.decode(manifest, _paths.join(run.path, str(step)))
+  return _siblings(decoded, _refs.locate(run.spec()), step)
 
 
 def write_referenced(kv: ts.KvStore, data: set[str]) -> None:
@@ -131,21 +129,21 @@ def write_referenced(kv: ts.KvStore, data: set[str]) -> None:
                                       "data": sorted(old | set(data))})).result()
 
 
-def delete_step(root: str, step: int, keep: set[str],
-                storage_options: dict[str, Any] | None) -> None:
+def delete_step(run: _paths.Location, step: int, keep: set[str]) -> None:
   """Delete ``step``: its commit marker first; its data directories in ``keep`` (referred to
   by others) stay, with a ``REFERENCED`` marker naming them. Once the marker is gone the
   fork records are read again: a fork written meanwhile (by another job) keeps its data too
   (a fork checks the marker after writing its record: one of the two sees the other)."""
-  path = _paths.join(root, str(step))
-  kv = _paths.open_kvstore(path, storage_options)
+  where = run.join(str(step))
+  path = where.path
+  kv = _paths.open_kvstore(where)
   try:
     if keep:
       _write_referenced(kv, keep)
     kv.delete_range(ts.KvStore.KeyRange(_manifest.COMMIT, _manifest.COMMIT + "\0")).result()
   except Exception as e:
     raise _paths.io_error(e, path, "deleting") from e
-  late = {d for s, d in References(root, storage_options).of_forks() if s == step} - keep
+  late = {d for s, d in References(run).of_forks() if s == step} - keep
   if late:
     keep = keep | late
     try:
@@ -153,7 +151,7 @@ def delete_step(root: str, step: int, keep: set[str],
     except Exception as e:
       raise _paths.io_error(e, path, "deleting") from e
   if not keep:
-    _paths.delete_prefix(path, storage_options, first=(REFERENCED,))
+    _paths.delete_prefix(where, first=(REFERENCED,))
     return
   try:
     tops = {k.decode("utf-8", "replace").split("/", 1)[0] for k in kv.list().result()}
@@ -169,35 +167,33 @@ def _write_referenced(kv: ts.KvStore, keep: set[str]) -> None:
                                       "data": sorted(keep)})).result()
 
 
-def collect(root: str, held: list[int], kept: dict[int, set[str]],
-            storage_options: dict[str, Any] | None) -> None:
+def collect(run: _paths.Location, held: list[int], kept: dict[int, set[str]]) -> None:
   """Held steps (``REFERENCED``): drop the data nothing refers to any more (a held step whose
   data is all still referred to is left as it is)."""
   for step in held:
     keep = kept.get(step, set())
-    kv = _paths.open_kvstore(_paths.join(root, str(step)), storage_options)
+    kv = _paths.open_kvstore(run.join(str(step)))
     tops = {k.decode("utf-8", "replace").split("/", 1)[0] for k in kv.list().result()}
     if keep and not tops - keep - {REFERENCED}:
       continue
-    delete_step(root, step, keep, storage_options)
+    delete_step(run, step, keep)
 
 
-def fork_step(root: str, step: int, directory: str,
-              storage_options: dict[str, Any] | None) -> str:
-  """Make ``directory/<step>`` a checkpoint that refers to ``root/<step>``'s data (nothing
-  copied but per-process values), record the fork under ``root/forks/`` first; return the
-  fork record's key."""
-  src_path, dst_path = _paths.join(root, str(step)), _paths.join(directory, str(step))
-  kv = _paths.open_kvstore(src_path, storage_options)
+def fork_step(run: _paths.Location, step: int, directory: str) -> str:
+  """Make ``directory/<step>`` a checkpoint that refers to ``run/<step>``'s data (nothing
+  copied but per-process values; ``directory`` on the run's storage, with its options),
+  record the fork under ``run/forks/`` first; return the fork record's key."""
+  root, fork_dir = run.path, _paths.Location.of(directory, run.options)
+  src, dst = run.join(str(step)), fork_dir.join(str(step))
+  src_path, dst_path = src.path, dst.path
+  kv = _paths.open_kvstore(src)
   manifest, _, commit = _commit.read_header(kv, src_path)
   if manifest.version < 2:  # its d/ is no data-<hex> directory a Base can name
     raise CheckpointError(
         f"Cannot fork {src_path!r}: it is a format-1 checkpoint (fnckpt 0.1), whose data no "
         "other checkpoint can refer to. Restore it and save it again with this fnckpt (e.g. "
         f"mgr.save({step}, mgr.restore({step}), force=True)), then fork it.")
-  src_loc = _refs.locate(_paths.kvstore_spec(src_path, storage_options))
-  dst_loc = _refs.locate(_paths.kvstore_spec(dst_path, storage_options))
-  run_loc = _refs.locate(_paths.kvstore_spec(root, storage_options))
+  src_loc, dst_loc, run_loc = (_refs.locate(where.spec()) for where in (src, dst, run))
   fork_run = posixpath.dirname(dst_loc.path)
   if src_loc.store != dst_loc.store:
     raise CheckpointError(f"Cannot fork {src_path!r} into {directory!r}: a fork must be on "
@@ -223,11 +219,11 @@ def fork_step(root: str, step: int, directory: str,
                           "run": _refs.relative(fork_run, run_loc.path), "step": step,
                           "data": data})
   name = secrets.token_hex(16)
-  forks = _paths.open_kvstore(_paths.join(root, FORKS), storage_options)
+  forks = _paths.open_kvstore(run.join(FORKS))
   forks.write(name, record).result()
-  _paths.open_kvstore(directory, storage_options).write(LINEAGE, msgpack.packb(
+  _paths.open_kvstore(fork_dir).write(LINEAGE, msgpack.packb(
       {"format": _manifest.FORMAT_NAME, "run": fork.run, "step": fork.step})).result()
-  out = _paths.open_kvstore(dst_path, storage_options)
+  out = _paths.open_kvstore(dst)
   _copy_per_process(kv, out, manifest, forked.data)
   out.write(_manifest.MANIFEST, body).result()
   _check_parent_unchanged(kv, src_path, commit, forks, name)
@@ -284,15 +280,15 @@ def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manif
       dst.write(_perprocess.values_key(data, p), got.value).result()
 
 
-def lineage(root: str, storage_options: dict[str, Any] | None) -> str:
+def lineage(run: _paths.Location) -> str:
   """'fork of run <parent> at step <n>' for a forked run directory, else ''."""
-  got = _paths.open_kvstore(root, storage_options).read(LINEAGE).result()
+  got = _paths.open_kvstore(run).read(LINEAGE).result()
   if got.state != "value":
     return ""
   try:
     rec = _manifest.unpack(bytes(got.value))
-    run = _parse.check_rel(rec["run"], "run")
-    parent = _refs.display(_paths.join(_paths.display(root), "x"), run)
+    parent_run = _parse.check_rel(rec["run"], "run")
+    parent = _refs.display(_paths.join(run.display, "x"), parent_run)
     return f"fork of run {parent!r} at step {int(rec['step'])}"
   except Exception:
     return f"fork (its {LINEAGE} record is unreadable)"

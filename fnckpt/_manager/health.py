@@ -55,10 +55,9 @@ def _sha(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
-def mark_step(root: str, step: int, damage: str,
-              storage_options: dict[str, Any] | None = None) -> None:
-  """Mark the committed ``step`` of the run ``root`` damaged (its ``COMMIT`` as it is now)."""
-  kv = _paths.open_kvstore(root, storage_options)
+def mark_step(run: _paths.Location | str, step: int, damage: str) -> None:
+  """Mark the committed ``step`` of the run ``run`` damaged (its ``COMMIT`` as it is now)."""
+  kv = _paths.open_kvstore(run)
   commit = kv.read(f"{step}/{_manifest.COMMIT}").result()
   if commit.state != "value":
     return  # deleted meanwhile: nothing to mark

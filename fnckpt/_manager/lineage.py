@@ -74,7 +74,7 @@ class Incremental:
       cm = claims.reading(chosen)
       cm.__enter__()
       if chosen not in flying and not _commit.is_committed(
-          _paths.open_kvstore(index.path(chosen), index.storage_options)):
+          _paths.open_kvstore(index.at(chosen))):
         cm.__exit__(None, None, None)  # deleted meanwhile: a full save then
         return None
       claimed.append(cm)
@@ -112,15 +112,15 @@ def _flying(index: Any, claims: Any, step: int) -> list[int]:
 def fork(index: Any, step: int, directory: str) -> None:
   """(Process 0.) Fork committed ``step`` of the run of ``index`` (a
   :class:`fnckpt._manager.steps.StepIndex`) into ``directory``."""
-  if not _commit.is_committed(_paths.open_kvstore(index.path(step), index.storage_options)):
+  if not _commit.is_committed(_paths.open_kvstore(index.at(step))):
     raise CheckpointError(f"Cannot fork step {step} of {index.display!r}: it is not a "
                           "committed step of that directory (see manager.all_steps(); a step "
                           "of the local tier only is forked once it is durable).")
-  target = _paths.join(directory, str(step))
-  if _paths.list_keys(target, index.storage_options):
+  target = _paths.Location.of(directory, index.location.options).join(str(step))
+  if _paths.list_keys(target):
     raise CheckpointError(f"Cannot fork into {_paths.display(directory)!r}: step {step} "
                           "exists there already. Fork into a new directory.")
-  _fork.fork_step(index.root, step, directory, index.storage_options)
+  _fork.fork_step(index.location, step, directory)
 
 
 def check_replace(index: Any, claims: Any, step: int,

@@ -62,6 +62,7 @@ import msgpack
 import numpy as np
 
 from .._io import coordination as _coordination, paths as _paths
+from .._save import options as _save_options
 from . import (interval as _interval, lineage as _lineage, retention as _retention,
                starts as _starts, steps as _steps, tiers as _tiers)
 from .claims import StepClaims
@@ -73,7 +74,6 @@ from .retention_runner import Background, RetentionRunner, collect_held, delete_
 
 __all__ = ["CheckpointManager"]
 
-_DEFAULT_BARRIER_TIMEOUT_S = 600.0  # fnckpt.save's default
 
 
 class CheckpointManager:
@@ -141,18 +141,18 @@ class CheckpointManager:
     self.directory = _paths.display(directory)
     self.best_metric = best_metric
     self.save_interval_steps = save_interval_steps
-    self._root, self._storage_options = str(directory), storage_options
-    self._timeout = float(self._save_options.get("barrier_timeout_s",
-                                                 _DEFAULT_BARRIER_TIMEOUT_S))
-    self._index = _steps.StepIndex(self._root, storage_options)
+    self._run = _paths.Location.of(str(directory), storage_options)
+    self._root = self._run.path
+    self._timeout = float(self._save_options.barrier_timeout_s)
+    self._index = _steps.StepIndex(self._run)
     self._claims = StepClaims()
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
     self._local = None if local_directory is None else _tiers.LocalTier(
-        str(local_directory), _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
-        local_storage_options, self._root, storage_options)
-    self._cadence = _cadence(save_interval_steps, mtbf_s, self._root, storage_options,
+        _paths.Location.of(str(local_directory), local_storage_options),
+        _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep), self._run)
+    self._cadence = _cadence(save_interval_steps, mtbf_s, self._run,
                              self._timeout)  # the last check; records this start ("auto")
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
@@ -397,8 +397,9 @@ class CheckpointManager:
 
 
 def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
-                     save_options: Mapping[str, Any] | None) -> dict[str, Any]:
-  """The constructor's checks (the retention policy checks its own arguments)."""
+                     save_options: Mapping[str, Any] | None) -> _save_options.SaveOptions:
+  """The constructor's checks (the retention policy checks its own arguments); the options
+  of every save (which replaces a leftover of its step: ``overwrite``)."""
   if best_n and not isinstance(best_metric, str):
     raise ValueError("best_n needs best_metric: the name of a metric passed to "
                      "save(..., metrics={name: value}).")
@@ -411,7 +412,7 @@ def _checked_options(best_n: int | None, best_metric: str | None, save_interval_
   for bad in ("overwrite", "metadata", "storage_options"):
     if bad in options:
       raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
-  return options
+  return _save_options.SaveOptions(overwrite=True, **options)
 
 
 def _warn_leftovers(leftovers: list[int], directory: str) -> None:
@@ -470,8 +471,8 @@ def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
   return _retention.Policy(max(max_to_keep or 0, keep_durable), keep_every, best_n, best_mode)
 
 
-def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
-             storage_options: dict[str, Any] | None, timeout_s: float) -> _interval.Cadence:
+def _cadence(save_interval_steps: int | str, mtbf_s: float | None, run: _paths.Location,
+             timeout_s: float) -> _interval.Cadence:
   """When to save. ``"auto"``: the MTBF is ``mtbf_s``, else measured from the run's recorded
   starts (:mod:`fnckpt._manager.starts`); process 0 records this start once that is settled (call
   last in the constructor: a construction that fails records nothing)."""
@@ -481,13 +482,13 @@ def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
 
   def record() -> list[float]:
     now = time.time()
-    starts = _starts.read_starts(root, now, storage_options) + [now]
+    starts = _starts.read_starts(run, now) + [now]
     if given is None:
       _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")  # or raise
-    _starts.write_starts(root, starts, storage_options)
+    _starts.write_starts(run, starts)
     return starts
 
-  starts = _coordination.from_process_0(root, "starts", record, timeout_s)
+  starts = _coordination.from_process_0(run.path, "starts", record, timeout_s)
   return given or _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
 
 

@@ -34,12 +34,12 @@ __all__ = ["write", "report", "restore"]
 POLL_S = 0.05
 
 
-def write(step_path: str, options: dict[str, Any] | None, staged: _held.Staged, step: int,
-          process: int, count: int) -> None:
-  """Write this process's held pieces of ``step`` under ``step_path`` (its local step
+def write(where: _paths.Location, staged: _held.Staged, step: int, process: int,
+          count: int) -> None:
+  """Write this process's held pieces of ``step`` under ``where`` (its local step
   directory), then their record (last: a record names only pieces already there)."""
   staged = _held.materialize(staged)
-  kv = _paths.open_kvstore(step_path, options)
+  kv = _paths.open_kvstore(where)
   kv.delete_range(_prefix(f"held/{process}/")).result()
   futures = [kv.write(_held.piece_key(process, i, j), data)
              for (i, j), data in staged.pieces.items()]
@@ -49,9 +49,9 @@ def write(step_path: str, options: dict[str, Any] | None, staged: _held.Staged, 
   kv.write(_held.record_key(process), record.encode()).result()
 
 
-def forget(step_path: str, options: dict[str, Any] | None, process: int) -> None:
+def forget(where: _paths.Location, process: int) -> None:
   """Delete this process's record of a step about to be saved again (before its save)."""
-  kv = _paths.open_kvstore(step_path, options)
+  kv = _paths.open_kvstore(where)
   kv.delete_range(_prefix(_held.record_key(process))).result()
 
 
@@ -85,7 +85,7 @@ def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
   listing = local_index.list(in_flight=saving)
   steps = {}
   for step in sorted(set(listing.steps) | set(listing.uncommitted)):
-    kv = _paths.open_kvstore(local_index.path(step), local_index.storage_options)
+    kv = _paths.open_kvstore(local_index.at(step))
     try:
       rec = _record(kv, p, n, step)
     except Exception:   # an unreadable fast tier holds nothing
@@ -95,13 +95,14 @@ def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
   return _held.HeldReport(p, socket.gethostname(), steps)
 
 
-def _read_mine(step_path: str, options: dict[str, Any] | None, readers: list[list[int]],
+def _read_mine(where: _paths.Location, readers: list[list[int]],
                process: int, count: int, step: int) -> dict[tuple[int, int], bytes]:
   """The pieces this process is the reader of, checked against its record's crc32."""
   want = [(i, j) for i, row in enumerate(readers) for j, p in enumerate(row) if p == process]
   if not want:   # a process that holds nothing reads nothing
     return {}
-  kv = _paths.open_kvstore(step_path, options)
+  kv = _paths.open_kvstore(where)
+  step_path = where.path
   rec = _record(kv, process, count, step)
   if rec is None:
     raise CheckpointError(f"the record of step {step} in {_paths.display(step_path)!r} "
@@ -118,7 +119,7 @@ def _read_mine(step_path: str, options: dict[str, Any] | None, readers: list[lis
   return out
 
 
-def restore(location: str, step_path: str, options: dict[str, Any] | None, step: int,
+def restore(location: str, where: _paths.Location, step: int,
             reports: Sequence[_held.HeldReport], target: Any, timeout_s: float) -> Any:
   """Collective: ``step`` restored into ``target`` from the processes' held shards, or None
   on every process (with a warning) when some process could not read its pieces."""
@@ -127,7 +128,7 @@ def restore(location: str, step_path: str, options: dict[str, Any] | None, step:
   readers = _held.holders(reports, step, layout)
   p, n = jax.process_index(), jax.process_count()
   try:
-    mine, error = _read_mine(step_path, options, readers, p, n, step), None
+    mine, error = _read_mine(where, readers, p, n, step), None
   except Exception as e:
     mine, error = {}, f"process {p}: {type(e).__name__}: {_paths.error_text(e)}"
   hosts = {f"{i}": base64.b64encode(mine[(i, 0)]).decode() for i, l in enumerate(layouts)

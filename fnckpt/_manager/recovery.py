@@ -90,10 +90,8 @@ class Recovery:
       return None
     self.claims.wait_saved(choice.step)
     with self.claims.reading(choice.step):
-      value = _peers.restore(location=self.index.root,
-                             step_path=self.local.index.path(choice.step),
-                             options=self.local.index.storage_options, step=choice.step,
-                             reports=reports, target=target, timeout_s=self.timeout_s)
+      value = _peers.restore(self.index.root, self.local.index.at(choice.step), choice.step,
+                             reports, target, self.timeout_s)
     return None if value is None else (value, choice.step)
 
   def _newest(self, local_steps: list[list[int]], skipped: set[int]) -> int | None:
@@ -123,7 +121,7 @@ class Recovery:
   def _mark(self, step: int, damage: str) -> None:
     for index in (self.index, self.local.index if self.local else None):
       if index is not None:
-        _health.mark_step(index.root, step, damage, index.storage_options)
+        _health.mark_step(index.location, step, damage)
         index.forget(step)
 
   def restore(self, step: int, target: Any, kwargs: dict[str, Any],
@@ -144,9 +142,8 @@ class Recovery:
       return _restore_at(self.index, step, target, kwargs)
 
   def _local_damaged(self, step: int, error: DamagedError) -> None:
-    root = self.local.index.root
     try:
-      _health.mark_step(root, step, str(error), self.local.index.storage_options)
+      _health.mark_step(self.local.index.location, step, str(error))
       self.local.index.forget(step)
     except Exception:  # only a memo: the durable copy is read regardless
       pass
@@ -156,5 +153,4 @@ class Recovery:
 
 
 def _restore_at(index: StepIndex, step: int, target: Any, kwargs: dict[str, Any]) -> Any:
-  return _restore.restore(index.path(step), target, storage_options=index.storage_options,
-                          **kwargs)
+  return _restore.restore_at(index.at(step), target, _restore.RestoreOptions(**kwargs))

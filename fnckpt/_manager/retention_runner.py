@@ -129,8 +129,8 @@ def collect_held(index: StepIndex, claims: StepClaims) -> None:
   try:
     if held:
       fresh = index.list(in_flight=claims.saving())
-      _fork.collect(index.root, [s for s in held if s in fresh.held],
-                    index.refs.kept(fresh, set()), index.storage_options)
+      _fork.collect(index.location, [s for s in held if s in fresh.held],
+                    index.refs.kept(fresh, set()))
   finally:
     claims.release_delete(held)
 

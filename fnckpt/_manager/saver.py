@@ -25,6 +25,7 @@ import jax
 
 from .._io import commit as _commit, coordination as _coordination, paths as _paths
 from .._save import save as _save
+from .._save.options import SaveOptions
 from . import held as _held, interval as _interval, lineage as _lineage, peers as _peers
 from . import steps as _steps, tiers as _tiers
 from .claims import StepClaims
@@ -41,12 +42,12 @@ class Saver:
   def __init__(self, index: _steps.StepIndex, local: _tiers.LocalTier | None,
                claims: StepClaims, cadence: _interval.Cadence, preemption: Preemption,
                background: Background, retention: RetentionRunner,
-               save_options: Mapping[str, Any], timeout_s: float,
+               save_options: SaveOptions, timeout_s: float,
                incremental: _lineage.Incremental | None = None):
     self.index, self.local, self.claims, self.cadence = index, local, claims, cadence
     self.incremental = incremental or _lineage.Incremental(False, None)
     self.preemption, self.background, self.retention = preemption, background, retention
-    self.save_options, self.timeout_s = dict(save_options), timeout_s
+    self.save_options, self.timeout_s = save_options, timeout_s
     self.last_saved: int | None = None
     self._warned_tiers = False   # (incremental with local tiers on several processes)
     self._recent: dict[int, Any] = {}   # step -> handle of the latest saves (their bases)
@@ -118,8 +119,7 @@ class Saver:
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
       key = None if index is self.index else _paths.join(self.index.path(step), "(local-tier)")
-      handle = _save.start(tree, index.path(step), overwrite=True, metadata=metadata,
-                           storage_options=index.storage_options, **self.save_options,
+      handle = _save.start(tree, index.at(step), self.save_options, metadata=metadata,
                            base=index.path(base.step) if base else None,
                            barrier_location=key, base_handle=self._base_handle(base))
     except BaseException:
@@ -145,14 +145,14 @@ class Saver:
     not such a save or the tree is not supported."""
     if self.local is None or index is not self.local.index or jax.process_count() == 1:
       return None
-    _peers.forget(index.path(step), index.storage_options, jax.process_index())
+    _peers.forget(index.at(step), jax.process_index())
     return _held.stage(tree, jax.process_index())
 
   def _write_held(self, step: int, index: _steps.StepIndex, staged: Any) -> None:
     """Write the held pieces and record of a committed local save (a failure only warns:
     recovery then reads a complete local copy or the durable tier)."""
     try:
-      _peers.write(index.path(step), index.storage_options, staged, step,
+      _peers.write(index.at(step), staged, step,
                    jax.process_index(), jax.process_count())
     except Exception as e:
       warnings.warn(f"Could not write what process {jax.process_index()} holds of local step "
@@ -226,7 +226,7 @@ def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> Ret
            "steps are unaffected): save a new step, or this one again with force=True.")
   return RetentionError(
       f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
-      f"{_paths.display(local.durable_root)!r} failed: {error} {where}")
+      f"{local.durable.display!r} failed: {error} {where}")
 
 
 def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,
@@ -245,7 +245,7 @@ def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,
   if handle is not False and (handle is None or not handle.done()):
     raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
                           "force=True to replace it.")
-  if (_commit.is_committed(_paths.open_kvstore(index.path(step), index.storage_options))
+  if (_commit.is_committed(_paths.open_kvstore(index.at(step)))
       and step not in index.list().damaged):  # a damaged step is replaced like a leftover
     raise CheckpointError(
         f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "

@@ -41,12 +41,11 @@ def plausible(starts: Any, now: float) -> list[float]:
   return sorted(t for t in out if FLOOR <= t <= now + SLACK_S)
 
 
-def read_starts(root: str, now: float, storage_options: dict[str, Any] | None = None
-                ) -> list[float]:
+def read_starts(root: _paths.Location | str, now: float) -> list[float]:
   """The plausible recorded starts of the run ``root`` (``[]`` when the log is missing,
   unreadable or undecodable)."""
   try:
-    kv = _paths.open_kvstore(root, storage_options)
+    kv = _paths.open_kvstore(root)
     got = kv.read(STARTS).result()
     log = msgpack.unpackb(bytes(got.value), raw=False) if got.state == "value" else {}
     return plausible(log.get("starts") if isinstance(log, dict) else None, now)
@@ -54,11 +53,11 @@ def read_starts(root: str, now: float, storage_options: dict[str, Any] | None = 
     return []
 
 
-def write_starts(root: str, starts: Sequence[float],
-                 storage_options: dict[str, Any] | None = None) -> None:
+def write_starts(root: _paths.Location | str, starts: Sequence[float]) -> None:
   """Replace the run's start log with the newest 1000 of ``starts`` (process 0 only)."""
   log = {"format": "fnckpt-starts", "starts": [float(t) for t in starts][-_KEEP:]}
   try:
-    _paths.open_kvstore(root, storage_options).write(STARTS, msgpack.packb(log)).result()
+    _paths.open_kvstore(root).write(STARTS, msgpack.packb(log)).result()
   except Exception as e:
-    raise _paths.io_error(e, _paths.join(root, STARTS), "recording this start") from e
+    raise _paths.io_error(e, _paths.Location.of(root).join(STARTS).path,
+                          "recording this start") from e

@@ -29,6 +29,7 @@ import dataclasses
 import os
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -141,13 +142,13 @@ class StepIndex:
   ([3], [5])
   """
 
-  def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
-    self.root = str(root)
-    self.display = _paths.display(root)
-    self.storage_options = storage_options
-    spec = _paths.kvstore_spec(self.root, storage_options)
+  def __init__(self, root: _paths.Location | str, options: Mapping[str, Any] | None = None):
+    self.location = _paths.Location.of(root, options)  # (``options``: for a path)
+    self.root = self.location.path
+    self.display = self.location.display
+    spec = self.location.spec()
     self._local = spec["path"] if spec["driver"] == "file" else None
-    self._kv = None if self._local else _paths.open_kvstore(self.root, storage_options)
+    self._kv = None if self._local else _paths.open_kvstore(self.location)
     self._lock = threading.Lock()
     self._names: set[int] = set()       # step directories seen (object stores: where not to list)
     self._committed: set[int] = set()   # committed at the last listing (newest_known)
@@ -159,7 +160,7 @@ class StepIndex:
   def refs(self) -> Any:
     """What the run's steps and forks refer to (:class:`fnckpt._manager.fork.References`)."""
     if self._refs is None:
-      self._refs = _fork.References(self.root, self.storage_options)
+      self._refs = _fork.References(self.location)
     return self._refs
 
   def delete_keeping(self, step: int) -> None:
@@ -169,6 +170,10 @@ class StepIndex:
 
   def path(self, step: int) -> str:
     return _paths.join(self.root, str(as_step(step)))
+
+  def at(self, step: int) -> _paths.Location:
+    """The location of ``step`` (on the run's storage, with its options)."""
+    return self.location.join(str(as_step(step)))
 
   def list(self, in_flight: frozenset[int] | set[int] = frozenset()) -> Listing:
     """The committed steps and leftovers now. ``in_flight``: steps the caller is writing (not
@@ -194,7 +199,7 @@ class StepIndex:
 
   def _marks_kv(self) -> Any:
     if self._kv is None:  # local files: opened only when a mark is there
-      self._kv = _paths.open_kvstore(self.root, self.storage_options)
+      self._kv = _paths.open_kvstore(self.location)
     return self._kv
 
   def _list_local(self) -> tuple[dict[int, bytes], list[int], set[int]]:
@@ -252,7 +257,7 @@ class StepIndex:
     """Delete ``step``'s directory, its commit marker first (never seen half deleted), and
     its damage mark; its data directories in ``keep`` (that other steps or forks refer to)
     stay (``REFERENCED``, :func:`fnckpt._manager.fork.delete_step`)."""
-    _fork.delete_step(self.root, step, set(keep), self.storage_options)
+    _fork.delete_step(self.location, step, set(keep))
     try:
       mark = _health.mark_key(step)
       self._marks_kv().delete_range(ts.KvStore.KeyRange(mark, mark + "\0")).result()
@@ -285,8 +290,7 @@ class StepIndex:
 
   def user_metadata(self, step: int) -> Any:
     """The ``user_metadata`` of the committed ``step`` (one manifest read)."""
-    return _restore.metadata(self.path(step),
-                             storage_options=self.storage_options).user_metadata
+    return _restore.metadata_at(self.at(step)).user_metadata
 
   def metric_values(self, listing: Listing, name: str) -> dict[int, Any]:
     """``{step: metrics[name]}`` for the committed steps of ``listing`` (``None`` where absent
@@ -312,8 +316,7 @@ class StepIndex:
     return out
 
 
-def scan(directory: str, storage_options: dict[str, Any] | None = None
-         ) -> tuple[list[int], list[int]]:
+def scan(directory: _paths.Location | str) -> tuple[list[int], list[int]]:
   """(committed steps, uncommitted leftover steps) under ``directory``, each sorted.
 
   >>> kv = _paths.open_kvstore("memory://doc/scan")
@@ -322,5 +325,5 @@ def scan(directory: str, storage_options: dict[str, Any] | None = None
   >>> scan("memory://doc/scan")
   ([7], [9])
   """
-  listing = StepIndex(directory, storage_options).list()
+  listing = StepIndex(directory).list()
   return listing.steps, listing.uncommitted

@@ -198,10 +198,12 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
   committed) a source that is not committed, whose manifest does not match its marker or that
   lacks an object its manifest names, and (:class:`CheckpointError`) overlapping roots."""
   check_separate(src_root, src_options, dst_root, dst_options)
-  src_path, dst_path = _paths.join(src_root, str(step)), _paths.join(dst_root, str(step))
+  src_run, dst_run = _paths.Location.of(src_root, src_options), _paths.Location.of(dst_root,
+                                                                                 dst_options)
+  src_path, dst_path = src_run.join(str(step)).path, dst_run.join(str(step)).path
   try:
-    src = _paths.open_kvstore(src_path, src_options)
-    dst = _paths.open_kvstore(dst_path, dst_options)
+    src = _paths.open_kvstore(src_run.join(str(step)))
+    dst = _paths.open_kvstore(dst_run.join(str(step)))
     commit, keys = _checked_source(src, src_path, dst_path)
     _paths.clear(dst, first=(_manifest.COMMIT,))
     copied = _copy_keys(src, dst, keys, concurrency, max_bytes)
@@ -229,9 +231,11 @@ def copy_referenced(src_root: str, dst_root: str, step: int, manifest: bytes,
   (so the durable tier holds every byte its steps refer to; its retention drops that data
   once nothing refers to it). Returns the bytes copied."""
   copied = 0
-  for s, data in sorted(_fork.sibling_refs(src_root, step, manifest, src_options)):
-    src = _paths.open_kvstore(_paths.join(src_root, str(s)), src_options)
-    dst = _paths.open_kvstore(_paths.join(dst_root, str(s)), dst_options)
+  src_run, dst_run = _paths.Location.of(src_root, src_options), _paths.Location.of(dst_root,
+                                                                                 dst_options)
+  for s, data in sorted(_fork.sibling_refs(src_run, step, manifest)):
+    src = _paths.open_kvstore(src_run.join(str(s)))
+    dst = _paths.open_kvstore(dst_run.join(str(s)))
     have = set(dst.list(range=_prefix_range(data)).result())
     keys = [k for k in src.list(range=_prefix_range(data)).result() if k not in have]
     if not keys and not have:
@@ -290,13 +294,11 @@ class LocalTier:
   while the previous step's copy is pending waits for it first (:meth:`wait_copied`), so at
   most one copy is pending at any time."""
 
-  def __init__(self, root: str, policy: TierPolicy, storage_options: dict[str, Any] | None,
-               durable_root: str, durable_options: dict[str, Any] | None):
-    check_separate(root, storage_options, durable_root, durable_options)
-    self.index = StepIndex(root, storage_options)
+  def __init__(self, local: _paths.Location, policy: TierPolicy, durable: _paths.Location):
+    check_separate(local.path, local.options, durable.path, durable.options)
+    self.index = StepIndex(local)
     self.policy = policy
-    self.storage_options = storage_options
-    self.durable_root, self.durable_options = durable_root, durable_options
+    self.durable = durable
     self._pending: set[int] = set()  # steps whose durable copy is due and not done
     self._lock = threading.Lock()
     self._idle = threading.Condition()
@@ -329,8 +331,8 @@ class LocalTier:
     """Copy the committed local ``step`` to the durable tier; return the seconds it took."""
     start = time.monotonic()
     with self._lock, self.copying:
-      copy_step(self.index.root, self.durable_root, step, self.storage_options,
-                self.durable_options)
+      copy_step(self.index.root, self.durable.path, step, self.index.location.options,
+                self.durable.options)
     return time.monotonic() - start
 
   def retain(self, claims: Any) -> None:

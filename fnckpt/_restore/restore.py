@@ -21,6 +21,7 @@ from .._sources import source as _source
 from .._sources.source import Source
 from .. import _state
 from .._errors import CheckpointError, DamagedError
+from .options import RestoreOptions
 from . import broadcast as _broadcast, place as _place, reshard as _reshard, \
     shardings as _shardings
 
@@ -130,7 +131,12 @@ def metadata(path: str, *, storage_options: dict[str, Any] | None = None) -> Che
   >>> fnckpt.metadata(f"{d}/c").tree["w"].shape
   (2, 3)
   """
-  src = _source.open_any(path, storage_options)
+  return metadata_at(_paths.Location.of(path, storage_options))
+
+
+def metadata_at(where: _paths.Location) -> CheckpointMetadata:
+  """:func:`metadata` of the checkpoint at ``where``."""
+  src = _source.open_any(where)
   return _describe(src.location, src.manifest, src.format)
 
 
@@ -141,9 +147,11 @@ def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
             _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
             for r in leaves]
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
-  return CheckpointMetadata(location, tree, manifest.metadata, manifest.version,
-                            dict(manifest.versions), manifest.created, manifest.process_count,
-                            leaves, format)
+  return CheckpointMetadata(location=location, tree=tree, user_metadata=manifest.metadata,
+                            format_version=manifest.version,
+                            versions=dict(manifest.versions), created=manifest.created,
+                            process_count=manifest.process_count, leaves=leaves,
+                            format=format)
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------
@@ -401,27 +409,36 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
+  where = _paths.Location.of(path, storage_options)
+  options = RestoreOptions(partial=partial, cast=cast, budget_bytes=budget_bytes,
+                           per_process_from=per_process_from, broadcast=broadcast,
+                           barrier_timeout_s=barrier_timeout_s)
+  return restore_at(where, target, options)
+
+
+def restore_at(where: _paths.Location, target: Any = None,
+               options: RestoreOptions | None = None) -> Any:
+  """:func:`restore` of the checkpoint at ``where`` as ``options`` ask (None: the
+  defaults)."""
+  options = options if options is not None else RestoreOptions()
   with _state.collector.paused():  # (tens of thousands of objects made: docs/performance.md)
-    return _restore(path, target, partial, cast, budget_bytes, per_process_from,
-                    storage_options, broadcast, barrier_timeout_s)
+    return _restore(where, target, options)
 
 
-def _restore(path: str, target: Any, partial: bool, cast: bool, budget_bytes: int | None,
-             per_process_from: int | None, storage_options: dict[str, Any] | None,
-             broadcast: bool | None, barrier_timeout_s: float) -> Any:
+def _restore(where: _paths.Location, target: Any, options: RestoreOptions) -> Any:
   """:func:`restore`, the collector paused."""
-  src = _source.open_any(path, storage_options)
+  src = _source.open_any(where)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:
     wants, treedef = [_Want(r) for r in records], None
   elif _is_sharding_tree(target):
-    wants, treedef = _prefix_shardings(location, target, records, partial), None
+    wants, treedef = _prefix_shardings(location, target, records, options.partial), None
   else:
-    wants, treedef = _match(location, records, target, partial, cast)
+    wants, treedef = _match(location, records, target, options.partial, options.cast)
 
-  budget = _store.budget_arg(budget_bytes, "restore", _source.READ_WINDOW_BYTES)
-  values = _read_all(src, wants, budget, broadcast, barrier_timeout_s)
-  _fill_per_process(src, wants, values, per_process_from)
+  values = _read_all(src, wants, options.budget(), options.broadcast,
+                     options.barrier_timeout_s)
+  _fill_per_process(src, wants, values, options.per_process_from)
   if treedef is None:
     return _tree.unflatten_from_paths([w.rec.path for w in wants], values)
   return jax.tree_util.tree_unflatten(treedef, values)

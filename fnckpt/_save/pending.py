@@ -108,9 +108,10 @@ def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
       old.sharding, rec.sharding, len(rec.shape))
 
 
-def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_options: Any,
+def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, where: _paths.Location,
                  location: str) -> "Pending | None":
-  """The in-flight base of a new save, or None (a committed base: read it as usual).
+  """The in-flight base of a new save to ``where``, or None (a committed base: read it as
+  usual; a base is on the new save's storage, with its options).
   ``handle``: None (look in this process's saves; with several processes process 0's view
   decides, collectively), False (committed), a SaveHandle or True (in flight, decided by the
   manager's process 0; True: this process holds no handle for it)."""
@@ -124,7 +125,8 @@ def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_op
     if not flight:
       return None
     handle = handle if handle is not None else True
-  base_spec = _paths.resolve(os.fspath(base), storage_options)[0]
+  based = _paths.Location.of(base, where.options)
+  base_spec = _paths.resolve(based)[0]
   loc, new_loc = _refs.locate(base_spec), _refs.locate(kv_spec)
   if loc.store != new_loc.store or loc.path == new_loc.path:
     raise CheckpointError(
@@ -132,19 +134,18 @@ def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_op
         "another checkpoint on the same storage (same scheme, bucket and options) as the new "
         "one. Save without base=, or pick a base beside the new checkpoint.")
   if handle is True or handle.planned is None:  # (no records here: its committed ones)
-    handle, planned = None, _source.open_source(os.fspath(base), storage_options
-                                                ).manifest.leaves
+    handle, planned = None, _source.open_source(based).manifest.leaves
   else:
     planned = handle.planned
-  return Pending(handle, os.fspath(base), storage_options, loc, new_loc, planned)
+  return Pending(handle, based, loc, new_loc, planned)
 
 
 class Pending:
   """One save's in-flight base, on the writer's side (see the module docstring)."""
 
-  def __init__(self, handle: Any, path: str, storage_options: Any, loc: _refs.Location,
+  def __init__(self, handle: Any, base: _paths.Location, loc: _refs.Location,
                new_loc: _refs.Location, planned: Sequence[_records.Leaf]):
-    self.handle, self.path, self.storage_options = handle, path, storage_options
+    self.handle, self.base, self.path = handle, base, base.path
     self.loc, self.new_loc, self.planned = loc, new_loc, tuple(planned)
     self.planned_cands = _refs.Candidates()   # by layout (expectations pending)
     self.meshes: tuple = ()                   # the new save's meshes of pieced leaves
@@ -259,7 +260,7 @@ class Pending:
     """The base is done: its committed manifest's candidates (none if it failed or is
     gone), restricted to the planned ones."""
     try:
-      src = _source.open_source(self.path, self.storage_options)
+      src = _source.open_source(self.base)
     except CheckpointError:
       self.resolved = (None, _refs.Candidates())
       return

@@ -37,12 +37,10 @@ from .staged import Run, Staged
 from .staging import (CHUNK_COST, charge as _charge, leaf_nbytes as _nbytes,
                       stage_array as _stage_array, stage_pack as _stage_pack,
                       start_copies as _start_copies)
+from .options import INLINE_BYTES, SaveOptions
 from .writer import Commit, Writer
 
 __all__ = ["save", "start"]
-
-# Arrays of at most this many bytes are stored inside the manifest (no files of their own).
-INLINE_BYTES = 16 << 10
 
 
 def default_budget_bytes() -> int:
@@ -157,15 +155,17 @@ class _Base:
           "(with a committed base, or without base=).")
 
 
-def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: int,
-          codecs: _store.Codecs, base: _Base | None = None, pieces: bool = False) -> _Plan:
+def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
+          base: _Base | None = None) -> _Plan:
   """Leaf records for the manifest and what this process writes (pure but for jax sharding
-  queries). ``pieces``: small shards of sharded arrays go into the packs (docs/format.md "Pieces").
-  A record gets its storage as it is decided (packed ones: once the packs are laid out)."""
+  queries). With ``options.pieces``, small shards of sharded arrays go into the packs
+  (docs/format.md "Pieces"). A record gets its storage as it is decided (packed ones: once
+  the packs are laid out)."""
+  inline_bytes, pack_bytes, codecs = options.inline_bytes, options.pack_bytes, options.codecs
   records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
   inline: list[tuple[int, Any]] = []
   me, nproc = jax.process_index(), jax.process_count()
-  pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if pieces else 0)
+  pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if options.pieces else 0)
   for path, leaf in leaves:
     i = len(records)
     if isinstance(leaf, _perprocess.PerProcess):
@@ -215,11 +215,12 @@ def _plan(leaves, kv_spec: dict, data_dir: str, inline_bytes: int, pack_bytes: i
                                 data_dir, nproc, me, pieced.finish(cands.pieced))
   mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
   parts = pieced.parts(mine[0].pieces, me) if pieced.regions is not None and mine else []
-  return _Plan(tuple(records), arrays, packed, packs, mine[0] if mine else None, data_dir,
-               values, holders, cands,
-               [(i, d) for i, d, _ in maybe if owners[i][0] == me], parts,
-               tuple(pieced.meshes), pieced.layout, pieced.regions,
-               pieced.runs(me) if cands.pieced else [])
+  return _Plan(records=tuple(records), arrays=arrays, packed=packed, packs=packs,
+               my_pack=mine[0] if mine else None, data_dir=data_dir, values=values,
+               holders=holders, cands=cands,
+               maybe_packed=[(i, d) for i, d, _ in maybe if owners[i][0] == me], pieces=parts,
+               meshes=tuple(pieced.meshes), layout=pieced.layout, regions=pieced.regions,
+               maybe_runs=pieced.runs(me) if cands.pieced else [])
 
 
 def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
@@ -352,48 +353,50 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
   >>> fnckpt.restore(f"{d}/next")["step"], s.bytes_reused  # "w" is the base's
   (2, 262144)
   """
-  return start(tree, path, overwrite=overwrite, metadata=metadata, budget_bytes=budget_bytes,
-               inline_bytes=inline_bytes, pack_bytes=pack_bytes, compression=compression,
-               zstd=zstd, barrier_timeout_s=barrier_timeout_s,
-               storage_options=storage_options, base=base)
+  where = _paths.Location.of(path, storage_options)
+  options = SaveOptions(overwrite=overwrite, budget_bytes=budget_bytes,
+                        inline_bytes=inline_bytes, pack_bytes=pack_bytes,
+                        compression=compression, zstd=zstd,
+                        barrier_timeout_s=barrier_timeout_s)
+  return start(tree, where, options, metadata=metadata, base=base)
 
 
-def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
-          budget_bytes: int | None = None, inline_bytes: int = INLINE_BYTES,
-          pack_bytes: int = _packing.PACK_LEAF_BYTES, compression: str | None = None,
-          zstd: int | None = None, barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
-          storage_options: dict[str, Any] | None = None, base: str | None = None,
-          barrier_location: str | None = None, base_handle: Any = None) -> SaveHandle:
-  """:func:`save`; ``barrier_location`` (the manager's local
-  tier): the name the processes' barriers are keyed on instead of ``path``, for per-host
-  paths that differ between processes. ``base_handle``: whether ``base`` is a save in flight
-  (``pending.open_pending``; None: this process's saves say, process 0's word)."""
+def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None = None, *,
+          metadata: Any = None, base: str | None = None, barrier_location: str | None = None,
+          base_handle: Any = None) -> SaveHandle:
+  """:func:`save` of ``tree`` to ``where`` as ``options`` ask (their defaults: None), with
+  ``metadata`` and ``base`` (a path on the same storage, with the same options);
+  ``barrier_location`` (the manager's local tier): the name the processes' barriers are keyed
+  on instead of the path, for per-host paths that differ between processes. ``base_handle``:
+  whether ``base`` is a save in flight (``pending.open_pending``; None: this process's saves
+  say, process 0's word)."""
   t0 = time.perf_counter()
-  location = _paths.display(path)
+  where = _paths.Location.of(where)
+  options = options if options is not None else SaveOptions()
+  location = where.display
   handle = begin(location)  # (once the save before it to this location has finished)
-  session, writer, where = None, None, "planning"
+  session, writer, phase = None, None, "planning"
   key = _paths.display(barrier_location) if barrier_location else location
   try:
     # The session first: from here on any failure is published to the other processes (and
     # every process counts this attempt, so the next one pairs up again).
-    session = _collective.Session(key, barrier_timeout_s)
+    session = _collective.Session(key, options.barrier_timeout_s)
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
-    _check_sizes(inline_bytes, pack_bytes)
-    codecs = _codecs(compression, zstd)
-    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
+    opened = _paths.resolve(where)
+    kv_spec, ctx, kv = opened
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
-    where = "reading the base checkpoint"
-    based = _base_of(base, base_handle, session, kv_spec, storage_options, location)
-    where = "planning"
+    phase = "reading the base checkpoint"
+    based = _base_of(base, base_handle, session, where, kv_spec)
+    phase = "planning"
     with _state.collector.paused():  # (the caller waits: docs/performance.md)
-      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, inline_bytes, pack_bytes, codecs,
-                   based, pieces=pack_bytes > 0 and not any(codecs))
+      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)
     handle.planned = plan.records   # (a later save's base, while in flight)
     _agree(session, plan.records, plan.holders)
-    where = "checking the location"
-    _prepare_location(kv, location, overwrite, session, handle)
-    budget = _process_budget(_store.budget_arg(budget_bytes, "save", default_budget_bytes()))
+    phase = "checking the location"
+    _prepare_location(kv, location, options.overwrite, session, handle)
+    budget = _process_budget(_store.budget_arg(options.budget_bytes, "save",
+                                               default_budget_bytes()))
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, writer, err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
@@ -401,12 +404,12 @@ def start(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None
                                 budget=budget)
     _attach_pending(based, writer)
     writer.start()
-    where = "staging the arrays"
+    phase = "staging the arrays"
     _reached(key, "staging")
     with _state.collector.paused():
-      commit = _stage_all(plan, kv, kv_spec, ctx, writer, budget, handle, metadata, based)
+      commit = _stage_all(plan, opened, writer, budget, handle, metadata, based)
   except BaseException as e:
-    err = wrap(e, location, where)
+    err = wrap(e, location, phase)
     if writer is not None:
       writer.abort(err)   # drains what was staged, publishes the error, walks the barriers
       writer.join()
@@ -432,24 +435,26 @@ def _attach_pending(based: _Base | None, writer: Writer) -> None:
                                                    src).check)
 
 
-def _base_of(base: Any, handle: Any, session, kv_spec: dict, storage_options,
-             location: str) -> _Base | None:
-  """The base of a save: None, a save in flight in this process (``pending``), or a
-  committed checkpoint."""
+def _base_of(base: Any, handle: Any, session, where: _paths.Location,
+             kv_spec: dict) -> _Base | None:
+  """The base of a save to ``where``: None, a save in flight in this process (``pending``),
+  or a committed checkpoint."""
   if base is None:
     return None
-  pend = _pending.open_pending(base, handle, session, kv_spec, storage_options, location)
+  location = where.display
+  pend = _pending.open_pending(base, handle, session, kv_spec, where, location)
   if pend is not None:
     return _Base(None, pend.loc, pend.new_loc, None, pend)
-  return _open_base(base, kv_spec, storage_options, location)
+  return _open_base(base, where, kv_spec)
 
 
-def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Base:
-  """The committed checkpoint ``base`` (on the same storage as the new one)."""
+def _open_base(base: Any, where: _paths.Location, kv_spec: dict) -> _Base:
+  """The committed checkpoint ``base`` (on the same storage as the new one, ``where``)."""
+  location = where.display
   if not isinstance(base, (str, os.PathLike)):
     raise CheckpointError(f"save(base={base!r}): expected the location of a committed "
                           "checkpoint (a str), e.g. the previous step's path.")
-  src = _source.open_source(os.fspath(base), storage_options)
+  src = _source.open_source(_paths.Location.of(base, where.options))
   loc, new_loc = _refs.locate(src.kv_spec), _refs.locate(kv_spec)
   if loc.store != new_loc.store or loc.path == new_loc.path:
     raise CheckpointError(
@@ -464,22 +469,6 @@ def _open_base(base: Any, kv_spec: dict, storage_options, location: str) -> _Bas
         "about as much as writing it). It records its hashes: the next save with it as base "
         "writes only what changed.", RuntimeWarning, stacklevel=5)
   return _Base(src.manifest, loc, new_loc, src)
-
-
-def _check_sizes(inline_bytes: Any, pack_bytes: Any) -> None:
-  for name, v, hi, default in (
-      ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
-      ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES)):
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-      raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
-                            f"the default is {default}.")
-
-
-def _codecs(compression: Any, zstd: Any) -> _store.Codecs:
-  try:
-    return _store.compression_options(compression, zstd)
-  except ValueError as e:
-    raise CheckpointError(str(e)) from None
 
 
 def _walk_in_background(session: _collective.Session) -> None:
@@ -504,9 +493,11 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
   handle._finish(error, writer.committed)
 
 
-def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
-               metadata: Any, based: _Base | None = None) -> Commit:
-  """Stage this process's chunks and pack into the writer; return what committing needs."""
+def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
+               handle: SaveHandle, metadata: Any, based: _Base | None = None) -> Commit:
+  """Stage this process's chunks and pack into the writer (to the ``opened`` location);
+  return what committing needs."""
+  kv_spec, ctx, kv = opened
   is_main = jax.process_index() == 0
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
               if a.index not in plan.cands.stored] if is_main else []  # (candidates: if changed)
@@ -522,14 +513,16 @@ def _stage_all(plan: _Plan, kv, kv_spec, ctx, writer: Writer, budget, handle: Sa
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
+  maybe_stored = [a for a in plan.arrays if a.index in plan.cands.stored]
   dplan = _delta.Plan(
-      plan.records, plan.packs, plan.cands,
-      {a.index: a.spec for a in plan.arrays if a.index in plan.cands.stored},
-      {a.index: a.rec.stored.dir for a in plan.arrays if a.index in plan.cands.stored},
-      kv_spec, plan.data_dir,
-      (lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
+      records=plan.records, packs=plan.packs, cands=plan.cands,
+      store_specs={a.index: a.spec for a in maybe_stored},
+      store_dirs={a.index: a.rec.stored.dir for a in maybe_stored},
+      kv_spec=kv_spec, data_dir=plan.data_dir,
+      build=(lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
       if is_main else None,
-      based.check if based is not None else None, plan.layout, plan.regions)
+      check_base=based.check if based is not None else None, layout=plan.layout,
+      regions=plan.regions)
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
       writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
@@ -646,10 +639,11 @@ def _manifest_record(plan: _Plan, metadata, records: tuple[_records.Leaf, ...],
                      ) -> _records.Manifest:
   """The manifest of a save: its final leaf records, packs and bases (``_refs.finalize``)."""
   return _records.Manifest(
-      _manifest.FORMAT_VERSION, time.time(), jax.process_count(),
-      {"fnckpt": __version__, "jax": jax.__version__, "tensorstore": _tensorstore_version()},
-      metadata, records, plan.data_dir, packs, bases, None, plan.meshes, plan.layout,
-      _hashes.ALG)
+      version=_manifest.FORMAT_VERSION, created=time.time(), process_count=jax.process_count(),
+      versions={"fnckpt": __version__, "jax": jax.__version__,
+                "tensorstore": _tensorstore_version()},
+      metadata=metadata, leaves=records, data=plan.data_dir, packs=packs, bases=bases,
+      fork=None, meshes=plan.meshes, layout=plan.layout, hash=_hashes.ALG)
 
 
 @_state.memo(1)

@@ -50,7 +50,7 @@ def is_file_location(path: str) -> bool:
   return name.endswith(".safetensors") or name.endswith(".json")
 
 
-def _resolve(path: str, options: dict[str, Any] | None
+def _resolve(path: str, options: Mapping[str, Any] | None
              ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
   """Like :func:`fnckpt._io.paths.resolve`, with a bounded cache for OCDBT's B-tree nodes."""
   spec = _paths.kvstore_spec(path, options)
@@ -77,7 +77,8 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
       manifest, reader = _safetensors_in.open_index(kv, name, prefix)
     else:
       manifest, reader = _safetensors_in.open_file(kv, name, location, prefix)
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv, manifest=manifest, reader=reader)
+    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
+                manifest=manifest, reader=reader)
   kv_spec, ctx, kv = _resolve(path, options)
   found = _present(kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA,
                         _safetensors_in.INDEX_NAME))
@@ -88,7 +89,8 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
   if _safetensors_in.INDEX_NAME in found:
     manifest, reader = _safetensors_in.open_index(kv, _safetensors_in.INDEX_NAME,
                                                   location + "/")
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv, manifest=manifest, reader=reader)
+    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
+                manifest=manifest, reader=reader)
   try:
     files = [k.decode("utf-8", "replace") for k in kv.list().result()]
   except Exception:
@@ -96,7 +98,8 @@ def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
   files = [f for f in files if "/" not in f and f.endswith(".safetensors")]
   if files:
     manifest, reader = _safetensors_in.open_dir(kv, files, location)
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv, manifest=manifest, reader=reader)
+    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
+                manifest=manifest, reader=reader)
   return None
 
 
@@ -131,7 +134,8 @@ def _open_orbax(path: str, location: str, kv_spec, ctx, kv, options) -> Opened:
   else:
     _check_committed(kv, path, options, location)
   manifest, reader = _orbax_in.open_item(kv_spec, ctx, kv, location)
-  return Opened(location=location, format="orbax", kv_spec=kv_spec, ctx=ctx, kv=kv, manifest=manifest, reader=reader)
+  return Opened(location=location, format="orbax", kv_spec=kv_spec, ctx=ctx, kv=kv,
+                manifest=manifest, reader=reader)
 
 
 def _item_of(kv: ts.KvStore, location: str) -> str:

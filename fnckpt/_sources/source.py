@@ -9,6 +9,7 @@ through ``read`` (``read.Opener``, ``read.read_regions``, ``read.leaf_error``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import tensorstore as ts
@@ -38,39 +39,42 @@ class Source:
   reader: Any = None       # a foreign format's slice reader (detect); None for fnckpt's own
 
 
-def open_any(path: str, storage_options: dict[str, Any] | None) -> Source:
-  """fnckpt's own checkpoint at ``path`` (whatever its name: also ``run.json``), else an
+def open_any(where: _paths.Location | str, options: Mapping[str, Any] | None = None
+             ) -> Source:
+  """fnckpt's own checkpoint at ``where`` (whatever its name: also ``run.json``), else an
   Orbax or safetensors one (``detect``). An interrupted fnckpt save stays one (never the
   contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
-  may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data)."""
+  may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data). ``options``:
+  the storage options of a ``where`` given as a path."""
   from .._errors import NoCheckpointError
+  where = _paths.Location.of(where, options)
   try:
-    return open_source(path, storage_options)
+    return open_source(where)
   except NotCommittedError:
     from . import detect as _foreign  # (imported only when needed: ~15 ms in a new process)
-    opened = None if _has_own_files(path, storage_options) else \
-        _foreign.open_orbax(path, storage_options)
+    opened = None if _has_own_files(where) else _foreign.open_orbax(where.path, where.options)
     if opened is None:
       raise
   except CheckpointError as e:
     from . import detect as _foreign
-    opened = None if _has_own_files(path, storage_options) else \
-        _foreign.open_foreign(path, storage_options)
+    opened = None if _has_own_files(where) else _foreign.open_foreign(where.path,
+                                                                       where.options)
     if opened is None and isinstance(e, NoCheckpointError):
       raise NoCheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
                             "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
                             "model.safetensors.index.json).") from None
     if opened is None:
       raise
-  return Source(location=opened.location, kv_spec=opened.kv_spec, ctx=opened.ctx, kv=opened.kv, manifest=opened.manifest, commit=b"",
-                format=opened.format, reader=opened.reader)
+  return Source(location=opened.location, kv_spec=opened.kv_spec, ctx=opened.ctx,
+                kv=opened.kv, manifest=opened.manifest, commit=b"", format=opened.format,
+                reader=opened.reader)
 
 
-def _has_own_files(path: str, storage_options: dict[str, Any] | None) -> bool:
-  """Whether ``path`` is a directory holding a fnckpt commit marker, manifest or format 2
+def _has_own_files(where: _paths.Location) -> bool:
+  """Whether ``where`` is a directory holding a fnckpt commit marker, manifest or format 2
   data (empty byte-range reads: existence only)."""
   try:
-    kv = _paths.resolve(path, storage_options)[2]
+    kv = _paths.resolve(where)[2]
     marks = [kv.read(k, byte_range=slice(0, 0)) for k in (_manifest.COMMIT, _manifest.MANIFEST)]
     data = kv.list(range=ts.KvStore.KeyRange(_manifest.DATA_PREFIX,
                                              _manifest.DATA_PREFIX[:-1] + "."))
@@ -79,11 +83,14 @@ def _has_own_files(path: str, storage_options: dict[str, Any] | None) -> bool:
     return False
 
 
-def open_source(path: str, storage_options: dict[str, Any] | None = None) -> Source:
-  """The committed fnckpt checkpoint at ``path`` (its manifest read and validated)."""
-  location = _paths.display(path)
+def open_source(where: _paths.Location | str, options: Mapping[str, Any] | None = None
+                ) -> Source:
+  """The committed fnckpt checkpoint at ``where`` (its manifest read and validated;
+  ``options``: the storage options of a ``where`` given as a path)."""
+  where = _paths.Location.of(where, options)
+  location = where.display
   try:
-    kv_spec, ctx, kv = _paths.resolve(path, storage_options)
+    kv_spec, ctx, kv = _paths.resolve(where)
     manifest, _, commit = _commit.read_header(kv, location)
   except CheckpointError:
     raise

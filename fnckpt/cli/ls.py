@@ -21,7 +21,7 @@ HEADER = ["STEP", "STATUS", "DATA", "WRITTEN", "LEAVES", "FILES", "COMMITTED", "
 
 def run(args: argparse.Namespace) -> int:
   root, options = args.dir, args.storage_options
-  keys = _paths.list_keys(root, options)
+  keys = _paths.list_keys(_paths.Location.of(root, options))
   if args.local is None and (_manifest.COMMIT in keys or _manifest.MANIFEST in keys):
     print(f"{_paths.display(root)} is a single checkpoint (not a run directory):")
     rows, lineage = _step_rows([(".", root)], keys, options)
@@ -37,14 +37,16 @@ def run(args: argparse.Namespace) -> int:
     return 1
   local_options = None  # the durable tier's --storage-option settings are not the local tier's
   tiers = [("durable", root, keys, options)] + ([("local", args.local, _paths.list_keys(
-      args.local, local_options), local_options)] if args.local is not None else [])
+      _paths.Location.of(args.local, local_options)), local_options)]
+                                                if args.local is not None else [])
   rows, notes, restorable, lineage = [], [], set(), ""
   for tier, location, tier_keys, options in tiers:
-    listing = _steps.StepIndex(location, options).list()
+    run = _paths.Location.of(location, options)
+    listing = _steps.StepIndex(run).list()
     restorable |= set(listing.steps)
     tier_rows, found = _step_rows([(str(s), _paths.join(location, str(s)))
                                    for s in listing.steps], tier_keys, options)
-    lineage = lineage or _fork.lineage(location, options) or found
+    lineage = lineage or _fork.lineage(run) or found
     rows += [([tier] if len(tiers) > 1 else []) + r
              for r in tier_rows + _other_rows(listing, tier_keys)]
     notes.append(f"{len(listing.steps)} committed, {len(listing.uncommitted)} uncommitted"

@@ -99,7 +99,8 @@ def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
   for rec in manifest.leaves:
     if rec.stored is not None:
       hashed = rec if rec.index in hashes.chunked else None
-      units.append(_Unit(label=rec.where, here=_read.data_location(src, rec.stored.base, rec.stored.dir),
+      units.append(_Unit(label=rec.where,
+                         here=_read.data_location(src, rec.stored.base, rec.stored.dir),
                          open=lambda o, rec=rec: o.leaf(rec), shape=rec.shape,
                          grid=rec.stored.chunks if hashed else rec.stored.inner,
                          itemsize=_records.itemsize(rec.dtype), hashed=hashed))
@@ -390,11 +391,11 @@ def _verify_per_process(src: _source.Source) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
   options = args.storage_options
-  keys = _paths.list_keys(args.path, options)
+  keys = _paths.list_keys(_paths.Location.of(args.path, options))
   if _manifest.COMMIT in keys or _manifest.MANIFEST in keys or not keys:
     targets = [args.path]
   else:  # a run directory: verify every committed step
-    committed, uncommitted = _steps.scan(args.path, options)
+    committed, uncommitted = _steps.scan(_paths.Location.of(args.path, options))
     if not committed and not uncommitted:
       targets = [args.path]
     else:

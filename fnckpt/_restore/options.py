@@ -1,0 +1,36 @@
+"""What a restore is asked to do, as one record: :class:`RestoreOptions`, made once where
+:func:`fnckpt.restore` (or the manager's ``restore``) is called and checked as it is made.
+What is read (a :class:`fnckpt._io.paths.Location`) and into what (the target) are not
+options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .._io import arrays as _store, commit as _commit
+from .._sources import source as _source
+
+__all__ = ["RestoreOptions"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestoreOptions:
+  """The keyword options of :func:`fnckpt.restore` (see there). A bad ``budget_bytes``
+  raises the :class:`~fnckpt.CheckpointError` ``restore`` raises. Hashable, compared by value.
+
+  >>> RestoreOptions(partial=True) == RestoreOptions(partial=True, cast=False)
+  True
+  """
+  partial: bool = False
+  cast: bool = False
+  budget_bytes: int | None = None
+  per_process_from: int | None = None
+  broadcast: bool | None = None
+  barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S
+
+  def __post_init__(self) -> None:
+    self.budget()
+
+  def budget(self) -> int:
+    """Bytes of reads in flight (``budget_bytes``, else the default read window)."""
+    return _store.budget_arg(self.budget_bytes, "restore", _source.READ_WINDOW_BYTES)
