@@ -155,9 +155,11 @@ class CheckpointManager:
     self._cadence = _cadence(save_interval_steps, mtbf_s, self._run,
                              self._timeout)  # the last check; records this start ("auto")
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
-    self._saver = Saver(self._index, self._local, self._claims, self._cadence,
-                        self._preemption, self._background, self._retention,
-                        self._save_options, self._timeout, incremental)
+    self._saver = Saver(index=self._index, local=self._local, claims=self._claims,
+                        cadence=self._cadence, preemption=self._preemption,
+                        background=self._background, retention=self._retention,
+                        save_options=self._save_options, timeout_s=self._timeout,
+                        incremental=incremental)
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from .._io import commit as _commit, coordination as _coordination, paths as _paths
-from .._save import save as _save
+from .._save import pending as _pending, save as _save
 from .._save.options import SaveOptions
 from . import held as _held, interval as _interval, lineage as _lineage, peers as _peers
 from . import steps as _steps, tiers as _tiers
@@ -121,7 +121,7 @@ class Saver:
       key = None if index is self.index else _paths.join(self.index.path(step), "(local-tier)")
       handle = _save.start(tree, index.at(step), self.save_options, metadata=metadata,
                            base=index.path(base.step) if base else None,
-                           barrier_location=key, base_handle=self._base_handle(base))
+                           barrier_location=key, base_state=self._base_state(base))
     except BaseException:
       self.claims.release_save(step)
       inc.release(base)
@@ -159,12 +159,12 @@ class Saver:
                     f"{step} in {index.display!r}: {e}. Recovery from peers will not use this "
                     "process's copy of it.", RuntimeWarning, stacklevel=1)
 
-  def _base_handle(self, base: Any) -> Any:
-    """``save(base_handle=)``: False (a committed base), or, when process 0 chose a step in
-    flight, this process's handle of that save (True: none here: its committed manifest)."""
+  def _base_state(self, base: Any) -> _pending.BaseState:
+    """``start(base_state=)``: the base is committed, or (process 0 chose a step in flight)
+    in flight, with this process's handle of that save if it holds one."""
     if base is None or not base.in_flight:
-      return False
-    return self._recent.get(base.step, True)
+      return _pending.Committed()
+    return _pending.InFlight(self._recent.get(base.step))
 
   def _copy(self, step: int) -> float:
     try:

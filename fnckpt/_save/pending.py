@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import _state
 from .._errors import CheckpointError
@@ -30,8 +30,11 @@ from .._format import records as _records, refs as _refs
 from .._io import paths as _paths
 from .._sources import source as _source
 
+if TYPE_CHECKING:
+  from .handle import SaveHandle
+
 __all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "Pending",
-           "open_pending", "WAKE"]
+           "open_pending", "WAKE", "BaseState", "LookUp", "Committed", "InFlight"]
 
 # The expectation of an item whose base is still in flight (never equal to a real hash).
 PENDING = b"(pending base)"
@@ -108,23 +111,44 @@ def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
       old.sharding, rec.sharding, len(rec.shape))
 
 
-def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, where: _paths.Location,
-                 location: str) -> "Pending | None":
+@dataclasses.dataclass(frozen=True)
+class LookUp:
+  """Whether the base is a save in flight is not known: this process's saves say, and with
+  several processes process 0's view decides (collectively)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+  """The base is a committed checkpoint (the manager's process 0 decided)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+  """The base is a save still in flight (the manager's process 0 decided): ``handle``, this
+  process's handle of it, or None when this process holds none (its records are then read
+  from the base's manifest once committed)."""
+  handle: SaveHandle | None = None
+
+
+BaseState = LookUp | Committed | InFlight
+"""What a save knows of its base: ``start(base_state=)``, :func:`open_pending`."""
+
+
+def open_pending(base: Any, state: BaseState, session: Any, kv_spec: dict,
+                 where: _paths.Location, location: str) -> "Pending | None":
   """The in-flight base of a new save to ``where``, or None (a committed base: read it as
-  usual; a base is on the new save's storage, with its options).
-  ``handle``: None (look in this process's saves; with several processes process 0's view
-  decides, collectively), False (committed), a SaveHandle or True (in flight, decided by the
-  manager's process 0; True: this process holds no handle for it)."""
-  if handle is False or not isinstance(base, (str, os.PathLike)):
+  usual; a base is on the new save's storage, with its options)."""
+  if isinstance(state, Committed) or not isinstance(base, (str, os.PathLike)):
     return None
-  if handle is None:
+  if isinstance(state, LookUp):
     with _state.saves.lock:
       h = _state.saves.latest.get(_paths.display(os.fspath(base)))
-    handle = h if h is not None and not h.done() and h.planned is not None else None
-    flight = session.share("base-in-flight", b"1" if handle is not None else b"0") == b"1"
+    mine = h if h is not None and not h.done() and h.planned is not None else None
+    flight = session.share("base-in-flight", b"1" if mine is not None else b"0") == b"1"
     if not flight:
       return None
-    handle = handle if handle is not None else True
+    state = InFlight(mine)
+  handle = state.handle
   based = _paths.Location.of(base, where.options)
   base_spec = _paths.resolve(based)[0]
   loc, new_loc = _refs.locate(base_spec), _refs.locate(kv_spec)
@@ -133,7 +157,7 @@ def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, where: _pa
         f"save(base={_paths.display(os.fspath(base))!r}) to {location!r}: the base must be "
         "another checkpoint on the same storage (same scheme, bucket and options) as the new "
         "one. Save without base=, or pick a base beside the new checkpoint.")
-  if handle is True or handle.planned is None:  # (no records here: its committed ones)
+  if handle is None or handle.planned is None:  # (no records here: its committed ones)
     handle, planned = None, _source.open_source(based).manifest.leaves
   else:
     planned = handle.planned

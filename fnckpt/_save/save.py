@@ -363,13 +363,13 @@ def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
 
 def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None = None, *,
           metadata: Any = None, base: str | None = None, barrier_location: str | None = None,
-          base_handle: Any = None) -> SaveHandle:
+          base_state: _pending.BaseState = _pending.LookUp()) -> SaveHandle:
   """:func:`save` of ``tree`` to ``where`` as ``options`` ask (their defaults: None), with
   ``metadata`` and ``base`` (a path on the same storage, with the same options);
   ``barrier_location`` (the manager's local tier): the name the processes' barriers are keyed
-  on instead of the path, for per-host paths that differ between processes. ``base_handle``:
-  whether ``base`` is a save in flight (``pending.open_pending``; None: this process's saves
-  say, process 0's word)."""
+  on instead of the path, for per-host paths that differ between processes. ``base_state``:
+  whether ``base`` is a save in flight (:data:`fnckpt._save.pending.BaseState`; by default
+  this process's saves say, process 0's word)."""
   t0 = time.perf_counter()
   where = _paths.Location.of(where)
   options = options if options is not None else SaveOptions()
@@ -387,7 +387,7 @@ def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None =
     kv_spec, ctx, kv = opened
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
     phase = "reading the base checkpoint"
-    based = _base_of(base, base_handle, session, where, kv_spec)
+    based = _base_of(base, base_state, session, where, kv_spec)
     phase = "planning"
     with _state.collector.paused():  # (the caller waits: docs/performance.md)
       plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)
@@ -407,7 +407,8 @@ def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None =
     phase = "staging the arrays"
     _reached(key, "staging")
     with _state.collector.paused():
-      commit = _stage_all(plan, opened, writer, budget, handle, metadata, based)
+      commit = _stage_all(plan, opened, writer=writer, budget=budget, handle=handle,
+                          metadata=metadata, based=based)
   except BaseException as e:
     err = wrap(e, location, phase)
     if writer is not None:
@@ -435,16 +436,16 @@ def _attach_pending(based: _Base | None, writer: Writer) -> None:
                                                    src).check)
 
 
-def _base_of(base: Any, handle: Any, session, where: _paths.Location,
+def _base_of(base: Any, state: _pending.BaseState, session, where: _paths.Location,
              kv_spec: dict) -> _Base | None:
   """The base of a save to ``where``: None, a save in flight in this process (``pending``),
   or a committed checkpoint."""
   if base is None:
     return None
   location = where.display
-  pend = _pending.open_pending(base, handle, session, kv_spec, where, location)
-  if pend is not None:
-    return _Base(None, pend.loc, pend.new_loc, None, pend)
+  pending = _pending.open_pending(base, state, session, kv_spec, where, location)
+  if pending is not None:
+    return _Base(None, pending.loc, pending.new_loc, None, pending)
   return _open_base(base, where, kv_spec)
 
 
@@ -501,13 +502,14 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
   is_main = jax.process_index() == 0
   creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
               if a.index not in plan.cands.stored] if is_main else []  # (candidates: if changed)
-  opened = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
+  writing = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
   _start_copies(plan, budget)
   copies = Copies()
-  for a, fut in zip(plan.arrays, opened):
-    _stage_array(a, fut, plan.cands.stored.get(a.index), writer, budget, handle, copies)
+  for a, fut in zip(plan.arrays, writing):
+    _stage_array(a, fut, cand=plan.cands.stored.get(a.index), writer=writer, budget=budget,
+                 handle=handle, copies=copies)
   if plan.my_pack is not None:
-    _stage_pack(plan, kv_spec, ctx, writer, budget, handle, copies)
+    _stage_pack(plan, kv_spec, ctx, writer=writer, budget=budget, handle=handle, copies=copies)
   _stage_apart(plan, writer, budget, handle, copies)
   copies.wait()  # (every copy started above, waited for together)
   if plan.values is not None:
