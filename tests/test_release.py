@@ -80,6 +80,9 @@ def test_the_wheel_is_typed_and_works_installed_on_its_own(tmp_path):
   """``pip wheel .``, then that wheel (not the checkout) in a fresh venv: saves, restores and
   reports the same version. The venv sees this environment's dependencies after its own
   packages, so only the build's setuptools comes from the registry."""
+  # The venv's own view: no PYTHONPATH (a source tree there, with its egg-info, would make pip
+  # take fnckpt as installed already and skip the wheel).
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"JAX_PLATFORMS": "cpu"}
   env_dir = tmp_path / "venv"  # its own pip (ensurepip): the outer env may have none (uv)
   venv.create(env_dir, with_pip=True)
   py, cli = env_dir / "bin" / "python", env_dir / "bin" / "fnckpt"
@@ -90,7 +93,7 @@ def test_the_wheel_is_typed_and_works_installed_on_its_own(tmp_path):
   outer = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
   (site / "outer-env.pth").write_text("".join(f"{p}\n" for p in outer))
   build = _run([str(py), "-m", "pip", "wheel", str(ROOT), "--no-deps",
-                "-w", str(tmp_path / "dist")])
+                "-w", str(tmp_path / "dist")], env=env)
   assert build.returncode == 0, build.stdout + build.stderr
   (wheel,) = (tmp_path / "dist").glob("fnckpt-*.whl")
   assert wheel.name.startswith(f"fnckpt-{fnckpt.__version__}-py3-none-any")
@@ -103,7 +106,8 @@ def test_the_wheel_is_typed_and_works_installed_on_its_own(tmp_path):
   for name, floor in _version.MINIMUM.items():
     assert f"Requires-Dist: {name}>={floor}" in meta, name
 
-  inst = _run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)])
+  inst = _run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+              env=env)
   assert inst.returncode == 0, inst.stdout + inst.stderr
   script = """
 import os, sys, numpy as np, fnckpt
@@ -114,8 +118,6 @@ back = fnckpt.restore(os.path.abspath("ckpt"), tree)
 assert back["step"] == 3 and all(np.array_equal(back[k], tree[k]) for k in ("w", "big"))
 print(fnckpt.__version__)
 """
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("PYTHONPATH", None)
   r = _run([str(py), "-c", script], cwd=tmp_path, env=env)
   assert r.returncode == 0, r.stdout + r.stderr
   assert r.stdout.strip() == fnckpt.__version__
