@@ -170,7 +170,8 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if e.whole else f"its {e}") from None
-  leaves, heads = [], {}
+  leaves: list[Leaf] = []
+  heads: dict[tuple, Any] = {}
   for i, rec in enumerate(raw):
     try:
       leaves.append(_leaf(i, rec, version, packs, bases, meshes, hn, heads))
@@ -207,11 +208,16 @@ def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...]
                   meshes: tuple[np.ndarray, ...], nproc: int, regions: bool = True) -> Any:
   """The layout of the pieced leaves; with ``regions`` (format 2), every writer's region
   inside its pack."""
-  todo = [_pieces.PieceLeaf(l.index, l.pieces.mesh, l.sharding.sizes,
-                            l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
-                            _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
-                            l.pieces.chunks, math.prod(l.pieces.chunks) * itemsize(l.dtype))
-          for l in leaves if l.pieces is not None]
+  todo = []
+  for l in leaves:
+    if l.pieces is None:
+      continue
+    assert l.sharding is not None and l.shape is not None   # (a pieced leaf's, checked)
+    todo.append(_pieces.PieceLeaf(
+        l.index, l.pieces.mesh, l.sharding.sizes,
+        l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
+        _pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
+        l.pieces.chunks, math.prod(l.pieces.chunks) * itemsize(l.dtype)))
   if not todo:
     return None
   try:
@@ -529,6 +535,7 @@ def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
     impl = rec.get("impl")
     _req(impl in PRNG_IMPLS if isinstance(impl, str) else False,
          lambda: f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
+    assert isinstance(impl, str)
     _req(dtype == "uint32" and len(shape) >= 1 and shape[-1] == PRNG_IMPLS[impl],
          lambda: f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
   sharding = _sharding(rec["sharding"], len(shape), meshes)
@@ -539,6 +546,7 @@ def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
 
 def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hn: int) -> Leaf:
   """A stored array's record: its ``store`` and chunk hashes (required in format 3)."""
+  assert leaf.shape is not None and leaf.dtype is not None   # (an array leaf's)
   stored = _stored(rec["store"], leaf.shape, leaf.dtype, version, bases)
   _req(version < 3 or "chunk_hashes" in rec,
        f"it lacks 'chunk_hashes' (format {version}: every stored array has them)")
@@ -585,6 +593,7 @@ def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None, version: 
                  for c in _list(p["chunks"], "'pieces'.chunks", MAX_DIMS))
   _req(sharding is not None and sharding.mesh is not None,
        "a pieced array needs a named 'sharding' with 'mesh'")
+  assert sharding is not None and sharding.mesh is not None
   grid = [math.prod(sharding.sizes[a] for a in axes) for axes in sharding.dim_axes]
   grid += [1] * (len(shape) - len(grid))
   implied = tuple(n // g for n, g in zip(shape, grid))
@@ -648,7 +657,8 @@ def _sharding(s: Any, ndim: int, meshes: tuple[np.ndarray, ...] = ()) -> Shardin
   _req(len(axes) == len(sizes) and len(set(axes)) == len(axes),
        "'sharding' axes must be distinct and have one size each")
   _req(math.prod(sizes) <= 1 << 24, "'sharding' mesh is too large")
-  spec, used = [], []
+  spec: list[Any] = []
+  used: list[str] = []
   for e in _list(s["spec"], "'sharding'.spec", ndim):
     names = [] if e is None else [e] if isinstance(e, str) else e
     _req(isinstance(names, list) and all(isinstance(n, str) for n in names),
