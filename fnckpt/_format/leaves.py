@@ -45,7 +45,7 @@ def sharding_record(sharding: Any) -> _records.Sharding | None:
   if sharding is None:
     return None
   if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for entry in sharding.spec:
       if entry is None or isinstance(entry, str):
         spec.append(entry)
@@ -92,6 +92,7 @@ def host_bytes(data: Any) -> bytes:
 def inline_array(leaf: "_records.Leaf") -> np.ndarray:
   """An inline array leaf's value: a writable copy (results must be writable like read ones;
   ``frombuffer`` over bytes is read-only)."""
+  assert leaf.inline is not None and leaf.dtype is not None
   return checked_bools(np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(
       leaf.shape).copy(), leaf)
 
@@ -228,7 +229,7 @@ def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
     if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(1 << 63) <= leaf < (1 << 64):
       return _records.Leaf(index, path, "bigint", value=int(leaf))
     t = type(leaf)
-    base = next(b for b in _SCALARS if isinstance(leaf, b))
+    base: type = next(b for b in _SCALARS if isinstance(leaf, b))
     return _records.Leaf(index, path, "scalar", type=base.__name__, value=base(leaf),
                          subtype=None if t is base else f"{t.__module__}.{t.__qualname__}")
   if isinstance(leaf, np.random.Generator):
@@ -242,10 +243,12 @@ def decode_value(leaf: "_records.Leaf") -> Any:
   """A non-array leaf's value from its validated record."""
   kind = leaf.kind
   if kind == "empty":
+    assert leaf.type is not None
     return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.type]
   if kind in ("scalar", "bigint"):
     return leaf.value
   if kind == "npscalar":
+    assert leaf.dtype is not None
     return checked_bools(np.frombuffer(leaf.value, dtype=dtype_of(leaf.dtype)), leaf)[0]
   if kind == "npgen":
     state = _unplain(leaf.value)

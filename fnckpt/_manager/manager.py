@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import jax
 import msgpack
@@ -135,7 +135,7 @@ class CheckpointManager:
     self._options = {k: v for k, v in locals().items()  # a fork's manager: the same options
                      if k not in ("self", "directory", "handle_preemption", "local_directory")}
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
-    incremental = _lineage.Incremental(incremental, full_every)
+    lineage = _lineage.Incremental(incremental, full_every)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -157,7 +157,7 @@ class CheckpointManager:
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
     self._saver = Saver(self._index, self._local, self._claims, self._cadence,
                         self._preemption, self._background, self._retention,
-                        self._save_options, self._timeout, incremental)
+                        self._save_options, self._timeout, lineage)
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -396,7 +396,8 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
+def _checked_options(best_n: int | None, best_metric: str | None,
+                     save_interval_steps: int | str,
                      save_options: Mapping[str, Any] | None) -> dict[str, Any]:
   """The constructor's checks (the retention policy checks its own arguments)."""
   if best_n and not isinstance(best_metric, str):
@@ -476,7 +477,7 @@ def _cadence(save_interval_steps: int | str, mtbf_s: float | None, root: str,
   starts (:mod:`fnckpt._manager.starts`); process 0 records this start once that is settled (call
   last in the constructor: a construction that fails records nothing)."""
   if save_interval_steps != "auto":
-    return _interval.Cadence(save_interval_steps, mtbf_s, "given")
+    return _interval.Cadence(cast(int, save_interval_steps), mtbf_s, "given")
   given = None if mtbf_s is None else _interval.Cadence(None, mtbf_s, "given")  # checks it
 
   def record() -> list[float]:

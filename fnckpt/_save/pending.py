@@ -82,7 +82,10 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
   records of one save agree on every field compared here (a pieced leaf's mesh processes and
   writers are compared once the base's manifest is read: :meth:`Pending._resolve`)."""
   by_path = {l.path: l for l in base}
-  stored, packed, pieced = {}, {}, {}
+  # (placeholders in refs.Candidates' places: each has the fields its stand-in's callers read)
+  stored: dict[int, Any] = {}
+  packed: dict[int, Any] = {}
+  pieced: dict[int, Any] = {}
   for i, rec in enumerate(records):
     old = by_path.get(rec.path)
     if old is None or old.kind != rec.kind or not old.is_array or not rec.is_array:
@@ -104,6 +107,8 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
 
 
 def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
+  assert old.pieces is not None and rec.pieces is not None and rec.shape is not None
+  assert old.sharding is not None and rec.sharding is not None   # (pieced: named)
   return old.pieces.chunks == rec.pieces.chunks and _refs.same_split(
       old.sharding, rec.sharding, len(rec.shape))
 
@@ -266,6 +271,7 @@ class Pending:
     got = _refs.candidates(self.records, src.manifest, _refs.locate(src.kv_spec),
                            self.new_loc, self.meshes)
     want = self.planned_cands
+    assert self._check_of is not None   # (attached before any item)
     self.resolved = (self._check_of(src), _refs.Candidates(
         {i: c for i, c in got.stored.items() if i in want.stored},
         {i: c for i, c in got.packed.items() if i in want.packed},
@@ -278,6 +284,7 @@ class Pending:
     if self.resolved is None:
       self._done.wait()
       self._resolve()
+    assert self.resolved is not None
     check, got = self.resolved
     want = self.planned_cands
     for i in want.stored:
