@@ -144,7 +144,8 @@ def _array_layout(key: str, leaf: Any) -> LeafLayout | None:
   shape = tuple(int(n) for n in leaf.shape)
   owners: dict[tuple, set[int]] = {}
   for device, index in sharding.devices_indices_map(shape).items():
-    owners.setdefault(norm_index(index, shape), set()).add(device.process_index)
+    owners.setdefault(norm_index(index, shape), set()).add(
+        device.process_index)  # type: ignore[attr-defined]  # (jaxlib's Device)
   sizes = {tuple(b - a for a, b in i) for i in owners}
   if len(sizes) != 1:   # uneven shards: not supported
     return None
@@ -227,10 +228,10 @@ def choose(reports: Sequence[HeldReport], local_common: Sequence[int],
   >>> c.step, c.source, "process(es) 1 (host b)" in c.warning
   (20, 'durable', True)
   """
-  local, durable = set(local_common) - skipped, set(durable) - skipped
+  local, durable_steps = set(local_common) - skipped, set(durable) - skipped
   peers = {s for r in reports for s in r.steps
            if s not in skipped and covered(reports, s, layout)}
-  step = max(local | peers | durable, default=None)
+  step = max(local | peers | durable_steps, default=None)
   source = ("local" if step in local else "peers" if step in peers else "durable")
   newest = max({s for r in reports for s in r.steps} - skipped, default=None)
   warning = None
@@ -291,7 +292,7 @@ def stage(tree: Any, process: int) -> Staged | None:
   leaves = jax.tree_util.tree_leaves(tree)
   copies = _copies.Copies()
   pieces: dict[tuple[int, int], Any] = {}
-  held = []
+  held: list[tuple[int, ...]] = []
   for i, (layout, leaf) in enumerate(zip(layouts, leaves)):
     if layout.dtype == "host":
       pieces[(i, 0)] = _host_bytes(leaf)

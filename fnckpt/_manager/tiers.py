@@ -91,7 +91,7 @@ class TierPolicy:
 
 
 def choose(local_steps: Sequence[Sequence[int]], durable_steps: Sequence[int],
-           skipped: set[int] = frozenset()) -> int | None:
+           skipped: set[int] | frozenset[int] = frozenset()) -> int | None:
   """PURE: the newest step every process can restore: committed in the local tier of every
   process (``local_steps[p]``), or committed in the durable tier; not in ``skipped``.
 
@@ -256,7 +256,9 @@ def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
   issued only while the bytes held (read, not yet written) plus the reads in flight (each
   counted as the largest object seen so far; the first alone) stay within ``max_bytes``; one
   object larger than the bound is copied alone. Returns the bytes copied."""
-  todo, reads, writes = collections.deque(keys), collections.deque(), collections.deque()
+  todo = collections.deque(keys)
+  reads: collections.deque[tuple[str, Any]] = collections.deque()   # (key, read)
+  writes: collections.deque[tuple[Any, int]] = collections.deque()  # (write, bytes)
   held = copied = 0
   biggest: int | None = None  # None until a read has completed
   while todo or reads or writes:

@@ -197,7 +197,7 @@ def _one_by_one(pending: list[_Pending]) -> list:
       out.append(jax.device_put(
           p.src, jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind)))
     except Exception as e:
-      error = RuntimeError(
+      error: BaseException = RuntimeError(
           f"copying {p.src.nbytes} bytes from {p.device} into its {p.kind} memory failed "
           f"({e}); save with a smaller budget_bytes= so that fewer copies are in flight at once")
       if p.label is not None:

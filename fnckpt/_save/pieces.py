@@ -99,6 +99,7 @@ class Planner:
     spec = _pieces.PieceLeaf(i, m, info.axis_sizes, dim_axes,
                              _pieces.shift_of(i, info.axis_sizes, dim_axes), shard, n)
     self.leaves.append(_Leaf(i, data, info, spec))
+    assert rec.sharding is not None
     return dataclasses.replace(rec, sharding=dataclasses.replace(rec.sharding, mesh=m),
                                pieces=_records.Pieces(tuple(shard), m))
 
@@ -149,6 +150,7 @@ class Planner:
     """The chunks of ``leaf`` this process writes, back to back from ``start`` plus its place
     in the region (``start`` None: from 0, a run on its own)."""
     out = []
+    assert self.layout is not None and self.regions is not None
     if start is None:
       chunks, at, start = self.layout.mine(leaf.index, me)[0], 0, 0
     else:
