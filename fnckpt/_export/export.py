@@ -139,7 +139,8 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
 # A smaller read window would read in pieces too small to finish in reasonable time.
 MIN_WINDOW_BYTES = 64 << 10
 
-_EXPORT_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
+_EXPORT_NAME = re.compile(
+    r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
 
 
 def _check_target(target: str, overwrite: bool) -> None:

@@ -182,7 +182,7 @@ def _meta_value(leaf: _records.Leaf) -> str | None:
   if leaf.kind == "npscalar":
     assert leaf.dtype is not None
     dt = _records.np_dtype(leaf.dtype)
-    if not (np.issubdtype(dt, np.integer) or _is_float(dt.name) or dt == bool):
+    if not (np.issubdtype(dt, np.integer) or _is_float(dt.name) or dt == bool):  # noqa: E721
       return None
     return json.dumps(np.frombuffer(leaf.value, dtype=dt)[0].item())
   if leaf.kind == "scalar" and leaf.type in ("bool", "int", "float", "str"):

@@ -31,7 +31,8 @@ def dtype_of(name: str) -> np.dtype:
   try:
     return np.dtype(jnp.dtype(name))
   except TypeError:
-    raise CheckpointError(f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
+    raise CheckpointError(
+        f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
 
 
 def is_key_array(x: Any) -> bool:
@@ -89,7 +90,7 @@ def host_bytes(data: Any) -> bytes:
   return to_little_endian(np.ascontiguousarray(host)).tobytes()
 
 
-def inline_array(leaf: "_records.Leaf") -> np.ndarray:
+def inline_array(leaf: _records.Leaf) -> np.ndarray:
   """An inline array leaf's value: a writable copy (results must be writable like read ones;
   ``frombuffer`` over bytes is read-only)."""
   assert leaf.inline is not None and leaf.dtype is not None
@@ -117,7 +118,7 @@ def cast(host: np.ndarray, dtype: Any, where: str) -> np.ndarray:
                           "Convert it to a type numpy can cast first.") from None
 
 
-def checked_bools(host: np.ndarray, leaf: "_records.Leaf") -> np.ndarray:
+def checked_bools(host: np.ndarray, leaf: _records.Leaf) -> np.ndarray:
   """``host`` unchanged, unless it is a bool array viewed from stored bytes holding a byte
   other than 0 and 1: numpy and JAX would give such a value inconsistent results (it is
   neither ``True`` nor ``False`` bitwise), so it is damage, named by the leaf's key path.
@@ -239,7 +240,7 @@ def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
   raise _unsupported(path, leaf)
 
 
-def decode_value(leaf: "_records.Leaf") -> Any:
+def decode_value(leaf: _records.Leaf) -> Any:
   """A non-array leaf's value from its validated record."""
   kind = leaf.kind
   if kind == "empty":

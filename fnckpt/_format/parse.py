@@ -197,7 +197,7 @@ def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
   for m, entry in enumerate(_list(v, "'meshes'", 1 << 16)):
     _list(entry, f"'meshes'[{m}]", 1 << 24)
     _req(all(type(x) is int and 0 <= x < nproc for x in entry),
-         lambda: f"'meshes'[{m}] must list process indices in [0, {nproc})")
+         lambda: f"'meshes'[{m}] must list process indices in [0, {nproc})")  # noqa: B023
     a = np.array(entry, np.int64)
     a.flags.writeable = False
     out.append(a)
@@ -304,7 +304,7 @@ def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
     for i, rec in enumerate(raw):
       leaf = _leaf(i, rec, 2, ())
       _req(leaf.kind != "perprocess" and leaf.stored is None,
-           lambda: f"leaf #{i} must hold its value inline")
+           lambda: f"leaf #{i} must hold its value inline")  # noqa: B023
       leaves.append(leaf)
     _check_tree([l.path for l in leaves])
   except (_Bad, TypeError, ValueError, KeyError, OverflowError) as e:
@@ -331,7 +331,7 @@ def _bases(v: Any) -> tuple[Base, ...]:
     _keys(b, f"'bases'[{i}]", ("dir", "data"))
     data = _str(b["data"], f"'bases'[{i}].data", 64)
     _req(_DATA_NAME.fullmatch(data) is not None,
-         lambda: f"'bases'[{i}].data must be data-<32 hex digits>, found {_short(data)}")
+         lambda: f"'bases'[{i}].data must be data-<32 hex digits>, found {_short(data)}")  # noqa: B023
     out.append(Base(check_rel(b["dir"], f"'bases'[{i}].dir"), data))
   _req(len(set(out)) == len(out), "'bases' entries must be distinct")
   return tuple(out)
@@ -388,11 +388,11 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   out = []
   for e in p:
     _req(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[0] in PATH_KINDS,
-         lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "
+         lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "  # noqa: B023
          f"{sorted(PATH_KINDS)}")
     kind, key = e
     problem = key_problem(kind, key)
-    _req(not problem, lambda: f"key path entry {_short(e)} is {problem}")
+    _req(not problem, lambda: f"key path entry {_short(e)} is {problem}")  # noqa: B023
     out.append((kind, key))
   return tuple(out)
 
@@ -427,7 +427,7 @@ def _leaf(i: int, rec: Any, version: int, packs: tuple[Pack, ...],
   if kind == "bigint":
     _keys(rec, "it", common + ("value",))
     v = _str(rec["value"], "'value'", MAX_BIGINT_DIGITS + 1)
-    _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,
+    _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,  # noqa: UP031
          "'value' must be a decimal integer")
     return Leaf(i, path, kind, value=int(v))
   if kind == "npscalar":
@@ -662,7 +662,7 @@ def _sharding(s: Any, ndim: int, meshes: tuple[np.ndarray, ...] = ()) -> Shardin
   for e in _list(s["spec"], "'sharding'.spec", ndim):
     names = [] if e is None else [e] if isinstance(e, str) else e
     _req(isinstance(names, list) and all(isinstance(n, str) for n in names),
-         lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")
+         lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")  # noqa: B023
     used.extend(names)
     spec.append(e if not isinstance(e, list) else tuple(e))
   _req(all(n in axes for n in used) and len(set(used)) == len(used),
@@ -699,7 +699,7 @@ def _plain_ok(v: Any, depth: int) -> None:
       return
     if "__int__" in v:
       _req(isinstance(v["__int__"], str) and re.fullmatch(
-          r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v["__int__"]) is not None,
+          r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v["__int__"]) is not None,  # noqa: UP031
           "a tagged int must be a decimal string")
       return
     for k, x in v.items():
@@ -724,7 +724,7 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
     for depth, (kind, key) in enumerate(path):
       group = "seq" if kind in ("seq", "flat") else "map"
       _req(groups.setdefault(node, group) == group,
-           lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")
+           lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")  # noqa: B023
       child = ids.get((node, key if group == "map" else ("#", key)))
       if child is None:
         child = ids[(node, key if group == "map" else ("#", key))] = len(depth_of)
@@ -732,11 +732,11 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
         if group == "seq":
           indices.setdefault(node, []).append(key)
       node = child
-    _req(node not in leaves, lambda: f"key path {keystr(path)} appears twice")
+    _req(node not in leaves, lambda: f"key path {keystr(path)} appears twice")  # noqa: B023
     leaves.add(node)
   for node in groups:
     _req(node not in leaves,
-         lambda: f"a leaf is also a parent of other leaves (at depth {depth_of[node]})")
+         lambda: f"a leaf is also a parent of other leaves (at depth {depth_of[node]})")  # noqa: B023
   for node, group in groups.items():
     if group == "seq":
       idx = sorted(indices[node])

@@ -331,7 +331,8 @@ _BLOSC_KEYS = tuple(BLOSC)       # "cname", "clevel", "shuffle": the order save 
 
 
 def _encode_stored(s: Stored) -> dict[str, Any]:
-  out: dict[str, Any] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner), "zstd": s.zstd}
+  out: dict[str, Any] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
+                         "zstd": s.zstd}
   if s.blosc is not None:
     b = dict(s.blosc)
     out["blosc"] = {**{k: b[k] for k in _BLOSC_KEYS if k in b}, **b}

@@ -325,7 +325,7 @@ class Report:
             "segments": [list(s) for s in self.segments]}
 
   @staticmethod
-  def from_msgpack(d: Mapping[str, Any]) -> "Report":
+  def from_msgpack(d: Mapping[str, Any]) -> Report:
     return Report({int(k): {int(p): bytes(h) for p, h in v} for k, v in d["chunks"].items()},
                   set(d["changed"]), {int(k): bytes(v) for k, v in d["packed"].items()},
                   {int(k): (bytes(v[0]), int(v[1]), int(v[2])) for k, v in d["maybe"].items()},

@@ -24,7 +24,8 @@ from .._format import (manifest as _manifest, parse as _parse, perprocess as _pe
 from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError
 
-__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect", "fork_step"]
+__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect",
+           "fork_step"]
 
 REFERENCED = "REFERENCED"
 FORKS = "forks"

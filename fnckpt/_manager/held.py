@@ -32,7 +32,8 @@ import numpy as np
 from .._save import copies as _copies
 
 __all__ = ["LeafLayout", "HeldRecord", "HeldReport", "Choice", "layouts_of", "choose",
-           "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered", "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
+           "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered",
+           "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
 
 HOST_MAX_BYTES = 1 << 20   # host leaves travel through the coordination service
 _SCALARS = (bool, int, float, str, type(None))
@@ -79,7 +80,7 @@ class HeldRecord:
     return json.dumps(dataclasses.asdict(self)).encode()
 
   @staticmethod
-  def decode(raw: bytes) -> "HeldRecord":
+  def decode(raw: bytes) -> HeldRecord:
     d = json.loads(raw)
     return HeldRecord(int(d["step"]), int(d["process"]), int(d["count"]), str(d["host"]),
                       str(d["layout"]), tuple(d["counts"]), *(
@@ -101,7 +102,7 @@ class HeldReport:
                       for s, (d, c, held) in self.steps.items()}}
 
   @staticmethod
-  def from_json(d: dict) -> "HeldReport":
+  def from_json(d: dict) -> HeldReport:
     return HeldReport(int(d["process"]), str(d["host"]), {
         int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2]))
         for s, v in d["steps"].items()})

@@ -290,7 +290,7 @@ class CheckpointManager:
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
-  def fork(self, step: int, directory: str) -> "CheckpointManager":
+  def fork(self, step: int, directory: str) -> CheckpointManager:
     """A new run in ``directory`` whose newest step is this run's durable ``step``, its data
     not copied but referred to (the fork is recorded under ``<run>/forks/``, so retention
     keeps that data); returns its manager, with these options but no local tier (collective).
@@ -377,7 +377,7 @@ class CheckpointManager:
     if self._closed:
       raise CheckpointError(f"The CheckpointManager of {self.directory!r} is closed.")
 
-  def __enter__(self) -> "CheckpointManager":
+  def __enter__(self) -> CheckpointManager:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:

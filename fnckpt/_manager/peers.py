@@ -19,7 +19,6 @@ import base64
 import time
 import warnings
 import zlib
-from functools import partial
 from typing import Any, Sequence
 
 import jax

@@ -153,7 +153,7 @@ def check_separate(local_root: str, local_options: dict[str, Any] | None, durabl
   Traceback (most recent call last):
   ...
   fnckpt._errors.CheckpointError: local_directory '/tmp/run' is the durable directory '/tmp/run' or overlaps it; each durable copy would delete the step it copies. Pass a local_directory outside it (e.g. a tmpfs or NVMe path).
-  """
+  """  # noqa: E501 (a doctest's expected error)
   (a_store, a), (b_store, b) = (_spec_key(local_root, local_options),
                                 _spec_key(durable_root, durable_options))
   if a_store == b_store and (a.startswith(b) or b.startswith(a)):
@@ -205,7 +205,8 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     commit, keys = _checked_source(src, src_path, dst_path)
     _paths.clear(dst, first=(_manifest.COMMIT,))
     copied = _copy_keys(src, dst, keys, concurrency, max_bytes)
-    if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed meanwhile
+    if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed
+                                                                # meanwhile
       raise DamagedError(f"{_paths.display(src_path)!r} was saved again while being copied; "
                          "the copy was not committed.")
     manifest = bytes(src.read(_manifest.MANIFEST).result().value)  # checked against commit above

@@ -399,8 +399,8 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
   >>> _ = fnckpt.save({"w": jnp.arange(8.0)}, f"{d}/c").wait()
-  >>> target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32,
-  ...                                     sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+  >>> target = {"w": jax.ShapeDtypeStruct(
+  ...     (8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """

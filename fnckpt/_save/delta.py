@@ -274,7 +274,7 @@ class Delta:
     with self._lock:
       self._writes.append(fut)
 
-  def _pool(self) -> "_Workers":
+  def _pool(self) -> _Workers:
     if self._executor is None:
       self._executor = _Workers(HASH_THREADS, "fnckpt-hash")
     return self._executor
@@ -324,7 +324,7 @@ class Delta:
     finally:
       done()
 
-  def _in_order(self) -> "_Workers":
+  def _in_order(self) -> _Workers:
     """One thread hashing pack chunks' spans in the order they were written."""
     if self._ordered is None:
       self._ordered = _Workers(1, "fnckpt-hash-pack")

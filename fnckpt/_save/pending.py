@@ -114,7 +114,7 @@ def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
 
 
 def open_pending(base: Any, handle: Any, session: Any, kv_spec: dict, storage_options: Any,
-                 location: str) -> "Pending | None":
+                 location: str) -> Pending | None:
   """The in-flight base of a new save, or None (a committed base: read it as usual).
   ``handle``: None (look in this process's saves; with several processes process 0's view
   decides, collectively), False (committed), a SaveHandle or True (in flight, decided by the

@@ -570,7 +570,7 @@ def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
     try:
       staged = _charge(budget, CHUNK_COST * n, writer, make)
     except BaseException as e:
-      raise _at(e, plan.records[i].path)
+      raise _at(e, plan.records[i].path)  # noqa: B904
     handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
     writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, expect))
 

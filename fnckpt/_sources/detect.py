@@ -3,8 +3,9 @@
 :func:`open_foreign` finds what a location holds (after fnckpt's own reader found no commit
 marker, manifest or data there; probes are empty byte-range reads, existence only): an Orbax
 PyTree checkpoint (``_METADATA``: an item directory; ``_CHECKPOINT_METADATA``: a step
-directory of a ``CheckpointManager`` or ``ocp.v1`` save holding one PyTree item), a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
-directory of ``.safetensors`` files. It returns an :class:`Opened`: the leaves as validated
+directory of a ``CheckpointManager`` or ``ocp.v1`` save holding one PyTree item), a
+``.safetensors`` file, a ``model.safetensors.index.json``, or a directory of ``.safetensors``
+files. It returns an :class:`Opened`: the leaves as validated
 :class:`fnckpt._format.records.Manifest` records, the same records fnckpt's manifests give (so
 restore's matching, tree checks, budget and placement are shared), and a reader of array
 slices (``slice_reader(rec)(index, batch)`` -> a future of the slice;

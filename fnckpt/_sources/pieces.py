@@ -63,7 +63,7 @@ class SliceReader:
     self.chunk = leaf.pieces.chunks
     self.grid = tuple(-(-n // c) for n, c in zip(leaf.shape, self.chunk))
 
-  def __call__(self, index: Index, batch: ts.Batch | None = None) -> "_Pending":
+  def __call__(self, index: Index, batch: ts.Batch | None = None) -> _Pending:
     shape = tuple(b - a for a, b in index)
     parts = self.parts(index) if all(shape) else []
     reads = _merged(parts)
@@ -152,7 +152,8 @@ def _merged(parts: list[_Part]) -> list[list[int]]:
   other in one pack are one range (a writer's chunks of a slice of whole chunks lie back to
   back: a read of a writer's whole run is one range, checked against its hash).
 
-  >>> _merged([_Part(0, 0, 8, (), (), ()), _Part(0, 8, 16, (), (), ()), _Part(1, 16, 24, (), (), ())])
+  >>> _merged([_Part(0, 0, 8, (), (), ()), _Part(0, 8, 16, (), (), ()),
+  ...          _Part(1, 16, 24, (), (), ())])
   [[0, 0, 16], [1, 16, 24]]
   """
   reads: list[list[int]] = []

@@ -80,7 +80,7 @@ class Region:
   """Elements ``index`` of ``leaf`` to read, charged ``cost`` bytes (the caller's rule);
   ``tag`` is the caller's, handed back with the data. Regions of one leaf in one call are
   disjoint."""
-  leaf: "StoredLeaf"
+  leaf: StoredLeaf
   index: Index
   cost: int
   tag: Any = None
@@ -144,7 +144,7 @@ class StoredLeaf:
 class _Inline(StoredLeaf):
   decoded: list = dataclasses.field(default_factory=list)   # [the value], once a block is read
 
-  def start(self, index: Index, batch: ts.Batch | None) -> "_Done":
+  def start(self, index: Index, batch: ts.Batch | None) -> _Done:
     assert self.rec is not None
     if index == tuple((0, n) for n in self.shape):
       return _Done(_leaves.inline_array(self.rec))   # a fresh copy, bools checked

@@ -440,8 +440,9 @@ class _Raw:
   def __init__(self, kv: ts.KvStore, t: Tensor, starts: list[int], run: int, batch):
     self.t, self.run = t, run
     self.data: bytearray | None = None
-    self.futs: list[ts.Future | None] = [_read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
-                 for s in starts] if run else []
+    self.futs: list[ts.Future | None] = [
+        _read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
+        for s in starts] if run else []
 
   def bytes(self) -> bytearray:
     if self.data is None:
@@ -492,7 +493,7 @@ class _Group:
     self.started = False
     self.error: Exception | None = None
 
-  def add(self, index) -> "_Member":
+  def add(self, index) -> _Member:
     member = _Member(self, index)
     self.members.append(member)
     return member

@@ -1,9 +1,9 @@
 """``fnckpt verify PATH``: read every chunk of a checkpoint once (or of every committed step
 of a run directory) through the one reader, checking crc32c checksums, bool bytes, per-process
-values and, on the same bytes, content hashes (format 3: XXH3-128 of every stored chunk, packed leaf and pieces
-run; format 2: SHA-256 where an incremental save recorded them); every problem is reported,
-naming the leaf and its storage path. A checkpoint without content hashes is checked by its
-checksums only, and says so."""
+values and, on the same bytes, content hashes (format 3: XXH3-128 of every stored chunk, packed
+leaf and pieces run; format 2: SHA-256 where an incremental save recorded them); every problem
+is reported, naming the leaf and its storage path. A checkpoint without content hashes is
+checked by its checksums only, and says so."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class _Unit:
                                                                          self.grid))
 
 
-def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
+def _units(src: _source.Source, hashes: _Hashes) -> list[_Unit]:
   """Every stored array (by write chunks where ``hashes`` checks them), then every pack."""
   manifest = src.manifest
   units = []
@@ -155,7 +155,7 @@ def _open_text(e: BaseException) -> str:
   return str(e) if isinstance(e, CheckpointError) else cause(e)
 
 
-def _verify_arrays(src: _source.Source, quiet: bool, hashes: "_Hashes") -> list[str]:
+def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[str]:
   """Every stored array and pack read once, all in one window, block by block in order (each
   inner chunk checked by its crc32c inside the read), each landed block handed to ``hashes``;
   a unit that cannot be opened is a problem, its blocks not enumerated (nor hash-checked)."""
@@ -314,7 +314,7 @@ class _Hashes:
     assert rec.hash is not None   # (only hashed leaves are planned)
     if rec.packed is not None:
       lo, n = rec.packed.offset, rec.nbytes
-      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "
+      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "  # noqa: E731
                             f"to the recorded {alg.name}")
       return [(rec.packed.pack, _Item(lo, lo + rec.packed.nbytes, rec.hash, rec, 0, text))]
     if rec.pieces is not None:
