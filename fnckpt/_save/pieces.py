@@ -150,10 +150,11 @@ class Planner:
     """The chunks of ``leaf`` this process writes, back to back from ``start`` plus its place
     in the region (``start`` None: from 0, a run on its own)."""
     out = []
-    assert self.layout is not None and self.regions is not None
     if start is None:
+      assert self.layout is not None
       chunks, at, start = self.layout.mine(leaf.index, me)[0], 0, 0
     else:
+      assert self.regions is not None
       chunks, at = self.regions.mine(leaf.index, me)
     units = _units(leaf)
     if [n for n, _ in units] != chunks.tolist():
