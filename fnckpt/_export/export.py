@@ -106,6 +106,7 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
       os.mkdir(tmp)
       for f in p.files:
         _write_file(src, f, os.path.join(tmp, f.name), window, target)
+      assert p.index is not None   # (sharded output)
       _write_bytes(os.path.join(tmp, _export_plan.INDEX_NAME), p.index, target)
     _publish(tmp, target, overwrite)
   except BaseException:  # clean up (best effort: never in place of the error being raised)
@@ -138,7 +139,8 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
 # A smaller read window would read in pieces too small to finish in reasonable time.
 MIN_WINDOW_BYTES = 64 << 10
 
-_EXPORT_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
+_EXPORT_NAME = re.compile(
+    r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
 
 
 def _check_target(target: str, overwrite: bool) -> None:
@@ -187,7 +189,7 @@ def _write_file(src: _source.Source, f: _export_plan.OutFile, path: str,
                                f"{t.begin + piece.start * _records.itemsize(t.dtype)}")
         data = piece.data if piece.data.dtype.name == t.dtype else _leaves.cast(
             piece.data, _records.np_dtype(t.dtype), t.leaf.where)
-        written += fh.write(_to_bytes(data))
+        written += fh.write(_to_bytes(data))  # type: ignore[arg-type]  # (numpy's stubs)
         since_trim += data.nbytes
         if since_trim >= window.limit:
           since_trim = _give_back_freed_memory()

@@ -57,6 +57,7 @@ class Tensor:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    assert self.leaf.shape is not None
     return tuple(self.leaf.shape)
 
 
@@ -154,7 +155,7 @@ def _is_float(name: str) -> bool:
 
 def _out_dtype(leaf: _records.Leaf, cast: str | None) -> str | None:
   """The dtype written for an array leaf: the cast for floating leaves, else its own."""
-  if cast is not None and _is_float(leaf.dtype):
+  if cast is not None and leaf.dtype is not None and _is_float(leaf.dtype):
     return cast
   return leaf.dtype if leaf.dtype in SAFETENSORS_DTYPES else None
 
@@ -179,8 +180,9 @@ def _meta_value(leaf: _records.Leaf) -> str | None:
   if leaf.kind == "bigint":
     return str(leaf.value)  # values are strings (the safetensors library refuses numbers)
   if leaf.kind == "npscalar":
+    assert leaf.dtype is not None
     dt = _records.np_dtype(leaf.dtype)
-    if not (np.issubdtype(dt, np.integer) or _is_float(dt.name) or dt == bool):
+    if not (np.issubdtype(dt, np.integer) or _is_float(dt.name) or dt == bool):  # noqa: E721
       return None
     return json.dumps(np.frombuffer(leaf.value, dtype=dt)[0].item())
   if leaf.kind == "scalar" and leaf.type in ("bool", "int", "float", "str"):

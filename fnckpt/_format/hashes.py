@@ -61,11 +61,11 @@ def update(h: Any, a: np.ndarray) -> None:
   if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not np.little_endian):
     a = a.astype(a.dtype.newbyteorder("<"))
   if a.flags.c_contiguous:
-    h.update(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    h.update(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")  # type: ignore[arg-type]  # (numpy's stubs)
     return
   # Blocks of whole leading rows, each copied (numpy drops the GIL) then hashed.
   row = a[0].nbytes if a.ndim and a.shape[0] else a.nbytes
   step = max(1, _BLOCK // max(row, 1))
   for start in range(0, a.shape[0], step):
     block = np.ascontiguousarray(a[start:start + step])
-    h.update(memoryview(block.reshape(-1).view(np.uint8)))
+    h.update(memoryview(block.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # (numpy's stubs)

@@ -31,7 +31,8 @@ def dtype_of(name: str) -> np.dtype:
   try:
     return np.dtype(jnp.dtype(name))
   except TypeError:
-    raise CheckpointError(f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
+    raise CheckpointError(
+        f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
 
 
 def is_key_array(x: Any) -> bool:
@@ -45,7 +46,7 @@ def sharding_record(sharding: Any) -> _records.Sharding | None:
   if sharding is None:
     return None
   if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for entry in sharding.spec:
       if entry is None or isinstance(entry, str):
         spec.append(entry)
@@ -89,9 +90,10 @@ def host_bytes(data: Any) -> bytes:
   return to_little_endian(np.ascontiguousarray(host)).tobytes()
 
 
-def inline_array(leaf: "_records.Leaf") -> np.ndarray:
+def inline_array(leaf: _records.Leaf) -> np.ndarray:
   """An inline array leaf's value: a writable copy (results must be writable like read ones;
   ``frombuffer`` over bytes is read-only)."""
+  assert leaf.inline is not None and leaf.dtype is not None
   return checked_bools(np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(
       leaf.shape).copy(), leaf)
 
@@ -116,7 +118,7 @@ def cast(host: np.ndarray, dtype: Any, where: str) -> np.ndarray:
                           "Convert it to a type numpy can cast first.") from None
 
 
-def checked_bools(host: np.ndarray, leaf: "_records.Leaf") -> np.ndarray:
+def checked_bools(host: np.ndarray, leaf: _records.Leaf) -> np.ndarray:
   """``host`` unchanged, unless it is a bool array viewed from stored bytes holding a byte
   other than 0 and 1: numpy and JAX would give such a value inconsistent results (it is
   neither ``True`` nor ``False`` bitwise), so it is damage, named by the leaf's key path.
@@ -228,7 +230,7 @@ def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
     if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(1 << 63) <= leaf < (1 << 64):
       return _records.Leaf(index, path, "bigint", value=int(leaf))
     t = type(leaf)
-    base = next(b for b in _SCALARS if isinstance(leaf, b))
+    base: type = next(b for b in _SCALARS if isinstance(leaf, b))
     return _records.Leaf(index, path, "scalar", type=base.__name__, value=base(leaf),
                          subtype=None if t is base else f"{t.__module__}.{t.__qualname__}")
   if isinstance(leaf, np.random.Generator):
@@ -238,14 +240,16 @@ def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
   raise _unsupported(path, leaf)
 
 
-def decode_value(leaf: "_records.Leaf") -> Any:
+def decode_value(leaf: _records.Leaf) -> Any:
   """A non-array leaf's value from its validated record."""
   kind = leaf.kind
   if kind == "empty":
+    assert leaf.type is not None
     return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.type]
   if kind in ("scalar", "bigint"):
     return leaf.value
   if kind == "npscalar":
+    assert leaf.dtype is not None
     return checked_bools(np.frombuffer(leaf.value, dtype=dtype_of(leaf.dtype)), leaf)[0]
   if kind == "npgen":
     state = _unplain(leaf.value)

@@ -14,8 +14,9 @@ import msgpack
 from . import parse as _parse, records as _records
 from .._errors import CheckpointError, DamagedError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READ_VERSION", "MANIFEST", "COMMIT", "DATA_DIR", "encode", "decode",
-           "pack", "encode_commit", "decode_commit", "digest", "check_msgpackable"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READ_VERSION", "MANIFEST", "COMMIT", "DATA_DIR",
+           "encode", "decode", "pack", "encode_commit", "decode_commit", "digest",
+           "check_msgpackable"]
 
 FORMAT_NAME = "fnckpt"
 FORMAT_VERSION = 3          # the format save writes

@@ -184,9 +184,9 @@ def parse(m: Any, location: str, reader_version: int) -> Manifest:
     raw = _list(top["leaves"], "'leaves'")
   except _Bad as e:  # "it lacks 'data'", "its 'created' must be ..."
     raise _error(location, str(e) if e.whole else f"its {e}") from None
-  leaves = []
-  context = _Context(version=version, packs=packs, bases=bases, meshes=meshes, hash_bytes=hash_bytes,
-                     heads={})
+  leaves: list[Leaf] = []
+  context = _Context(version=version, packs=packs, bases=bases, meshes=meshes,
+                     hash_bytes=hash_bytes, heads={})
   for i, rec in enumerate(raw):
     try:
       leaves.append(_leaf(i, rec, context))
@@ -212,7 +212,7 @@ def _meshes(v: Any, nproc: int) -> tuple[np.ndarray, ...]:
   for m, entry in enumerate(_list(v, "'meshes'", 1 << 16)):
     _list(entry, f"'meshes'[{m}]", 1 << 24)
     _req(all(type(x) is int and 0 <= x < nproc for x in entry),
-         lambda: f"'meshes'[{m}] must list process indices in [0, {nproc})")
+         lambda: f"'meshes'[{m}] must list process indices in [0, {nproc})")  # noqa: B023
     a = np.array(entry, np.int64)
     a.flags.writeable = False
     out.append(a)
@@ -223,11 +223,16 @@ def _check_pieces(location: str, leaves: Sequence[Leaf], packs: tuple[Pack, ...]
                   meshes: tuple[np.ndarray, ...], nproc: int, regions: bool = True) -> Any:
   """The layout of the pieced leaves; with ``regions`` (format 2), every writer's region
   inside its pack."""
-  todo = [_pieces.PieceLeaf(index=l.index, mesh=l.pieces.mesh, axis_sizes=l.sharding.sizes,
-                            dim_axes=l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
-                            shift=_pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
-                            chunk=l.pieces.chunks, nbytes=math.prod(l.pieces.chunks) * itemsize(l.dtype))
-          for l in leaves if l.pieces is not None]
+  todo = []
+  for l in leaves:
+    if l.pieces is None:
+      continue
+    assert l.sharding is not None and l.shape is not None   # (a pieced leaf's, checked)
+    todo.append(_pieces.PieceLeaf(
+        index=l.index, mesh=l.pieces.mesh, axis_sizes=l.sharding.sizes,
+        dim_axes=l.sharding.dim_axes + ((),) * (len(l.shape) - len(l.sharding.spec)),
+        shift=_pieces.shift_of(l.index, l.sharding.sizes, l.sharding.dim_axes),
+        chunk=l.pieces.chunks, nbytes=math.prod(l.pieces.chunks) * itemsize(l.dtype)))
   if not todo:
     return None
   try:
@@ -314,7 +319,7 @@ def parse_values(m: Any, where: str) -> tuple[Leaf, ...]:
     for i, rec in enumerate(raw):
       leaf = _leaf(i, rec, _Context(version=2))
       _req(leaf.kind != "perprocess" and leaf.stored is None,
-           lambda: f"leaf #{i} must hold its value inline")
+           lambda: f"leaf #{i} must hold its value inline")  # noqa: B023
       leaves.append(leaf)
     _check_tree([l.path for l in leaves])
   except (_Bad, TypeError, ValueError, KeyError, OverflowError) as e:
@@ -341,7 +346,7 @@ def _bases(v: Any) -> tuple[Base, ...]:
     _keys(b, f"'bases'[{i}]", ("dir", "data"))
     data = _str(b["data"], f"'bases'[{i}].data", 64)
     _req(_DATA_NAME.fullmatch(data) is not None,
-         lambda: f"'bases'[{i}].data must be data-<32 hex digits>, found {_short(data)}")
+         lambda: f"'bases'[{i}].data must be data-<32 hex digits>, found {_short(data)}")  # noqa: B023
     out.append(Base(check_rel(b["dir"], f"'bases'[{i}].dir"), data))
   _req(len(set(out)) == len(out), "'bases' entries must be distinct")
   return tuple(out)
@@ -398,11 +403,11 @@ def _path(p: Any) -> tuple[tuple[str, Any], ...]:
   out = []
   for e in p:
     _req(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[0] in PATH_KINDS,
-         lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "
+         lambda: f"key path entry {_short(e)} must be [kind, key] with kind one of "  # noqa: B023
          f"{sorted(PATH_KINDS)}")
     kind, key = e
     problem = key_problem(kind, key)
-    _req(not problem, lambda: f"key path entry {_short(e)} is {problem}")
+    _req(not problem, lambda: f"key path entry {_short(e)} is {problem}")  # noqa: B023
     out.append((kind, key))
   return tuple(out)
 
@@ -434,7 +439,7 @@ def _leaf(i: int, rec: Any, context: _Context) -> Leaf:
   if kind == "bigint":
     _keys(rec, "it", common + ("value",))
     v = _str(rec["value"], "'value'", MAX_BIGINT_DIGITS + 1)
-    _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,
+    _req(re.fullmatch(r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v) is not None,  # noqa: UP031
          "'value' must be a decimal integer")
     return Leaf(i, path, kind, value=int(v))
   if kind == "npscalar":
@@ -542,6 +547,7 @@ def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
     impl = rec.get("impl")
     _req(impl in PRNG_IMPLS if isinstance(impl, str) else False,
          lambda: f"PRNG implementation {_short(impl)} is not one of {sorted(PRNG_IMPLS)}")
+    assert isinstance(impl, str)
     _req(dtype == "uint32" and len(shape) >= 1 and shape[-1] == PRNG_IMPLS[impl],
          lambda: f"key data of {impl} must be uint32[..., {PRNG_IMPLS[impl]}]")
   sharding = _sharding(rec["sharding"], len(shape), meshes)
@@ -552,6 +558,7 @@ def _array_head(rec: dict, version: int, meshes: tuple[np.ndarray, ...]
 
 def _stored_leaf(leaf: Leaf, rec: dict, version: int, bases: tuple[Base, ...], hash_bytes: int) -> Leaf:
   """A stored array's record: its ``store`` and chunk hashes (required in format 3)."""
+  assert leaf.shape is not None and leaf.dtype is not None   # (an array leaf's)
   stored = _stored(rec["store"], leaf.shape, leaf.dtype, version, bases)
   _req(version < 3 or "chunk_hashes" in rec,
        f"it lacks 'chunk_hashes' (format {version}: every stored array has them)")
@@ -598,6 +605,7 @@ def _pieced(p: Any, shape: tuple[int, ...], sharding: Sharding | None, version: 
                  for c in _list(p["chunks"], "'pieces'.chunks", MAX_DIMS))
   _req(sharding is not None and sharding.mesh is not None,
        "a pieced array needs a named 'sharding' with 'mesh'")
+  assert sharding is not None and sharding.mesh is not None
   grid = [math.prod(sharding.sizes[a] for a in axes) for axes in sharding.dim_axes]
   grid += [1] * (len(shape) - len(grid))
   implied = tuple(n // g for n, g in zip(shape, grid))
@@ -661,11 +669,12 @@ def _sharding(s: Any, ndim: int, meshes: tuple[np.ndarray, ...] = ()) -> Shardin
   _req(len(axes) == len(sizes) and len(set(axes)) == len(axes),
        "'sharding' axes must be distinct and have one size each")
   _req(math.prod(sizes) <= 1 << 24, "'sharding' mesh is too large")
-  spec, used = [], []
+  spec: list[Any] = []
+  used: list[str] = []
   for e in _list(s["spec"], "'sharding'.spec", ndim):
     names = [] if e is None else [e] if isinstance(e, str) else e
     _req(isinstance(names, list) and all(isinstance(n, str) for n in names),
-         lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")
+         lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them")  # noqa: B023
     used.extend(names)
     spec.append(e if not isinstance(e, list) else tuple(e))
   _req(all(n in axes for n in used) and len(set(used)) == len(used),
@@ -702,7 +711,7 @@ def _plain_ok(v: Any, depth: int) -> None:
       return
     if "__int__" in v:
       _req(isinstance(v["__int__"], str) and re.fullmatch(
-          r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v["__int__"]) is not None,
+          r"-?[0-9]{1,%d}" % MAX_BIGINT_DIGITS, v["__int__"]) is not None,  # noqa: UP031
           "a tagged int must be a decimal string")
       return
     for k, x in v.items():
@@ -727,7 +736,7 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
     for depth, (kind, key) in enumerate(path):
       group = "seq" if kind in ("seq", "flat") else "map"
       _req(groups.setdefault(node, group) == group,
-           lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")
+           lambda: f"{keystr(path[:depth])} mixes sequence and mapping children")  # noqa: B023
       child = ids.get((node, key if group == "map" else ("#", key)))
       if child is None:
         child = ids[(node, key if group == "map" else ("#", key))] = len(depth_of)
@@ -735,11 +744,11 @@ def _check_tree(paths: Sequence[tuple[tuple[str, Any], ...]]) -> None:
         if group == "seq":
           indices.setdefault(node, []).append(key)
       node = child
-    _req(node not in leaves, lambda: f"key path {keystr(path)} appears twice")
+    _req(node not in leaves, lambda: f"key path {keystr(path)} appears twice")  # noqa: B023
     leaves.add(node)
   for node in groups:
     _req(node not in leaves,
-         lambda: f"a leaf is also a parent of other leaves (at depth {depth_of[node]})")
+         lambda: f"a leaf is also a parent of other leaves (at depth {depth_of[node]})")  # noqa: B023
   for node, group in groups.items():
     if group == "seq":
       idx = sorted(indices[node])

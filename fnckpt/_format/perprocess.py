@@ -48,7 +48,8 @@ def values_key(data_dir: str, process: int) -> str:
 def encode(items: Sequence[tuple[_tree.Path, PerProcess]]) -> bytes:
   """This process's per-process values -> the bytes of its ``pp/<process>`` file (one
   error listing every value that cannot be stored)."""
-  records, problems = [], []
+  records: list[_records.Leaf] = []
+  problems: list[str] = []
   for path, pp in items:
     for sub, leaf in _tree.flatten(pp.value)[0]:
       try:
@@ -127,4 +128,4 @@ def _value(leaf: _records.Leaf) -> Any:
   if not leaf.is_array:
     return _leaves.decode_value(leaf)
   host = _leaves.inline_array(leaf)
-  return jax.random.wrap_key_data(host, impl=leaf.impl) if leaf.kind == "key" else host
+  return jax.random.wrap_key_data(host, impl=leaf.impl) if leaf.kind == "key" else host  # type: ignore[arg-type]

@@ -282,6 +282,7 @@ def _encode_leaf(l: Leaf) -> dict[str, Any]:
     if kind == "key":
       rec["impl"] = l.impl
     rec["source"], rec["dtype"] = l.source, l.dtype
+    assert l.shape is not None
     rec["shape"], rec["sharding"] = list(l.shape), _encode_sharding(l.sharding)
     if l.inline is not None:
       rec["inline"] = l.inline
@@ -322,7 +323,7 @@ def _encode_sharding(s: Sharding | None) -> dict[str, Any] | None:
     return {"type": "single"}
   if s.type != "named":
     return {"type": s.type, "devices": s.devices}
-  out = {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
+  out: dict[str, Any] = {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
          "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]}
   if s.mesh is not None:
     out["mesh"] = s.mesh
@@ -333,7 +334,8 @@ _BLOSC_KEYS = tuple(BLOSC)       # "cname", "clevel", "shuffle": the order save 
 
 
 def _encode_stored(s: Stored) -> dict[str, Any]:
-  out = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner), "zstd": s.zstd}
+  out: dict[str, Any] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
+                         "zstd": s.zstd}
   if s.blosc is not None:
     b = dict(s.blosc)
     out["blosc"] = {**{k: b[k] for k in _BLOSC_KEYS if k in b}, **b}

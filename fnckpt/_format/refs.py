@@ -45,7 +45,7 @@ def array_digest(host: np.ndarray) -> bytes:
   a = np.ascontiguousarray(host)
   if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
     a = a.astype(a.dtype.newbyteorder("<"))
-  return digest(memoryview(a.reshape(-1).view(np.uint8)))
+  return digest(memoryview(a.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # (numpy)
 
 
 # --- where things are -------------------------------------------------------------------------
@@ -168,7 +168,9 @@ def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
   target = base_loc.path if k is None else resolve(base_loc, base.bases[k].dir, base_loc.path)
   if target == new_loc.path:
     return None  # the new checkpoint's own path (overwrite=True): its old data goes
-  return _records.Base(relative(target, start), base.data if k is None else base.bases[k].data)
+  data = base.data if k is None else base.bases[k].data
+  assert data is not None   # (a comparable base, format 3, names its data directory)
+  return _records.Base(relative(target, start), data)
 
 
 def comparable(base: _records.Manifest) -> bool:
@@ -206,6 +208,7 @@ def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
         continue
       where = _rebased(base, base_loc, new_loc, old.stored.base)
       if where is not None:
+        assert old.chunk_hashes is not None   # (a hashed stored leaf's)
         stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes)
     elif rec.pieces is not None and old.pieces is not None:
       got = _run_cand(base=base, old=old, rec=rec, i=i, meshes=meshes, base_loc=base_loc, new_loc=new_loc)
@@ -254,12 +257,15 @@ def _run_cand(base: _records.Manifest, old: _records.Leaf, rec: _records.Leaf, i
               ) -> RunCand | None:
   """The base's runs of a pieced leaf whose chunks land on the same writers as ``rec``'s."""
   a, b = old.sharding, rec.sharding
+  assert old.pieces is not None and rec.pieces is not None and rec.shape is not None
+  assert a is not None and b is not None and a.mesh is not None and b.mesh is not None
   if old.pieces.chunks != rec.pieces.chunks or not same_split(a, b, len(rec.shape)) or (
       not np.array_equal(base.meshes[a.mesh], meshes[b.mesh])):
     return None
   dims = split_of(b, len(rec.shape))
   if _pieces.shift_of(old.index, b.sizes, dims) != _pieces.shift_of(i, b.sizes, dims):
     return None   # rule 1 depends on the leaf's index: its writers moved
+  assert old.pieces.runs is not None and old.pieces.hashes is not None   # (format 3)
   got = np.frombuffer(old.pieces.runs, dtype=[("pack", "<u4"), ("offset", "<u8")])
   n = _hashes.NBYTES
   runs = {}
@@ -319,7 +325,7 @@ class Report:
             "segments": [list(s) for s in self.segments]}
 
   @staticmethod
-  def from_msgpack(d: Mapping[str, Any]) -> "Report":
+  def from_msgpack(d: Mapping[str, Any]) -> Report:
     return Report({int(k): {int(p): bytes(h) for p, h in v} for k, v in d["chunks"].items()},
                   set(d["changed"]), {int(k): bytes(v) for k, v in d["packed"].items()},
                   {int(k): (bytes(v[0]), int(v[1]), int(v[2])) for k, v in d["maybe"].items()},
@@ -386,6 +392,7 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
 def _stored_hashes(rec: _records.Leaf, hashes: Mapping[int, bytes], cand: StoredCand | None,
                    changed: bool, bases: _Bases, location: str) -> _records.Leaf:
   """A stored leaf's record with its chunk hashes (and its base's data when reused)."""
+  assert rec.shape is not None and rec.stored is not None
   grid = [-(-n // c) for n, c in zip(rec.shape, rec.stored.chunks)]
   n = int(np.prod(grid)) if all(rec.shape) else 0
   if sorted(hashes) != list(range(n)):
@@ -426,6 +433,7 @@ class _Placer:
     """(pack index, offset) of an item a writer placed (``seg`` -1: reused from ``cand``)."""
     if seg >= 0:
       return self.segment[(proc, seg)], offset
+    assert cand is not None
     return self.reused(cand), cand.offset
 
 

@@ -53,6 +53,7 @@ def pieces_runs(manifest: Manifest, leaf: Leaf) -> tuple[np.ndarray, np.ndarray]
   [[1, 0], [64, 8]]
   """
   del manifest  # (the runs are the record's own; the manifest's packs are what they index)
+  assert leaf.pieces is not None and leaf.pieces.runs is not None
   runs = np.frombuffer(leaf.pieces.runs, dtype=RUN)
   return runs["pack"].astype(np.int64), runs["offset"].astype(np.int64)
 
@@ -63,6 +64,7 @@ def writer_runs(manifest: Manifest, leaf: Leaf) -> list[Run]:
   procs = writers(manifest, leaf)
   counts = group(manifest, leaf).counts[procs]
   size = manifest.layout.leaf(leaf.index).nbytes
+  assert leaf.pieces is not None
   if leaf.pieces.runs is not None:
     packs, starts = pieces_runs(manifest, leaf)
   else:
@@ -78,6 +80,7 @@ def locate(manifest: Manifest, leaf: Leaf, numbers: np.ndarray
   """(pack index, byte offset in it) of chunks ``numbers`` (C order over the chunk grid) of
   pieced ``leaf``: format 3 from its recorded runs, format 2 from the pieces regions."""
   numbers = np.asarray(numbers, np.int64)
+  assert leaf.pieces is not None
   if leaf.pieces.runs is None:
     procs, offsets = manifest.layout.locate(leaf.index, numbers)
     packs = np.array([manifest.pack_of(p) for p in procs.tolist()], np.int64)

@@ -66,7 +66,8 @@ def _entry(k: Any, kp: Any) -> PathEntry:
     if not isinstance(key, _KEY_TYPES) or isinstance(key, bool):
       raise CheckpointError(
           f"Unsupported dict key {key!r} (type {type(key).__name__}) at {tu.keystr(kp)}: "
-          "checkpoint keys must be str or int. Convert the dict's keys, e.g. {str(k): v for k, v in d.items()}.")
+          "checkpoint keys must be str or int. Convert the dict's keys, e.g. "
+          "{str(k): v for k, v in d.items()}.")
     return ("dict", key)
   if isinstance(k, tu.SequenceKey):
     return ("seq", int(k.idx))
@@ -124,7 +125,7 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
 
 def _check_path(path: Path, kp: Any) -> None:
   """A key path's depth and keys are ones a reader accepts (``kp``: the pytree key path)."""
-  where = lambda: jax.tree_util.keystr(kp)
+  where = lambda: jax.tree_util.keystr(kp)  # noqa: E731
   if len(path) > MAX_PATH_DEPTH:
     raise CheckpointError(
         f"The leaf at {where()[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
@@ -155,7 +156,7 @@ def unflatten_from_paths(paths: Sequence[Sequence[Sequence[Any]]], values: Seque
     if root is None:
       root = container(path[0][0])
     node = root
-    for i, (kind, key) in enumerate(path):
+    for i, (_kind, key) in enumerate(path):
       last = i == len(path) - 1
       child = value if last else container(path[i + 1][0])
       if isinstance(node, list):

@@ -2,9 +2,9 @@
 
 Every array leaf is a zarr3 array whose chunk grid is the write chunk (``_layout.chunks``), encoded
 with ``sharding_indexed`` (inner chunks; data and index each followed by ``crc32c``), optional
-``zstd`` or ``blosc``. Writers open with ``assume_metadata`` (no I/O) and write only their own chunks, each
-in its own transaction, so a chunk is written whole, once, never read back. Process 0 writes
-the ``zarr.json`` files. Readers also open with ``assume_metadata`` (the manifest carries
+``zstd`` or ``blosc``. Writers open with ``assume_metadata`` (no I/O) and write only their own
+chunks, each in its own transaction, so a chunk is written whole, once, never read back. Process
+0 writes the ``zarr.json`` files. Readers also open with ``assume_metadata`` (the manifest carries
 everything) and with ``fill_missing_data_reads: false``, so a missing chunk is an error,
 never zeros.
 """

@@ -31,7 +31,7 @@ from .._layout.shard import CRC_BYTES, ShardImage
 try:  # (a dependency; without it packs are written through TensorStore as before)
   import crc32c as _crc32c
 except ImportError:  # pragma: no cover
-  _crc32c = None
+  _crc32c = None  # type: ignore[assignment]
 
 __all__ = ["ALIGN", "local_root", "chunk_path", "aligned_size", "encode", "write_chunk",
            "write_file", "write_bytes"]
@@ -90,14 +90,14 @@ def encode(buf: np.ndarray, image: ShardImage) -> None:
   crcs = np.empty(image.stored, "<u4")
   for k in range(image.stored):
     at = k * step
-    crcs[k] = _crc32c.crc32c(buf[at:at + image.inner])
+    crcs[k] = _crc32c.crc32c(buf[at:at + image.inner])  # type: ignore[arg-type]  # (numpy's stubs)
   slots = buf[:image.index_offset].reshape(image.stored, step)[:, image.inner:]
   slots[:] = crcs.view(np.uint8).reshape(image.stored, CRC_BYTES)
   index = image.index().view(np.uint8).reshape(-1)
   at = image.index_offset
   buf[at:at + index.nbytes] = index
   end = at + index.nbytes
-  buf[end:end + CRC_BYTES] = np.array([_crc32c.crc32c(index)], "<u4").view(np.uint8)
+  buf[end:end + CRC_BYTES] = np.array([_crc32c.crc32c(index)], "<u4").view(np.uint8)  # type: ignore[arg-type]
   buf[image.size:] = 0   # (the aligned write's tail, truncated away: no stale bytes on disk)
 
 
@@ -129,7 +129,7 @@ def write_file(path: str, buf: np.ndarray, size: int) -> None:
   fd = _open(tmp)
   try:
     try:
-      _write_all(fd, memoryview(buf).cast("B"), size)
+      _write_all(fd, memoryview(buf).cast("B"), size)  # type: ignore[arg-type]  # (numpy's stubs)
       os.ftruncate(fd, size)
       os.fsync(fd)
     finally:

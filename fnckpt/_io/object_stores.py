@@ -196,7 +196,7 @@ def split_context_resources(spec: Mapping[str, Any]) -> tuple[dict[str, Any], di
   return spec, resources
 
 
-def _s3_settings(get: "_Lookup", url: str) -> dict[str, Any]:
+def _s3_settings(get: _Lookup, url: str) -> dict[str, Any]:
   out: dict[str, Any] = {}
   env_vars = ["FNCKPT_S3_ENDPOINT"]
   if get.env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":
@@ -234,7 +234,7 @@ def _s3_settings(get: "_Lookup", url: str) -> dict[str, Any]:
   return out
 
 
-def _aws_credentials(get: "_Lookup", url: str) -> dict[str, Any] | None:
+def _aws_credentials(get: _Lookup, url: str) -> dict[str, Any] | None:
   raw = get.raw("credentials", "FNCKPT_S3_CREDENTIALS")
   where = get.source("credentials", "FNCKPT_S3_CREDENTIALS")
   creds: dict[str, Any] | None

@@ -134,7 +134,7 @@ class Location:
   {'driver': 'memory', 'path': 'doc/loc/3/'}
   """
   path: str
-  options: Mapping[str, Any] = dataclasses.field(default_factory=_frozen, hash=False)
+  options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _frozen(None), hash=False)
 
   @classmethod
   def of(cls, path: str | os.PathLike[str] | Location,

@@ -29,7 +29,7 @@ def blocks(shape: Sequence[int], itemsize: int, limit: int,
   [((0, 2), (0, 3)), ((2, 4), (0, 3))]
   >>> list(blocks((2, 5), 4, 8))
   [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((0, 1), (4, 5)), ((1, 2), (0, 2)), ((1, 2), (2, 4)), ((1, 2), (4, 5))]
-  """
+  """  # noqa: E501 (a doctest's expected output)
   shape = tuple(shape)
   if 0 in shape:
     return

@@ -585,4 +585,4 @@ def clear_plan_caches() -> None:
   tests that measure a first save)."""
   for cache in (_local_positions, _named_info, _cached_write_layout, _generic_layout,
                 _cached_plan_write, _read_groups):
-    cache.cache_clear()
+    cache.cache_clear()  # type: ignore[attr-defined]  # (each an lru_cache)

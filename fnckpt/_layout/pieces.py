@@ -218,10 +218,11 @@ def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes:
     total[group_of[k]] += leaf.nbytes
   region = np.zeros(processes, np.int64)
   limit = 1 << 62
-  for g, t in zip(groups, total):
-    if int(g.counts.max(initial=0)) * t > limit or int(region.max(initial=0)) + int(
-        g.counts.max(initial=0)) * t > limit:
+  for group, t in zip(groups, total):
+    if int(group.counts.max(initial=0)) * t > limit or int(region.max(initial=0)) + int(
+        group.counts.max(initial=0)) * t > limit:
       raise ValueError("a pieces region would exceed 2^62 bytes")
-    region += g.counts * t
-  return Layout(leaves=tuple(leaves), processes=processes, groups=tuple(groups), group_of=tuple(group_of), before=tuple(before), region=region,
+    region += group.counts * t
+  return Layout(leaves=tuple(leaves), processes=processes, groups=tuple(groups),
+                group_of=tuple(group_of), before=tuple(before), region=region,
                 position={leaf.index: k for k, leaf in enumerate(leaves)})

@@ -24,7 +24,8 @@ from .._format import (manifest as _manifest, parse as _parse, perprocess as _pe
 from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError
 
-__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect", "fork_step"]
+__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect",
+           "fork_step"]
 
 REFERENCED = "REFERENCED"
 FORKS = "forks"
@@ -204,6 +205,7 @@ def fork_step(run: _paths.Location, step: int, directory: str) -> str:
   new_bases = _rebase(manifest, src_loc, dst_loc)
   packs, leaves = manifest.packs, manifest.leaves
   if _owns_data(manifest):  # (the parent step's own data, if it has any)
+    assert manifest.data is not None
     new_bases.append(_records.Base(_refs.relative(src_loc.path, fork_run), manifest.data))
     packs, leaves = _point_at(manifest, len(new_bases) - 1)
   fork = _records.Fork(_refs.relative(run_loc.path, fork_run), step)
@@ -224,6 +226,7 @@ def fork_step(run: _paths.Location, step: int, directory: str) -> str:
   _paths.open_kvstore(fork_dir).write(LINEAGE, msgpack.packb(
       {"format": _manifest.FORMAT_NAME, "run": fork.run, "step": fork.step})).result()
   out = _paths.open_kvstore(dst)
+  assert forked.data is not None
   _copy_per_process(kv, out, manifest, forked.data)
   out.write(_manifest.MANIFEST, body).result()
   _check_parent_unchanged(kv, src_path, commit, forks, name)
@@ -274,6 +277,7 @@ def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manif
   """PerProcess values live under a checkpoint's own data: copy them (small)."""
   if not any(l.kind == "perprocess" for l in manifest.leaves):
     return
+  assert manifest.data is not None   # (format 2 on: per-process values live under it)
   for p in range(manifest.process_count):
     got = src.read(_perprocess.values_key(manifest.data, p)).result()
     if got.state == "value":

@@ -32,7 +32,8 @@ import numpy as np
 from .._save import copies as _copies
 
 __all__ = ["LeafLayout", "HeldRecord", "HeldReport", "Choice", "layouts_of", "choose",
-           "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered", "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
+           "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered",
+           "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
 
 HOST_MAX_BYTES = 1 << 20   # host leaves travel through the coordination service
 _SCALARS = (bool, int, float, str, type(None))
@@ -79,7 +80,7 @@ class HeldRecord:
     return json.dumps(dataclasses.asdict(self)).encode()
 
   @staticmethod
-  def decode(raw: bytes) -> "HeldRecord":
+  def decode(raw: bytes) -> HeldRecord:
     d = json.loads(raw)
     return HeldRecord(int(d["step"]), int(d["process"]), int(d["count"]), str(d["host"]),
                       str(d["layout"]), tuple(d["counts"]), *(
@@ -101,7 +102,7 @@ class HeldReport:
                       for s, (d, c, held) in self.steps.items()}}
 
   @staticmethod
-  def from_json(d: dict) -> "HeldReport":
+  def from_json(d: dict) -> HeldReport:
     return HeldReport(int(d["process"]), str(d["host"]), {
         int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2]))
         for s, v in d["steps"].items()})
@@ -144,7 +145,8 @@ def _array_layout(key: str, leaf: Any) -> LeafLayout | None:
   shape = tuple(int(n) for n in leaf.shape)
   owners: dict[tuple, set[int]] = {}
   for device, index in sharding.devices_indices_map(shape).items():
-    owners.setdefault(norm_index(index, shape), set()).add(device.process_index)
+    owners.setdefault(norm_index(index, shape), set()).add(
+        device.process_index)  # type: ignore[attr-defined]  # (jaxlib's Device)
   sizes = {tuple(b - a for a, b in i) for i in owners}
   if len(sizes) != 1:   # uneven shards: not supported
     return None
@@ -227,10 +229,10 @@ def choose(reports: Sequence[HeldReport], local_common: Sequence[int],
   >>> c.step, c.source, "process(es) 1 (host b)" in c.warning
   (20, 'durable', True)
   """
-  local, durable = set(local_common) - skipped, set(durable) - skipped
+  local, durable_steps = set(local_common) - skipped, set(durable) - skipped
   peers = {s for r in reports for s in r.steps
            if s not in skipped and covered(reports, s, layout)}
-  step = max(local | peers | durable, default=None)
+  step = max(local | peers | durable_steps, default=None)
   source = ("local" if step in local else "peers" if step in peers else "durable")
   newest = max({s for r in reports for s in r.steps} - skipped, default=None)
   warning = None
@@ -291,7 +293,7 @@ def stage(tree: Any, process: int) -> Staged | None:
   leaves = jax.tree_util.tree_leaves(tree)
   copies = _copies.Copies()
   pieces: dict[tuple[int, int], Any] = {}
-  held = []
+  held: list[tuple[int, ...]] = []
   for i, (layout, leaf) in enumerate(zip(layouts, leaves)):
     if layout.dtype == "host":
       pieces[(i, 0)] = _host_bytes(leaf)

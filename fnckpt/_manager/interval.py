@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 __all__ = ["optimal_interval_s", "mtbf_from_starts", "Cadence", "Schedule"]
 
@@ -137,7 +137,7 @@ class Cadence:
                        "the run directory; once two are recorded the MTBF is measured from them "
                        "and mtbf_s may be left out.")
     self._lock = threading.Lock()
-    self._interval = 1 if self.auto else int(interval_steps)
+    self._interval = 1 if self.auto else int(cast(int, interval_steps))
     self._costs: list[float] = []
     self._first: tuple[int, float] | None = None   # (step, time) of the first step seen
     self._last: tuple[int, float] | None = None
@@ -197,6 +197,7 @@ class Cadence:
     cost, step_s = self._measured()
     if not self.auto or cost is None or step_s is None:
       return self._interval
+    assert self.mtbf_s is not None   # ('auto' needs it: __init__)
     return max(1, round(optimal_interval_s(max(cost, 1e-6), self.mtbf_s) / step_s))
 
   def schedule(self) -> Schedule:

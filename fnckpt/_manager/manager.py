@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import jax
 import msgpack
@@ -135,7 +135,7 @@ class CheckpointManager:
     self._options = {k: v for k, v in locals().items()  # a fork's manager: the same options
                      if k not in ("self", "directory", "handle_preemption", "local_directory")}
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
-    incremental = _lineage.Incremental(incremental, full_every)
+    lineage = _lineage.Incremental(incremental, full_every)
     self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
                                           save_options)
     self.directory = _paths.display(directory)
@@ -159,7 +159,7 @@ class CheckpointManager:
                         cadence=self._cadence, preemption=self._preemption,
                         background=self._background, retention=self._retention,
                         save_options=self._save_options, timeout_s=self._timeout,
-                        incremental=incremental)
+                        incremental=lineage)
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -292,7 +292,7 @@ class CheckpointManager:
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
-  def fork(self, step: int, directory: str) -> "CheckpointManager":
+  def fork(self, step: int, directory: str) -> CheckpointManager:
     """A new run in ``directory`` whose newest step is this run's durable ``step``, its data
     not copied but referred to (the fork is recorded under ``<run>/forks/``, so retention
     keeps that data); returns its manager, with these options but no local tier (collective).
@@ -379,7 +379,7 @@ class CheckpointManager:
     if self._closed:
       raise CheckpointError(f"The CheckpointManager of {self.directory!r} is closed.")
 
-  def __enter__(self) -> "CheckpointManager":
+  def __enter__(self) -> CheckpointManager:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
@@ -398,7 +398,8 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _checked_options(best_n: int | None, best_metric: str | None, save_interval_steps: int,
+def _checked_options(best_n: int | None, best_metric: str | None,
+                     save_interval_steps: int | str,
                      save_options: Mapping[str, Any] | None) -> _save_options.SaveOptions:
   """The constructor's checks (the retention policy checks its own arguments); the options
   of every save (which replaces a leftover of its step: ``overwrite``)."""
@@ -479,7 +480,7 @@ def _cadence(save_interval_steps: int | str, mtbf_s: float | None, run: _paths.L
   starts (:mod:`fnckpt._manager.starts`); process 0 records this start once that is settled (call
   last in the constructor: a construction that fails records nothing)."""
   if save_interval_steps != "auto":
-    return _interval.Cadence(save_interval_steps, mtbf_s, "given")
+    return _interval.Cadence(cast(int, save_interval_steps), mtbf_s, "given")
   given = None if mtbf_s is None else _interval.Cadence(None, mtbf_s, "given")  # checks it
 
   def record() -> list[float]:

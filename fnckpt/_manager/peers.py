@@ -19,7 +19,6 @@ import base64
 import time
 import warnings
 import zlib
-from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -124,6 +123,7 @@ def restore(location: str, where: _paths.Location, step: int,
   """Collective: ``step`` restored into ``target`` from the processes' held shards, or None
   on every process (with a warning) when some process could not read its pieces."""
   layouts = _held.layouts_of(target)
+  assert layouts is not None   # (peers are chosen only for a target they can restore)
   layout = _held.digest(layouts)
   readers = _held.holders(reports, step, layout)
   p, n = jax.process_index(), jax.process_count()
@@ -157,7 +157,8 @@ def _uint(dtype: np.dtype) -> np.dtype:
 
 
 def _assemble(leaf: Any, layout: _held.LeafLayout, readers: list[int],
-              mine: dict[tuple[int, int], bytes], i: int, process: int) -> jax.Array:
+              mine: dict[tuple[int, int], bytes], i: int, process: int
+              ) -> tuple[jax.Array, np.dtype]:
   """The global array (unsigned view) on ``leaf``'s sharding: on each replica group, the
   reader's first device with the shard holds its bytes, every other device zeros."""
   sharding, dtype = leaf.sharding, np.dtype(leaf.dtype)

@@ -88,6 +88,7 @@ class Recovery:
       warnings.warn(choice.warning, RuntimeWarning, stacklevel=4)
     if choice.source != "peers":
       return None
+    assert choice.step is not None and self.local is not None   # (peers: a local tier's step)
     self.claims.wait_saved(choice.step)
     with self.claims.reading(choice.step):
       value = _peers.restore(self.index.root, self.local.index.at(choice.step), choice.step,
@@ -142,6 +143,7 @@ class Recovery:
       return _restore_at(self.index, step, target, kwargs)
 
   def _local_damaged(self, step: int, error: DamagedError) -> None:
+    assert self.local is not None
     try:
       _health.mark_step(self.local.index.location, step, str(error))
       self.local.index.forget(step)

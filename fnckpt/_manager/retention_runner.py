@@ -89,7 +89,8 @@ def delete_unclaimed(index: StepIndex, claims: StepClaims,
   (deleted steps, [(step, error)] for those that could not be deleted). ``keep(doomed)``: per
   step, its data directories that the steps left (or forks) refer to, which stay."""
   doomed = claims.claim_unprotected(choose)
-  deleted, failed = [], []
+  deleted: list[int] = []
+  failed: list[tuple[int, BaseException]] = []
   try:
     kept = keep(set(doomed)) if keep is not None and doomed else {}
     for step in doomed:

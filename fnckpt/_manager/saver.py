@@ -70,7 +70,8 @@ class Saver:
         _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
         _lineage.check_replace(index, self.claims, step,  # (do other steps refer to it?)
                                self.incremental)
-      busy = self.local.pending if self._copies() else self.claims.saving()
+      busy = (self.local.pending if self.local is not None and self._copies() else
+              self.claims.saving())
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
     # Decided on process 0 for all: every process calls the collective save, or none does.
@@ -83,6 +84,7 @@ class Saver:
     if not (durable or local):
       return None
     if durable and self._copies():  # back-pressure: one durable copy pending at a time
+      assert self.local is not None
       self.cadence.waited(self.local.wait_copied())
     return self._start(step, tree, self._where(durable), metadata, durable)
 
@@ -167,6 +169,7 @@ class Saver:
     return _pending.InFlight(self._recent.get(base.step))
 
   def _copy(self, step: int) -> float:
+    assert self.local is not None
     try:
       return self.local.copy_to_durable(step)
     except Exception as e:

@@ -25,6 +25,7 @@ look; every step is checked on every listing, so nothing goes stale across proce
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import re
@@ -195,6 +196,7 @@ class StepIndex:
   def _is_held(self, step: int) -> bool:
     if self._local:
       return os.path.exists(os.path.join(self._local, str(step), HELD))
+    assert self._kv is not None
     return self._kv.read(f"{step}/{HELD}").result().state == "value"
 
   def _marks_kv(self) -> Any:
@@ -202,7 +204,8 @@ class StepIndex:
       self._kv = _paths.open_kvstore(self.location)
     return self._kv
 
-  def _list_local(self) -> tuple[dict[int, bytes], list[int], set[int]]:
+  def _list_local(self) -> tuple[dict[int, bytes], builtins.list[int], set[int]]:
+    assert self._local is not None
     committed: dict[int, bytes] = {}
     leftovers: list[int] = []
     try:
@@ -223,7 +226,8 @@ class StepIndex:
     return committed, leftovers, marks
 
   def _list_kv(self, in_flight: frozenset[int] | set[int]
-               ) -> tuple[dict[int, bytes], list[int], set[int]]:
+               ) -> tuple[dict[int, bytes], builtins.list[int], set[int]]:
+    assert self._kv is not None
     with self._lock:
       known = set(self._names)
     gaps = [k.decode("utf-8", "surrogateescape") for f in
@@ -248,6 +252,7 @@ class StepIndex:
     """Whether anything is stored under ``step`` (committed or not)."""
     if self._local:
       return _has_entries(os.path.join(self._local, str(step)))
+    assert self._kv is not None
     try:
       return bool(self._kv.list(range=_range_of(step)).result())
     except Exception as e:

@@ -42,7 +42,7 @@ import json
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .._format import manifest as _manifest
 from .._io import paths as _paths
@@ -91,7 +91,7 @@ class TierPolicy:
 
 
 def choose(local_steps: Sequence[Sequence[int]], durable_steps: Sequence[int],
-           skipped: set[int] = frozenset()) -> int | None:
+           skipped: set[int] | frozenset[int] = frozenset()) -> int | None:
   """PURE: the newest step every process can restore: committed in the local tier of every
   process (``local_steps[p]``), or committed in the durable tier; not in ``skipped``.
 
@@ -136,7 +136,7 @@ def expected_keys(manifest: Any) -> list[str]:
   return keys
 
 
-def _spec_key(path: str, options: dict[str, Any] | None) -> tuple[str, str]:
+def _spec_key(path: str, options: Mapping[str, Any] | None) -> tuple[str, str]:
   """(the kvstore spec without its path, its path ending in "/"): two locations overlap when
   the first parts are equal and one path starts with the other."""
   spec = dict(_paths.kvstore_spec(path, options))
@@ -144,8 +144,8 @@ def _spec_key(path: str, options: dict[str, Any] | None) -> tuple[str, str]:
   return json.dumps(spec, sort_keys=True, default=str), where
 
 
-def check_separate(local_root: str, local_options: dict[str, Any] | None, durable_root: str,
-                   durable_options: dict[str, Any] | None) -> None:
+def check_separate(local_root: str, local_options: Mapping[str, Any] | None, durable_root: str,
+                   durable_options: Mapping[str, Any] | None) -> None:
   """Raise :class:`CheckpointError` when the local tier is the durable directory or lies
   inside (or around) it: each durable copy would replace the step it copies.
 
@@ -153,7 +153,7 @@ def check_separate(local_root: str, local_options: dict[str, Any] | None, durabl
   Traceback (most recent call last):
   ...
   fnckpt._errors.CheckpointError: local_directory '/tmp/run' is the durable directory '/tmp/run' or overlaps it; each durable copy would delete the step it copies. Pass a local_directory outside it (e.g. a tmpfs or NVMe path).
-  """
+  """  # noqa: E501 (a doctest's expected error)
   (a_store, a), (b_store, b) = (_spec_key(local_root, local_options),
                                 _spec_key(durable_root, durable_options))
   if a_store == b_store and (a.startswith(b) or b.startswith(a)):
@@ -189,8 +189,8 @@ def _checked_source(src: Any, src_path: str, dst_path: str) -> tuple[bytes, list
   return bytes(commit.value), sorted(keys - {_manifest.COMMIT})
 
 
-def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, Any] | None,
-              dst_options: dict[str, Any] | None, concurrency: int = 32,
+def copy_step(src_root: str, dst_root: str, step: int, src_options: Mapping[str, Any] | None,
+              dst_options: Mapping[str, Any] | None, concurrency: int = 32,
               max_bytes: int = 256 << 20) -> int:
   """Copy the committed checkpoint ``src_root/<step>`` to ``dst_root/<step>`` (replacing
   whatever is there, its marker first), ``concurrency`` objects and about ``max_bytes`` in
@@ -207,7 +207,8 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
     commit, keys = _checked_source(src, src_path, dst_path)
     _paths.clear(dst, first=(_manifest.COMMIT,))
     copied = _copy_keys(src, dst, keys, concurrency, max_bytes)
-    if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed meanwhile
+    if _checked_source(src, src_path, dst_path)[0] != commit:  # nothing vanished or changed
+                                                                # meanwhile
       raise DamagedError(f"{_paths.display(src_path)!r} was saved again while being copied; "
                          "the copy was not committed.")
     manifest = bytes(src.read(_manifest.MANIFEST).result().value)  # checked against commit above
@@ -223,7 +224,7 @@ def copy_step(src_root: str, dst_root: str, step: int, src_options: dict[str, An
 
 
 def copy_referenced(src_root: str, dst_root: str, step: int, manifest: bytes,
-                    src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None,
+                    src_options: Mapping[str, Any] | None, dst_options: Mapping[str, Any] | None,
                     concurrency: int = 32) -> int:
   """The data of other steps that ``step``'s manifest refers to (an incremental save's base),
   copied from ``src_root`` where ``dst_root`` lacks it: ``dst_root/<s>/<data>/`` as in the
@@ -260,7 +261,9 @@ def _copy_keys(src: Any, dst: Any, keys: list[str], concurrency: int,
   issued only while the bytes held (read, not yet written) plus the reads in flight (each
   counted as the largest object seen so far; the first alone) stay within ``max_bytes``; one
   object larger than the bound is copied alone. Returns the bytes copied."""
-  todo, reads, writes = collections.deque(keys), collections.deque(), collections.deque()
+  todo = collections.deque(keys)
+  reads: collections.deque[tuple[str, Any]] = collections.deque()   # (key, read)
+  writes: collections.deque[tuple[Any, int]] = collections.deque()  # (write, bytes)
   held = copied = 0
   biggest: int | None = None  # None until a read has completed
   while todo or reads or writes:

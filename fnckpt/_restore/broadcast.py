@@ -21,7 +21,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import jax
 import numpy as np
@@ -53,7 +53,7 @@ def grid_of(mesh: jax.sharding.Mesh) -> _spread.Grid:
 
 def _spec(spec: jax.sharding.PartitionSpec, ndim: int) -> _spread.Spec | None:
   """A PartitionSpec as per-dimension axis tuples (None: one ``spread`` cannot plan)."""
-  out = []
+  out: list[tuple[str, ...]] = []
   for d in range(ndim):
     e = spec[d] if d < len(spec) else None
     if e is None:
@@ -87,7 +87,7 @@ def _reader(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...], itemsi
   spec = _spec(sharding.spec, len(shape))
   if spec is None:
     return None
-  grid = grid_of(sharding.mesh)
+  grid = grid_of(cast(jax.sharding.Mesh, sharding.mesh))   # (a concrete sharding's)
   rspec, factor = _spread.reader_spec(grid, spec, shape, align)
   if factor == 1 or (packed and not _spread.contiguous_blocks(grid, rspec, shape)):
     return None

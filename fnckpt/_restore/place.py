@@ -20,7 +20,7 @@ and nothing is in flight (the window's ``drain``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import jax
 import numpy as np
@@ -84,6 +84,7 @@ def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int
     if (r.want.rec.packed is not None and not r.sliced) or r.want.rec.inline is not None:
       continue
     leaf = opener.leaf(r.want.rec)
+    plan: dict[_layout.Index, Any]
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
@@ -126,10 +127,11 @@ class _Placer:
   def land(self, got: _read.Landed) -> None:
     """A landed read (one leaf's region, or a run of whole packed leaves) kept or queued."""
     tag = got.region.tag
+    assert got.data is not None and self.window is not None   # (read with errors raised)
     if tag[0] is RUN:  # views of one buffer: a host result gets its own copy
       for (i, devices), host in zip(tag[1], got.data):
         self._take(i, devices, np.array(host) if devices is None else host)
-    elif not self._take(*tag, got.data):
+    elif not self._take(*tag, got.data):  # type: ignore[call-arg]  # (mypy: *Any, then more)
       self.window.release(got.region.cost)
       return
     self.held += got.region.cost
@@ -148,6 +150,7 @@ class _Placer:
     # an aligned host buffer instead of copying it: one buffer for all the replicas; donating
     # such an array makes XLA copy, never write into it).
     if devices is WHOLE:  # (sharded: aligned, its slices are adopted as they are, replicas
+      assert r.sharding is not None
       self.whole.append((i, shared_on_cpu(host, r.sharding.device_set)))  # sharing them)
     else:
       host = shared_on_cpu(host, devices)
@@ -189,9 +192,11 @@ class _Placer:
       self.puts.clear()
     if self.whole:
       rs = [self.reads[i] for i, _ in self.whole]
-      for r, arr in zip(rs, place_all([h for _, h in self.whole], [r.sharding for r in rs])):
+      shardings = [cast(jax.sharding.Sharding, r.sharding) for r in rs]   # (WHOLE: sharded)
+      for r, arr in zip(rs, place_all([h for _, h in self.whole], shardings)):
         r.placed = arr
       self.whole.clear()
+    assert self.window is not None
     self.window.release(self.held)
     self.held = 0
 
@@ -219,7 +224,7 @@ def check_fits(host: np.ndarray, where: str) -> None:
   >>> check_fits(np.array([2**31 - 1]), "['step']")
   """
   if (host.dtype.kind not in _X32 or host.dtype.itemsize != 8 or not host.size
-      or jax.config.jax_enable_x64):
+      or jax.config.jax_enable_x64):  # type: ignore[attr-defined]  # (jax's stubs)
     return
   lo, hi = _X32[host.dtype.kind]
   low, high = int(host.min()), int(host.max())

@@ -139,7 +139,7 @@ def _wait(out: Sequence[jax.Array], deadline: float) -> None:
   """Until every result is ready; a TimeoutError at ``deadline`` (a collective waiting on a
   peer that will not come cannot be cancelled, but this process need not wait with it)."""
   for x in out:
-    while not x.is_ready():
+    while not x.is_ready():  # type: ignore[attr-defined]  # (jax's stubs)
       if time.monotonic() > deadline:
         raise TimeoutError("the collective did not finish by the deadline")
       time.sleep(POLL_S)

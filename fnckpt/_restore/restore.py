@@ -8,7 +8,7 @@ once, under a host-memory budget, and places them with the target's shardings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import jax
 import numpy as np
@@ -42,7 +42,7 @@ class SavedSharding:
     if self.type != "named":
       return jax.sharding.SingleDeviceSharding((devices or jax.devices())[0])
     mesh = jax.make_mesh(self.sizes, self.axes, devices=devices)
-    return jax.sharding.NamedSharding(mesh, self.spec)
+    return jax.sharding.NamedSharding(mesh, cast(jax.sharding.PartitionSpec, self.spec))
 
 
 @_state.memo(None)  # one entry per PRNG implementation name
@@ -101,6 +101,7 @@ def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
 
 
 def _array_metadata(rec: _records.Leaf) -> ArrayMetadata:
+  assert rec.dtype is not None and rec.shape is not None   # (an array leaf's)
   dtype = _leaves.dtype_of(rec.dtype)
   shape = tuple(rec.shape)
   return ArrayMetadata(shape, dtype, _saved_sharding(rec.sharding), rec.impl,
@@ -208,7 +209,7 @@ def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
 
 def _saved_shape(rec: _records.Leaf) -> tuple[int, ...]:
   """The shape a target sharding must hold: the array's, or a PRNG key array's key shape."""
-  return tuple(rec.shape) if rec.kind != "key" else _array_metadata(rec).key_shape
+  return tuple(cast(tuple, rec.shape)) if rec.kind != "key" else _array_metadata(rec).key_shape
 
 
 def _target_spec(leaf: Any) -> tuple[str, Any, Any]:
@@ -286,6 +287,7 @@ def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolv
                             final=placed.final, dtype=dtype, from_scalar=True)
   if rec.kind != "array":
     return f"the target is an array, the checkpoint holds {_saved_desc(rec)}"
+  assert rec.shape is not None and rec.dtype is not None
   saved_shape, saved_dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
   if shape is not None and shape != saved_shape:
     return f"shape {saved_shape} saved, {shape} in the target"
@@ -336,7 +338,7 @@ def _saved_desc(rec: _records.Leaf) -> str:
   """What a saved leaf is, with its article: 'an array float32[4, 2]', 'None', 'a str value'."""
   if rec.kind in ("array", "key"):
     what = "a PRNG key array" if rec.kind == "key" else "an array"
-    return f"{what} {rec.dtype}{list(rec.shape)}"
+    return f"{what} {rec.dtype}{list(cast(tuple, rec.shape))}"
   if rec.kind == "scalar":
     return f"a{'n' if rec.type == 'int' else ''} {rec.type} value"
   if rec.kind == "empty":
@@ -353,6 +355,7 @@ def _data_sharding(want: _Want, rec: _records.Leaf) -> jax.sharding.Sharding | N
   s = want.sharding
   if rec.kind != "key" or s is None:
     return s
+  assert rec.shape is not None
   trailing = len(rec.shape) - len(_array_metadata(rec).key_shape)
   if isinstance(s, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(
@@ -404,8 +407,8 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   >>> import jax, jax.numpy as jnp, numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
   >>> _ = fnckpt.save({"w": jnp.arange(8.0)}, f"{d}/c").wait()
-  >>> target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32,
-  ...                                     sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+  >>> target = {"w": jax.ShapeDtypeStruct(
+  ...     (8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
   >>> fnckpt.restore(f"{d}/c", target)["w"].sum()
   Array(28., dtype=float32)
   """
@@ -480,7 +483,7 @@ def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | No
 def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
   """The read-once plans of the leaves that have one (stored bytes, a target replicated
   across processes)."""
-  out = {}
+  out: dict[int, _broadcast.Reader] = {}
   if jax.process_count() == 1:   # (reader_of: None for every leaf)
     return out
   for i, r in reads.items():
@@ -538,6 +541,7 @@ def _assembled(r: _place.Read) -> Any:
     return r.placed
   if None in r.parts:  # a host target
     return r.parts[None]
+  assert r.sharding is not None   # (a device target's)
   parts = [r.parts[d] for d in r.sharding.addressable_devices]
   return jax.make_array_from_single_device_arrays(  # dtype: for none on this process
       r.shape, r.sharding, parts,
@@ -564,6 +568,7 @@ def _start_read(w: _Want) -> _place.Read:
   sharding = None if w.host else _data_sharding(w, w.rec)
   if sharding is None and not w.host:
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  assert w.rec.shape is not None
   return _place.Read(w, tuple(w.rec.shape), sharding)
 
 
@@ -584,7 +589,7 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
   if not isinstance(source, int) or not 0 <= source < saved:
     raise CheckpointError(f"per_process_from={source!r}: the checkpoint at {src.location!r} "
                           f"was saved by processes 0..{saved - 1}.")
-  key = _perprocess.values_key(src.manifest.data, source)
+  key = _perprocess.values_key(cast(str, src.manifest.data), source)   # (format 2 on)
   where = f"{src.location}/{key}"
   try:
     got = src.kv.read(key).result()
@@ -597,6 +602,7 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
     error = DamagedError if problem == "missing" else CheckpointError
     raise error(f"The per-process values of process {source} ({where}) are {problem}: the "
                 "checkpoint is damaged. Restore an earlier one.")
+  assert got is not None
   leaves = _perprocess.decode(got.value, where)
   for i in mine:
     values[i] = _perprocess.value_at(leaves, wants[i].rec.path, wants[i].value, where)

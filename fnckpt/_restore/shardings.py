@@ -152,7 +152,7 @@ def _device_memory(sharding: jax.sharding.Sharding) -> Placement:
   memory kind (``pinned_host``, ...)."""
   kind = getattr(sharding, "memory_kind", None)
   try:
-    default = next(iter(sharding.device_set)).default_memory().kind
+    default = next(iter(sharding.device_set)).default_memory().kind  # type: ignore[attr-defined]
   except Exception:  # a backend without memories: one kind
     return Placement(sharding)
   if kind is None or kind == default:

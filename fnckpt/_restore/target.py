@@ -8,7 +8,7 @@ from :func:`fnckpt.metadata`: a ``jax.ShapeDtypeStruct`` with a sharding per sav
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
@@ -18,7 +18,7 @@ from .restore import ArrayMetadata, CheckpointMetadata, metadata
 __all__ = ["target_from_metadata", "ShardingRule"]
 
 # (key path as jax.tree_util.keystr prints it for meta.tree, the array) -> where it goes
-ShardingRule = Callable[[str, ArrayMetadata], Union[Sharding, PartitionSpec]]
+ShardingRule = Callable[[str, ArrayMetadata], Sharding | PartitionSpec]
 
 
 def target_from_metadata(meta: CheckpointMetadata | str,

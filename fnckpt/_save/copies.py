@@ -61,7 +61,7 @@ class Owned:
   array: the numpy result is a view of it (pinned and CPU host memory alike: measured on an
   H200, ``bench/blocking.py``'s ``pinned+numpy`` arm)."""
 
-  def __init__(self, copies: "Copies"):
+  def __init__(self, copies: Copies):
     self.array: jax.Array | None = None
     self._copies: Copies | None = copies   # None once started (or failed)
     self._host: np.ndarray | None = None
@@ -117,7 +117,7 @@ class Copies:
     self._lock = threading.Lock()
     self.label: Any = None   # the key path being staged (names it if its copy fails)
 
-  def at(self, label: Any) -> "Copies":
+  def at(self, label: Any) -> Copies:
     """These copies, naming ``label`` (a leaf's key path) in the error if the next fail."""
     self.label = label
     return self
@@ -197,7 +197,7 @@ def _one_by_one(pending: list[_Pending]) -> list:
       out.append(jax.device_put(
           p.src, jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind)))
     except Exception as e:
-      error = RuntimeError(
+      error: BaseException = RuntimeError(
           f"copying {p.src.nbytes} bytes from {p.device} into its {p.kind} memory failed "
           f"({e}); save with a smaller budget_bytes= so that fewer copies are in flight at once")
       if p.label is not None:

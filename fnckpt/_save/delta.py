@@ -141,6 +141,8 @@ class _Workers:
 class _Countdown:
   """Call ``fn`` once after ``n`` calls (from any threads)."""
 
+  _fn: Callable[[], None] | None
+
   def __init__(self, n: int, fn: Callable[[], None]):
     self._n, self._fn, self._lock = n, fn, threading.Lock()
 
@@ -192,7 +194,7 @@ class Delta:
   # stored chunks ------------------------------------------------------------------------
 
   def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
-            host: np.ndarray, write: Callable[[], ts.Future],
+            host: np.ndarray, write: Callable[[], Any],
             spans: list[tuple[int, int, int]] | None = None, reuse: bool = False) -> None:
     """Write one staged chunk and hash it, on a small thread pool: a candidate's chunk is
     hashed first and written only if it differs from the base's; any other stored chunk is
@@ -202,8 +204,10 @@ class Delta:
     bytes may continue in the next chunk); ``reuse``: ``host`` (a pack chunk's buffer from
     ``buffers.take``) goes back to the pool once both are done: nothing reads it after."""
     if leaf is None:
-      after = (lambda: (self._release(cost), _buffers.give(host))) if reuse else (
-          lambda: self._release(cost))
+      def after() -> None:
+        self._release(cost)
+        if reuse:
+          _buffers.give(host)
       done = _Countdown(2 if spans else 1, after)
       if spans:  # (first: hashed while the write starts; a write that fails to start never
         #          counts down, so the buffer is not given back while the hashing reads it)
@@ -253,7 +257,7 @@ class Delta:
     with self._lock:
       self._writes.append(fut)
 
-  def _pool(self) -> "_Workers":
+  def _pool(self) -> _Workers:
     if self._executor is None:
       self._executor = _Workers(HASH_THREADS, "fnckpt-hash")
     return self._executor
@@ -303,7 +307,7 @@ class Delta:
     finally:
       done()
 
-  def _in_order(self) -> "_Workers":
+  def _in_order(self) -> _Workers:
     """One thread hashing pack chunks' spans in the order they were written."""
     if self._ordered is None:
       self._ordered = _Workers(1, "fnckpt-hash-pack")
@@ -314,7 +318,7 @@ class Delta:
     pack, in order."""
     if leaf not in self._hashers:
       self._hashers[leaf] = _hashes.hasher()
-    self._hashers[leaf].update(memoryview(data))
+    self._hashers[leaf].update(memoryview(data))  # type: ignore[arg-type]  # (numpy's stubs)
 
   # pack segments ------------------------------------------------------------------------
 
@@ -397,8 +401,10 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
   before committing: it raises if the base is gone)."""
   gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(),
                                                      use_bin_type=True))
-  manifest, changed = None, set()
+  manifest: bytes | None = None
+  changed: set[int] = set()
   if gathered is not None:  # process 0
+    assert plan.build is not None   # (process 0's)
     reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
     changed = _refs.changed_leaves(reports, plan.cands.stored)
     records, packs, bases = _refs.finalize(records=plan.records, packs=plan.packs, reports=reports, cands=plan.cands,
@@ -438,6 +444,7 @@ def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
       root = _refs.resolve(loc, cand.base.dir, "the base")
       if root not in sources:
         sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
+      assert rec.stored is not None and rec.shape is not None
       key = _refs.chunk_key(pos, rec.stored.chunks, rec.shape)
       if len(pending) >= COPY_WINDOW:
         out.append(_copy_one(plan, delta, kv, pending.popleft()))
@@ -463,7 +470,8 @@ def _fits(budget: _store.ByteBudget | None, n: int) -> bool:
 def _copy_one(plan: Plan, delta: Delta, kv: ts.KvStore, item: tuple) -> ts.Future:
   """Write one copied chunk once its read is in; its budget goes back when it is written."""
   i, src_key, key, n, read = item
-  release = (lambda _f=None: delta.budget.release(n)) if delta.budget is not None else (
+  budget = delta.budget
+  release = (lambda _f=None: budget.release(n)) if budget is not None else (
       lambda _f=None: None)
   try:
     got = read.result()

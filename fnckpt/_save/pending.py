@@ -85,7 +85,10 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
   records of one save agree on every field compared here (a pieced leaf's mesh processes and
   writers are compared once the base's manifest is read: :meth:`Pending._resolve`)."""
   by_path = {l.path: l for l in base}
-  stored, packed, pieced = {}, {}, {}
+  # (placeholders in refs.Candidates' places: each has the fields its stand-in's callers read)
+  stored: dict[int, Any] = {}
+  packed: dict[int, Any] = {}
+  pieced: dict[int, Any] = {}
   for i, rec in enumerate(records):
     old = by_path.get(rec.path)
     if old is None or old.kind != rec.kind or not old.is_array or not rec.is_array:
@@ -107,6 +110,8 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
 
 
 def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
+  assert old.pieces is not None and rec.pieces is not None and rec.shape is not None
+  assert old.sharding is not None and rec.sharding is not None   # (pieced: named)
   return old.pieces.chunks == rec.pieces.chunks and _refs.same_split(
       old.sharding, rec.sharding, len(rec.shape))
 
@@ -135,7 +140,7 @@ BaseState = LookUp | Committed | InFlight
 
 
 def open_pending(base: Any, state: BaseState, session: Any, kv_spec: dict,
-                 where: _paths.Location, location: str) -> "Pending | None":
+                 where: _paths.Location, location: str) -> Pending | None:
   """The in-flight base of a new save to ``where``, or None (a committed base: read it as
   usual; a base is on the new save's storage, with its options)."""
   if isinstance(state, Committed) or not isinstance(base, (str, os.PathLike)):
@@ -291,6 +296,7 @@ class Pending:
     got = _refs.candidates(self.records, src.manifest, _refs.locate(src.kv_spec),
                            self.new_loc, self.meshes)
     want = self.planned_cands
+    assert self._check_of is not None   # (attached before any item)
     self.resolved = (self._check_of(src), _refs.Candidates(
         {i: c for i, c in got.stored.items() if i in want.stored},
         {i: c for i, c in got.packed.items() if i in want.packed},
@@ -303,6 +309,7 @@ class Pending:
     if self.resolved is None:
       self._done.wait()
       self._resolve()
+    assert self.resolved is not None
     check, got = self.resolved
     want = self.planned_cands
     for i in want.stored:

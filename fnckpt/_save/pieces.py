@@ -99,6 +99,7 @@ class Planner:
     spec = _pieces.PieceLeaf(index=i, mesh=m, axis_sizes=info.axis_sizes, dim_axes=dim_axes,
                              shift=_pieces.shift_of(i, info.axis_sizes, dim_axes), chunk=shard, nbytes=n)
     self.leaves.append(_Leaf(i, data, info, spec))
+    assert rec.sharding is not None
     return dataclasses.replace(rec, sharding=dataclasses.replace(rec.sharding, mesh=m),
                                pieces=_records.Pieces(tuple(shard), m))
 
@@ -150,8 +151,10 @@ class Planner:
     in the region (``start`` None: from 0, a run on its own)."""
     out = []
     if start is None:
+      assert self.layout is not None
       chunks, at, start = self.layout.mine(leaf.index, me)[0], 0, 0
     else:
+      assert self.regions is not None
       chunks, at = self.regions.mine(leaf.index, me)
     units = _units(leaf)
     if [n for n, _ in units] != chunks.tolist():

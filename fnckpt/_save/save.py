@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 import zlib
-from typing import Any
+from typing import Any, Callable, cast
 
 import jax
 import msgpack
@@ -162,7 +162,9 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
   (docs/format.md "Pieces"). A record gets its storage as it is decided (packed ones: once
   the packs are laid out)."""
   inline_bytes, pack_bytes, codecs = options.inline_bytes, options.pack_bytes, options.codecs
-  records, arrays, problems, candidates, per_process, holders = [], [], [], [], [], []
+  records: list[_records.Leaf] = []
+  holders: list[str | None] = []
+  arrays, problems, candidates, per_process = [], [], [], []
   inline: list[tuple[int, Any]] = []
   me, nproc = jax.process_index(), jax.process_count()
   pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if options.pieces else 0)
@@ -186,6 +188,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
       problems.append(f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
                       "save the state before the step that donates it.")
       continue
+    assert rec.shape is not None
     size = _layout.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
     whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
     if size <= inline_bytes and whole:
@@ -214,7 +217,8 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
   packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in cands.packed],
                                 data_dir, nproc, me, pieced.finish(cands.pieced))
   mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
-  parts = pieced.parts(mine[0].pieces, me) if pieced.regions is not None and mine else []
+  parts = pieced.parts(cast(int, mine[0].pieces), me) if pieced.regions is not None and mine \
+      else []
   return _Plan(records=tuple(records), arrays=arrays, packed=packed, packs=packs,
                my_pack=mine[0] if mine else None, data_dir=data_dir, values=values,
                holders=holders, cands=cands,
@@ -265,7 +269,8 @@ def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc
   plan = _packing.assign([c[2] for c in candidates], nproc, extra=regions,
                          chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
                          _packing.PACK_CHUNK_BYTES)
-  packs, index_of = [], {}
+  packs: list[_records.Pack] = []
+  index_of = {}
   for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
     index_of[p] = len(packs)
     packs.append(_records.Pack(f"{data_dir}/p/{p}", nbytes, chunk, inner, None,
@@ -297,7 +302,7 @@ def _zarr_array(i: int, rec: _records.Leaf, data, kv_spec, data_dir: str,
                            tuple(int(c) for c in inner), *codecs)
   units = units if _layout.nbytes(shape, 1) else []
   return _Array(i, _records.evolve(rec, stored=stored), data,
-                _store.zarr_spec(kv_spec, stored, rec.dtype, shape), units)
+                _store.zarr_spec(kv_spec, stored, cast(str, rec.dtype), shape), units)
 
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
@@ -375,6 +380,7 @@ def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None =
   options = options if options is not None else SaveOptions()
   location = where.display
   handle = begin(location)  # (once the save before it to this location has finished)
+  writer: Writer | None
   session, writer, phase = None, None, "planning"
   key = _paths.display(barrier_location) if barrier_location else location
   try:
@@ -398,7 +404,7 @@ def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None =
     budget = _process_budget(_store.budget_arg(options.budget_bytes, "save",
                                                default_budget_bytes()))
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
-                    lambda err: _done(handle, writer, err, t0))
+                    lambda err: _done(handle, cast(Writer, writer), err, t0))
     writer.delta = _delta.Delta(kv_spec, ctx, data_dir, jax.process_index(), budget.release,
                                 min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
                                 budget=budget)
@@ -487,6 +493,7 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
     return  # save() raises the staging error itself
   handle.stats.write_s, handle.stats.commit_s = writer.write_s, writer.commit_s
   d = writer.delta
+  assert d is not None   # (set before the writer starts)
   handle.stats.bytes_reused = d.skipped_bytes - d.copied_bytes + d.reused_pack_bytes
   handle.stats.bytes_written += d.written_bytes + d.copied_bytes - d.skipped_bytes
   handle.stats.chunks_written += d.copied_chunks - d.skipped_chunks + d.written_chunks
@@ -519,7 +526,7 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
   dplan = _delta.Plan(
       records=plan.records, packs=plan.packs, cands=plan.cands,
       store_specs={a.index: a.spec for a in maybe_stored},
-      store_dirs={a.index: a.rec.stored.dir for a in maybe_stored},
+      store_dirs={a.index: cast(_records.Stored, a.rec.stored).dir for a in maybe_stored},
       kv_spec=kv_spec, data_dir=plan.data_dir,
       build=(lambda records, packs, bases: _encode(plan, metadata, records, packs, bases))
       if is_main else None,
@@ -527,7 +534,8 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
       regions=plan.regions)
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
-      writer.session, pend.complete(dplan) if pend is not None else dplan, writer.delta, kv,
+      writer.session, pend.complete(dplan) if pend is not None else dplan,
+      cast(_delta.Delta, writer.delta), kv,
       ctx, writer.location), creating, is_main, _direct.local_root(kv_spec))
 
 
@@ -543,9 +551,9 @@ def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
   compare: packed leaves, and this process's runs of pieced leaves (their bytes count as
   written once written: ``_done``)."""
   me = jax.process_index()
-  items = [(i, _nbytes(data),
-            lambda i=i, data=data: Staged.of(data, copies.at(plan.records[i].path)),
-            plan.cands.packed[i].hash) for i, data in plan.maybe_packed]
+  items: list[tuple[int, int, Callable[..., Staged | Run], bytes | None]] = [
+      (i, _nbytes(data), lambda i=i, data=data: Staged.of(data, copies.at(plan.records[i].path)),
+       plan.cands.packed[i].hash) for i, data in plan.maybe_packed]
   for i, parts in plan.maybe_runs:
     run = plan.cands.pieced[i].runs.get(me)
     items.append((i, sum(p.nbytes for p in parts),
@@ -556,7 +564,7 @@ def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
     try:
       staged = _charge(budget, CHUNK_COST * n, writer, make)
     except BaseException as e:
-      raise _at(e, plan.records[i].path)
+      raise _at(e, plan.records[i].path)  # noqa: B904
     handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
     writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, expect))
 

@@ -27,7 +27,7 @@ class Staged:
   parts: list[tuple[tuple[slice, ...], Any]]
 
   @staticmethod
-  def of(data: Any, copies: Copies) -> "Staged":
+  def of(data: Any, copies: Copies) -> Staged:
     shape, dtype = tuple(data.shape), np.dtype(data.dtype)
     whole = tuple(slice(0, n) for n in shape)
     if isinstance(data, np.ndarray):

@@ -45,10 +45,10 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
     n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
     try:
       host = charge(budget, CHUNK_COST * n, writer,
-                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device),
+                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device),  # noqa: B023
                                                 copies.at(a.rec.path)))
     except BaseException as e:
-      raise at_leaf(e, a.rec.path)
+      raise at_leaf(e, a.rec.path)  # noqa: B904
     pos = _refs.chunk_pos(unit.index, chunks, shape)
     writer.put(Chunk(store=fut, index=unit.index, host=host, cost=CHUNK_COST * n, leaf=a.index, pos=pos,
                      expect=cand.expect(pos) if cand is not None else None, nbytes=n))
@@ -72,7 +72,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
   staged: dict[int, Staged] = {}  # by position in todo
   first = 0                        # todo[:first] lie before the current chunk
 
-  def parts(start: int, end: int) -> list[tuple[int, "Staged", int, int, int]]:
+  def parts(start: int, end: int) -> list[tuple[int, Staged, int, int, int]]:
     out = []
     for k in range(first, len(todo)):
       part = todo[k]
@@ -84,7 +84,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
         leaf = staged[k] if k in staged else staged.setdefault(
             k, part.make(copies.at(plan.records[part.leaf].path)))
       except BaseException as e:
-        raise at_leaf(e, plan.records[part.leaf].path)
+        raise at_leaf(e, plan.records[part.leaf].path)  # noqa: B904
       lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
       out.append((lo - start, leaf, lo - part.offset, hi - part.offset, part.leaf))
     return out
@@ -93,7 +93,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
   for start in range(0, pack.nbytes, pack.chunk):
     end = min(start + pack.chunk, pack.nbytes)
     cost = CHUNK_COST * (end - start)
-    got = charge(budget, cost, writer, lambda: parts(start, end))
+    got = charge(budget, cost, writer, lambda: parts(start, end))  # noqa: B023
     writer.put(Chunk(fut, ((start, end),), _assemble(got, start, end, pack, root), cost))
     del got  # (while staging the next chunk) the writer frees them once assembled
     count_staged(handle, budget, end - start)

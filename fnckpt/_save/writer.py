@@ -93,7 +93,7 @@ class Writer:
     """Start writing now (the budget is full)."""
     self._drain.set()
 
-  def put(self, chunk: Chunk) -> None:
+  def put(self, chunk: Chunk | _delta.PackLeaf) -> None:
     """Queue a staged chunk (its cost already taken from the budget); after a failure, give
     the cost back and raise the failure."""
     if self.error is not None:
@@ -119,7 +119,9 @@ class Writer:
     self._queue.put(marker)
 
   def _write_all(self) -> list[ts.Future]:
-    commits, done = [], False
+    assert self.delta is not None   # (set before start)
+    commits: list[ts.Future] = []
+    done = False
     try:
       self._drain.wait()
       while (item := self._next(commits)) is not _END:
@@ -146,6 +148,7 @@ class Writer:
       return
     try:
       if isinstance(item, _delta.PackLeaf):
+        assert self.delta is not None
         commits += self.delta.pack_leaf(item)
         return
       self._write(item)
@@ -169,19 +172,23 @@ class Writer:
 
   def _write(self, item: Chunk) -> None:
     """Hand one chunk to the delta: hashed, and written unless equal to the base's."""
+    delta = self.delta
+    assert delta is not None
     make = item.host
     host = make() if callable(make) else make
     item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
     image = getattr(make, "image", None)
+    write: Callable[[], Any]   # (a TensorStore future, or a file thread's)
     if image is not None:  # (its zarr.json, being created, is waited for before commit)
       if all(f is not item.store for f in self._stores):
         self._stores.append(item.store)
-      write = lambda: self.delta.write_file(make.path, image, host)  # noqa: E731
+      write = lambda: delta.write_file(make.path, image, host)  # noqa: E731
     else:
       store = item.store.result()
       write = lambda: _store.write_chunk(store, item.index, host)  # noqa: E731
-    self.delta.chunk(leaf=item.leaf, pos=item.pos, expect=item.expect, nbytes=item.nbytes, cost=item.cost, host=host, write=write,
-                     spans=getattr(make, "spans", None), reuse=getattr(make, "reuse", False))
+    delta.chunk(leaf=item.leaf, pos=item.pos, expect=item.expect, nbytes=item.nbytes,
+                cost=item.cost, host=host, write=write, spans=getattr(make, "spans", None),
+                reuse=getattr(make, "reuse", False))
 
   def _run(self) -> None:
     error: BaseException | None = None
@@ -258,6 +265,7 @@ class Writer:
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
+      assert manifest is not None   # (process 0's)
       _commit.write_commit(c.kv, manifest)
       self.committed = True
     self.phase = "waiting for the commit"

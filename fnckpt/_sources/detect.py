@@ -3,8 +3,9 @@
 :func:`open_foreign` finds what a location holds (after fnckpt's own reader found no commit
 marker, manifest or data there; probes are empty byte-range reads, existence only): an Orbax
 PyTree checkpoint (``_METADATA``: an item directory; ``_CHECKPOINT_METADATA``: a step
-directory of a ``CheckpointManager`` or ``ocp.v1`` save holding one PyTree item), a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
-directory of ``.safetensors`` files. It returns an :class:`Opened`: the leaves as validated
+directory of a ``CheckpointManager`` or ``ocp.v1`` save holding one PyTree item), a
+``.safetensors`` file, a ``model.safetensors.index.json``, or a directory of ``.safetensors``
+files. It returns an :class:`Opened`: the leaves as validated
 :class:`fnckpt._format.records.Manifest` records, the same records fnckpt's manifests give (so
 restore's matching, tree checks, budget and placement are shared), and a reader of array
 slices (``slice_reader(rec)(index, batch)`` -> a future of the slice;
@@ -14,7 +15,7 @@ slices (``slice_reader(rec)(index, batch)`` -> a future of the slice;
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import tensorstore as ts
 
@@ -66,7 +67,7 @@ def _resolve(path: str, options: Mapping[str, Any] | None
     raise _paths.io_error(e, path, "opening the location") from e
 
 
-def open_foreign(path: str, options: dict[str, Any] | None) -> Opened | None:
+def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
   """The foreign checkpoint at ``path``, or None if there is none of a known format."""
   location = _paths.display(path)
   if is_file_location(path):
@@ -113,7 +114,7 @@ def _present(kv: ts.KvStore, keys) -> set[str] | None:
     return None
 
 
-def open_orbax(path: str, options: dict[str, Any] | None) -> Opened | None:
+def open_orbax(path: str, options: Mapping[str, Any] | None) -> Opened | None:
   """The Orbax checkpoint at the directory ``path``, or None if there is none."""
   kv_spec, ctx, kv = _resolve(path, options)
   if not _present(kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA)):

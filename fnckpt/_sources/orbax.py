@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import tensorstore as ts
@@ -115,7 +115,7 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
     raise _bad(location, f"{where} needs 'key_metadata' (a list) and 'value_metadata' (a map)")
   if len(keys) > MAX_PARTS:
     raise _bad(location, f"{where} has a key path of {len(keys)} keys, more than {MAX_PARTS}")
-  path = []
+  path: list[tuple[str, Any]] = []
   for k in keys:
     key = k.get("key") if isinstance(k, dict) else None
     kind = k.get("key_type") if isinstance(k, dict) else None
@@ -257,6 +257,7 @@ class Reader:
   def read_bytes(self, rec: _records.Leaf, index) -> int:
     """What reading one slice holds in memory (for restore's read budget): TensorStore
     decodes every chunk the slice overlaps whole, so the chunk-aligned box around it."""
+    assert rec.stored is not None
     return box_bytes(rec.stored.chunks, index, _records.itemsize(rec.dtype))
 
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
@@ -304,7 +305,8 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
   strings = (_read_json(kv, "_strings.json", location)
              if any(e.value_type == "string" for e in entries) else {})
   shardings = _shardings(kv, location)
-  leaves, stores, names, scalars = [], {}, {}, {}
+  leaves: list[_records.Leaf | None] = []   # (None: a scalar's, until it is read)
+  stores, names, scalars = {}, {}, {}
   for i, e in enumerate(entries):
     where = _records.keystr(e.path)
     if e.value_type in _EMPTY:
@@ -343,13 +345,14 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
                  f"read ({_paths.error_text(ex)[:300]})") from None
     leaves[i] = _scalar_leaf(i, e, np.asarray(value), location)
   manifest = _records.Manifest(0, 0.0, 0, {"format": "orbax"}, options["custom_metadata"],
-                               tuple(leaves))
+                               cast(tuple[_records.Leaf, ...], tuple(leaves)))
   return manifest, Reader(location, stores, names)
 
 
 def _chunks(store: ts.TensorStore) -> tuple[int, ...]:
   try:
-    return tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+    # (a shape or dimension None raises TypeError: handled below)
+    return tuple(int(c) for c in store.chunk_layout.read_chunk.shape)  # type: ignore[union-attr, arg-type]
   except Exception:
     return tuple(store.shape)
 

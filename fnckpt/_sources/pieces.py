@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -58,11 +58,12 @@ class SliceReader:
     self.manifest, self.leaf, self.open_pack = manifest, leaf, open_pack
     self.damaged = damaged   # (given: whole runs read are checked; what a mismatch raises)
     self._runs: dict | None = None
+    assert leaf.dtype is not None and leaf.shape is not None and leaf.pieces is not None
     self.dtype = _leaves.dtype_of(leaf.dtype)
     self.chunk = leaf.pieces.chunks
     self.grid = tuple(-(-n // c) for n, c in zip(leaf.shape, self.chunk))
 
-  def __call__(self, index: Index, batch: ts.Batch | None = None) -> "_Pending":
+  def __call__(self, index: Index, batch: ts.Batch | None = None) -> _Pending:
     shape = tuple(b - a for a, b in index)
     parts = self.parts(index) if all(shape) else []
     reads = _merged(parts)
@@ -75,12 +76,14 @@ class SliceReader:
     return _Pending(out=_store.aligned_empty(shape, self.dtype), parts=parts, reads=reads,
                     futures=futures, leaf=self.leaf, checks=checks, damaged=self.damaged)
 
-  def run_hash(self, read: tuple[int, int, int]) -> tuple[int, bytes] | None:
+  def run_hash(self, read: Sequence[int]) -> tuple[int, bytes] | None:
     """(writer process, recorded hash) when ``read`` (pack, lo, hi) is a writer's whole run
     (format 3)."""
+    assert self.leaf.pieces is not None
     if self.leaf.pieces.runs is None:
       return None
     if self._runs is None:
+      assert self.manifest.hash is not None and self.leaf.pieces.hashes is not None
       n, hashes = _records.HASH_ALGS[self.manifest.hash], self.leaf.pieces.hashes
       self._runs = {(r.pack, r.lo, r.hi): (r.process, hashes[w * n:(w + 1) * n])
                     for w, r in enumerate(_runs.writer_runs(self.manifest, self.leaf))}
@@ -149,7 +152,8 @@ def _merged(parts: list[_Part]) -> list[list[int]]:
   other in one pack are one range (a writer's chunks of a slice of whole chunks lie back to
   back: a read of a writer's whole run is one range, checked against its hash).
 
-  >>> _merged([_Part(0, 0, 8, (), (), ()), _Part(0, 8, 16, (), (), ()), _Part(1, 16, 24, (), (), ())])
+  >>> _merged([_Part(0, 0, 8, (), (), ()), _Part(0, 8, 16, (), (), ()),
+  ...          _Part(1, 16, 24, (), (), ())])
   [[0, 0, 16], [1, 16, 24]]
   """
   reads: list[list[int]] = []
@@ -179,6 +183,7 @@ class _Pending:
     landed = [f.result() for f in self.futures]
     for (k, lo, hi), raw, check in zip(self.reads, landed, self.checks or [None] * len(landed)):
       if check is not None and _hashes.array_digest(raw) != check[1]:
+        assert self.damaged is not None   # (given with the checks)
         raise self.damaged(f"the run of chunks process {check[0]} wrote (bytes [{lo}, {hi}) "
                            f"of pack {k})")
     j = 0

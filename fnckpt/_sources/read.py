@@ -33,7 +33,7 @@ import dataclasses
 import math
 import os
 import posixpath
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import numpy as np
 import tensorstore as ts
@@ -80,7 +80,7 @@ class Region:
   """Elements ``index`` of ``leaf`` to read, charged ``cost`` bytes (the caller's rule);
   ``tag`` is the caller's, handed back with the data. Regions of one leaf in one call are
   disjoint."""
-  leaf: "StoredLeaf"
+  leaf: StoredLeaf
   index: Index
   cost: int
   tag: Any = None
@@ -136,14 +136,16 @@ class StoredLeaf:
     if self.rec is None and not isinstance(e, CheckpointError):  # a pack
       return CheckpointError(f"Cannot read the pack at {self.where!r} "
                              f"({type(e).__name__}: {_paths.error_text(e)}).")
-    return leaf_error(self.src, self.rec, e)
+    # (rec None: a pack's CheckpointError, which leaf_error passes on unchanged)
+    return leaf_error(self.src, cast(_records.Leaf, self.rec), e)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Inline(StoredLeaf):
   decoded: list = dataclasses.field(default_factory=list)   # [the value], once a block is read
 
-  def start(self, index: Index, batch: ts.Batch | None) -> "_Done":
+  def start(self, index: Index, batch: ts.Batch | None) -> _Done:
+    assert self.rec is not None
     if index == tuple((0, n) for n in self.shape):
       return _Done(_leaves.inline_array(self.rec))   # a fresh copy, bools checked
     if not self.decoded:
@@ -153,11 +155,18 @@ class _Inline(StoredLeaf):
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Packed(StoredLeaf):
-  pack: ts.TensorStore = None
+  pack: ts.TensorStore
   offset: int = 0
   digest: bytes | None = None   # checked when the whole leaf is read (format 3)
 
+  @property
+  def nbytes(self) -> int:
+    """Its bytes in the pack."""
+    assert self.rec is not None and self.rec.packed is not None
+    return self.rec.packed.nbytes
+
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
+    assert self.rec is not None and self.rec.packed is not None
     size = self.dtype.itemsize
     if index == tuple((0, n) for n in self.shape):   # (restore's: the whole leaf)
       lo, hi = self.offset, self.offset + self.rec.packed.nbytes
@@ -173,6 +182,7 @@ class _Packed(StoredLeaf):
     if self.digest is not None and index == tuple((0, n) for n in self.shape) and \
         _hashes.array_digest(raw) != self.digest:
       raise hash_damage(self, "its data")
+    assert self.rec is not None
     return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
                                  self.rec)
 
@@ -190,17 +200,17 @@ class PackRun(StoredLeaf):
   and an inner chunk two runs share, are read once.
   ``rec``: the first leaf's record; a failed read is named as the leaves read one by one
   would name it (:meth:`error`)."""
-  leaves: tuple = ()   # the _Packed leaves
+  leaves: tuple[_Packed, ...] = ()   # the _Packed leaves
   lo: int = 0
 
-  def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
+  def start(self, index: Index, batch: ts.Batch | None) -> _store.Landing:
     (a, b), = index
     return _store.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
 
-  def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:
+  def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:  # type: ignore[override]
     if not (raw.flags.c_contiguous and raw.flags.writeable):
       raw = np.array(raw)
-    return [leaf.finish(raw[leaf.offset - self.lo:][:leaf.rec.packed.nbytes],
+    return [leaf.finish(raw[leaf.offset - self.lo:][:leaf.nbytes],
                         tuple((0, n) for n in leaf.shape)) for leaf in self.leaves]
 
   def error(self, e: BaseException) -> CheckpointError:
@@ -213,7 +223,7 @@ class PackRun(StoredLeaf):
         leaf.finish(leaf.start(whole, None).result(), whole)
       except Exception as own:
         return leaf.error(own)
-    return leaf_error(self.src, self.rec, e)
+    return leaf_error(self.src, cast(_records.Leaf, self.rec), e)
 
 
 def pack_runs(leaves: list[Any], limit: int, gap: int = 4096) -> list[list[int]]:
@@ -240,10 +250,10 @@ def pack_runs(leaves: list[Any], limit: int, gap: int = 4096) -> list[list[int]]
   return runs
 
 
-def run_of(leaves: list[StoredLeaf]) -> PackRun:
+def run_of(leaves: list[Any]) -> PackRun:
   """The :class:`PackRun` reading ``leaves`` (a run of :func:`pack_runs`, two or more)."""
   first, lo = leaves[0], leaves[0].offset
-  hi = leaves[-1].offset + leaves[-1].rec.packed.nbytes
+  hi = leaves[-1].offset + leaves[-1].nbytes
   return PackRun(src=first.src, rec=first.rec, kind="packrun", shape=(hi - lo,),
                  dtype=np.dtype(np.uint8), align=None, where=first.where, leaves=tuple(leaves),
                  lo=lo)
@@ -251,7 +261,7 @@ def run_of(leaves: list[StoredLeaf]) -> PackRun:
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Pieced(StoredLeaf):
-  reader: _pieces_read.SliceReader = None
+  reader: _pieces_read.SliceReader
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
     return self.reader(index, batch)   # aligned, bools checked
@@ -259,7 +269,7 @@ class _Pieced(StoredLeaf):
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Stored(StoredLeaf):
-  array: ts.TensorStore = None
+  array: ts.TensorStore
   chunks: tuple[int, ...] = ()
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
@@ -271,6 +281,7 @@ class _Stored(StoredLeaf):
     return _store.read_slice(self.array, index, batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    assert self.rec is not None and self.rec.dtype is not None
     return _store.from_storage(raw, self.rec.dtype)
 
 
@@ -294,6 +305,7 @@ class _Foreign(StoredLeaf):
     return self.slices(index, batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
+    assert self.rec is not None and self.rec.dtype is not None
     return _store.from_storage(raw, self.rec.dtype)
 
   def cost(self, index: Index) -> int:
@@ -302,7 +314,7 @@ class _Foreign(StoredLeaf):
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Pack(StoredLeaf):
-  array: ts.TensorStore = None
+  array: ts.TensorStore
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
     return _store.read_slice(self.array, index, batch)
@@ -344,6 +356,7 @@ class Opener:
   def _open(self, rec: _records.Leaf) -> StoredLeaf:
     src = self.src
     head = (src, rec)
+    assert rec.shape is not None and rec.dtype is not None   # an array leaf
     shape, dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
     if rec.inline is not None:
       return _Inline(*head, "inline", shape, dtype, None, src.location)
@@ -365,6 +378,7 @@ class Opener:
       return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
                      reader=_pieces_read.SliceReader(manifest, rec, self._pack, damaged))
     st = rec.stored
+    assert st is not None
     array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
                                          rec.shape))
     return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
@@ -572,6 +586,7 @@ def data_location(src: Source, base: int | None, d: str) -> str:
 def _pieces_pack(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
   """A pack holding pieces of ``rec`` (format 2: a fork's all refer to its parent's; format 3:
   a referenced one if any of its runs is)."""
+  assert rec.pieces is not None
   if rec.pieces.runs is None:
     return next((k for k, p in enumerate(manifest.packs) if p.process is not None), None)
   packs = sorted(set(_runs.pieces_runs(manifest, rec)[0].tolist()))

@@ -126,7 +126,7 @@ def parse_header(header: bytes, file: str, key: str | None = None
   for t in tensors:
     if t.begin != at:
       what = (f"its bytes [{t.begin - start}, {t.end - start}) overlap those of "
-              f"{prev.name!r}" if t.begin < at else
+              f"{prev.name!r}" if prev is not None and t.begin < at else
               f"its bytes start at {t.begin - start}, after a gap (the previous tensor ends "
               f"at {at - start})")
       raise _bad(file, f"tensor {t.name!r}: {what}")
@@ -438,14 +438,17 @@ class _Raw:
   into one buffer as it is taken (no second copy of the whole)."""
 
   def __init__(self, kv: ts.KvStore, t: Tensor, starts: list[int], run: int, batch):
-    self.t, self.run, self.data = t, run, None
-    self.futs = [_read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
-                 for s in starts] if run else []
+    self.t, self.run = t, run
+    self.data: bytearray | None = None
+    self.futs: list[ts.Future | None] = [
+        _read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
+        for s in starts] if run else []
 
   def bytes(self) -> bytearray:
     if self.data is None:
       data = bytearray(len(self.futs) * self.run)
       for i, f in enumerate(self.futs):
+        assert f is not None
         data[i * self.run:(i + 1) * self.run] = _got(f, self.t, self.run)
         self.futs[i] = None
       self.data, self.futs = data, []
@@ -487,9 +490,10 @@ class _Group:
   def __init__(self, kv: ts.KvStore, t: Tensor, rows: tuple[int, int]):
     self.kv, self.t, self.rows = kv, t, rows
     self.members: list[_Member] = []
-    self.started, self.error = False, None
+    self.started = False
+    self.error: Exception | None = None
 
-  def add(self, index) -> "_Member":
+  def add(self, index) -> _Member:
     member = _Member(self, index)
     self.members.append(member)
     return member
@@ -506,10 +510,11 @@ class _Group:
     step, row = block_rows(t.shape, dtype.itemsize), _row_bytes(t.shape, dtype.itemsize)
     outs = [np.empty(tuple(b - a for a, b in m.index), dtype) for m in self.members]
     cols = [tuple(slice(a, b) for a, b in m.index[1:]) for m in self.members]
-    nxt = self._block(lo, min(hi, lo + step))
+    nxt: ts.Future | None = self._block(lo, min(hi, lo + step))
     for r in range(lo, hi, step):
       end = min(hi, r + step)
       fut, nxt = nxt, self._block(end, min(hi, end + step)) if end < hi else None
+      assert fut is not None
       block = np.frombuffer(_got(fut, t, (end - r) * row), dtype).reshape(
           (end - r,) + tuple(t.shape[1:]))
       for out, c in zip(outs, cols):
@@ -523,9 +528,10 @@ class _Member:
   """One slice of a :class:`_Group`: ``result()`` reads the group (once) and gives its array."""
 
   def __init__(self, group: _Group, index):
-    self.group, self.index, self.value = group, index, None
+    self.group, self.index = group, index
+    self.value: np.ndarray | None = None
 
-  def result(self) -> np.ndarray:
+  def result(self) -> np.ndarray | None:
     g = self.group
     if self.value is None:
       if g.error is None and not g.started:
@@ -548,7 +554,8 @@ def open_file(kv: ts.KvStore, key: str, location: str, prefix: str = ""
 
 def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
                 wmap: dict[str, str] | None = None) -> dict[str, list[Tensor]]:
-  by_file, seen = {}, {}
+  by_file: dict[str, list[Tensor]] = {}
+  seen: dict[str, str] = {}
   for f in files:
     try:
       by_file[f], _ = read_tensors(kv, f, prefix + f)
@@ -600,6 +607,7 @@ def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
     m = _SHARD_NAME.fullmatch(f)
     total = int(m.group(3)) if m else 0
     for i in range(1, total + 1):
+      assert m is not None
       shard = f"{m.group(1)}-{i:05d}-of-{m.group(3)}.safetensors"
       if shard not in files:
         raise _bad_index(where, f"it maps no tensor to {shard!r}, one of the {total} files "

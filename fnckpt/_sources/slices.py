@@ -53,6 +53,7 @@ def pieces(src: _source.Source, leaves: Sequence[_records.Leaf], window: Window,
   regions = _regions(_read.Opener(src), leaves, window.limit, out_itemsize)
   for got in _read.read_regions(regions, window):
     leaf, start = got.region.tag
+    assert got.data is not None   # (errors raised)
     yield Piece(leaf, start, got.data)
 
 
@@ -67,6 +68,7 @@ def _regions(opener: _read.Opener, leaves: Sequence[_records.Leaf], limit: int,
     block = block * 2 * size // (2 * size + wider)  # (the cast's bytes fit in the same charge)
     leaf = opener.leaf(rec)
     per = size * (1 if rec.inline is not None else 2) + wider
+    assert rec.shape is not None
     for index in _blocks.blocks(rec.shape, size, block, leaf.align):
       yield _read.Region(leaf, index, math.prod(b - a for a, b in index) * per,
                          (rec, _blocks.start(index, rec.shape)))

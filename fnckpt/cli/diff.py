@@ -96,7 +96,8 @@ def _array_texts(src_a: _source.Source, src_b: _source.Source,
       opened.append((k, opener_a.leaf(ra), opener_b.leaf(rb)))
     except Exception as e:
       out[k] = _cannot_compare(e, src_a, src_b)
-  differ, failed = {k: 0 for k, _, _ in opened}, {}
+  differ = {k: 0 for k, _, _ in opened}
+  failed: dict[Any, BaseException] = {}
   window = _source.READ_WINDOW_BYTES
   side_a, side_b = (_read.read_regions(_regions(opened, side, window // 8),
                                        _read.Window(window // 2), errors="yield")
@@ -106,6 +107,7 @@ def _array_texts(src_a: _source.Source, src_b: _source.Source,
     if error is not None:
       failed.setdefault(k, error)
     elif k not in failed:
+      assert a.data is not None and b.data is not None   # (no error)
       differ[k] += _count_different(a.data, b.data)
   for k, leaf, _ in opened:
     if k in failed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import cast
 
 import numpy as np
 
@@ -22,6 +23,7 @@ def value_text(rec: _records.Leaf) -> str:
   kind = rec.kind
   if kind in ("array", "key"):
     if rec.inline is not None:
+      assert rec.dtype is not None
       value = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype))
       text = np.array2string(value.reshape(rec.shape), threshold=8, edgeitems=2,
                              separator=", ").replace("\n", "")
@@ -31,6 +33,7 @@ def value_text(rec: _records.Leaf) -> str:
     if rec.pieces is not None:
       return f"pieces {shape_text(rec.pieces.chunks)} in the packs (mesh {rec.pieces.mesh})"
     store = rec.stored
+    assert store is not None
     blosc = dict(store.blosc or ())
     return f"{store.dir}/ chunks {shape_text(store.chunks)}" + (
         f" zstd {store.zstd}" if store.zstd else "") + (
@@ -38,7 +41,7 @@ def value_text(rec: _records.Leaf) -> str:
   if kind == "npgen":
     return f"numpy Generator ({rec.value['bit_generator']})"
   if kind == "empty":
-    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec.type]
+    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[cast(str, rec.type)]
   if kind == "perprocess":
     return "fnckpt.PerProcess: one value per saving process (in pp/<process>)"
   return compact(_leaves.decode_value(rec))
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
   rows = [["KEY PATH", "KIND", "DTYPE", "SHAPE", "SAVED SHARDING", "BYTES", "STORED / VALUE"]]
   for rec in manifest.leaves:
     if rec.kind in ("array", "key"):
+      assert rec.dtype is not None and rec.shape is not None
       dtype = rec.dtype + (f" ({rec.impl})" if rec.kind == "key" else "")
       base = _read.base_of(manifest, rec)
       where = value_text(rec) + (

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 from .._format import perprocess as _perprocess, records as _records, tree as _tree
 from .._sources import source as _source
@@ -15,7 +15,7 @@ __all__ = ["read_values", "values_under"]
 def read_values(src: _source.Source, process: int) -> tuple[_records.Leaf, ...]:
   """Process ``process``'s ``fnckpt.PerProcess`` values; CheckpointError naming the file if
   missing or invalid."""
-  key = _perprocess.values_key(src.manifest.data, process)
+  key = _perprocess.values_key(cast(str, src.manifest.data), process)
   where = f"{src.location}/{key}"
   got = src.kv.read(key).result()
   if got.state != "value":

@@ -4,7 +4,7 @@ the cause of a failed read, regions and lineage."""
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from .._layout import chunks as _layout
 from .._format import records as _records, refs as _refs
@@ -15,7 +15,7 @@ __all__ = ["human", "when", "table", "shape", "sharding", "compact", "cause", "r
            "lineage", "desc"]
 
 
-def human(n: int | None) -> str:
+def human(n: float | None) -> str:
   """Bytes as people read them.
 
   >>> human(512), human(3 << 20), human(None)
@@ -98,9 +98,9 @@ def desc(rec: _records.Leaf) -> str:
   """A leaf's kind, dtype and shape as diff compares them."""
   if rec.kind in ("array", "key"):
     what = "key" if rec.kind == "key" else "array"
-    return f"{what} {rec.dtype}{list(rec.shape)}"
+    return f"{what} {rec.dtype}{list(cast(tuple, rec.shape))}"
   if rec.kind == "scalar":
-    return rec.type
+    return cast(str, rec.type)
   if rec.kind == "perprocess":
     return "fnckpt.PerProcess"
   return rec.kind if rec.kind != "empty" else f"empty {rec.type}"

@@ -1,9 +1,9 @@
 """``fnckpt verify PATH``: read every chunk of a checkpoint once (or of every committed step
 of a run directory) through the one reader, checking crc32c checksums, bool bytes, per-process
-values and, on the same bytes, content hashes (format 3: XXH3-128 of every stored chunk, packed leaf and pieces
-run; format 2: SHA-256 where an incremental save recorded them); every problem is reported,
-naming the leaf and its storage path. A checkpoint without content hashes is checked by its
-checksums only, and says so."""
+values and, on the same bytes, content hashes (format 3: XXH3-128 of every stored chunk, packed
+leaf and pieces run; format 2: SHA-256 where an incremental save recorded them); every problem
+is reported, naming the leaf and its storage path. A checkpoint without content hashes is
+checked by its checksums only, and says so."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import hashlib
 import math
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
@@ -92,16 +92,18 @@ class _Unit:
                                                                          self.grid))
 
 
-def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
+def _units(src: _source.Source, hashes: _Hashes) -> list[_Unit]:
   """Every stored array (by write chunks where ``hashes`` checks them), then every pack."""
   manifest = src.manifest
   units = []
   for rec in manifest.leaves:
     if rec.stored is not None:
       hashed = rec if rec.index in hashes.chunked else None
+      assert rec.shape is not None
       units.append(_Unit(label=rec.where,
                          here=_read.data_location(src, rec.stored.base, rec.stored.dir),
-                         open=lambda o, rec=rec: o.leaf(rec), shape=rec.shape,
+                         open=lambda o, rec=rec: o.leaf(rec),  # type: ignore[misc]  # (mypy: a lambda with defaults)
+                         shape=rec.shape,
                          grid=rec.stored.chunks if hashed else rec.stored.inner,
                          itemsize=_records.itemsize(rec.dtype), hashed=hashed))
   for k, pack in enumerate(manifest.packs):
@@ -111,7 +113,7 @@ def _units(src: _source.Source, hashes: "_Hashes") -> list[_Unit]:
       names.append(f"pieces of process {pack.process}")
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
     units.append(_Unit(label, _read.data_location(src, pack.base, pack.dir),
-                       lambda o, k=k: o.pack(k), (pack.nbytes,), (pack.inner,), 1, pack=k))
+                       lambda o, k=k: o.pack(k), (pack.nbytes,), (pack.inner,), 1, pack=k))  # type: ignore[misc]
   return units
 
 
@@ -155,7 +157,7 @@ def _open_text(e: BaseException) -> str:
   return str(e) if isinstance(e, CheckpointError) else cause(e)
 
 
-def _verify_arrays(src: _source.Source, quiet: bool, hashes: "_Hashes") -> list[str]:
+def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[str]:
   """Every stored array and pack read once, all in one window, block by block in order (each
   inner chunk checked by its crc32c inside the read), each landed block handed to ``hashes``;
   a unit that cannot be opened is a problem, its blocks not enumerated (nor hash-checked)."""
@@ -214,6 +216,7 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
       except CheckpointError as e:
         found[rec.index] = str(e)
         continue
+      assert rec.shape is not None
       for index in _blocks.blocks(rec.shape, 1, limit // 8, leaf.align):
         yield _read.Region(leaf, index, math.prod(b - a for a, b in index), rec)
 
@@ -265,7 +268,8 @@ class _Stream:
 
   def __init__(self, items: list[_Item], alg: _Alg):
     self.waiting = sorted(items, key=lambda it: (it.lo, it.hi))
-    self.next, self.open, self.alg = 0, [], alg
+    self.next, self.alg = 0, alg
+    self.open: list[_Item] = []
 
   def feed(self, lo: int, hi: int, data: np.ndarray | None) -> Iterator[_Item]:
     """Feed block ``[lo, hi)`` of the pack (``data`` None: it failed to read) to the items it
@@ -280,7 +284,8 @@ class _Stream:
       if a < b and data is None:
         it.spoiled = True
       elif a < b and not it.spoiled:
-        it.hasher.update(memoryview(data[a - lo:b - lo]))
+        assert data is not None
+        it.hasher.update(memoryview(data[a - lo:b - lo]))  # type: ignore[arg-type]  # (numpy)
       if it.hi > hi:
         still.append(it)
       elif not it.spoiled:
@@ -308,9 +313,10 @@ class _Hashes:
   def _plan(self, rec: _records.Leaf) -> list[tuple[int, _Item]]:
     """(pack, item) of ``rec`` to stream; a stored leaf checked by chunks joins ``chunked``."""
     alg = self.alg
+    assert rec.hash is not None   # (only hashed leaves are planned)
     if rec.packed is not None:
       lo, n = rec.packed.offset, rec.nbytes
-      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "
+      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "  # noqa: E731
                             f"to the recorded {alg.name}")
       return [(rec.packed.pack, _Item(lo, lo + rec.packed.nbytes, rec.hash, rec, 0, text))]
     if rec.pieces is not None:
@@ -320,7 +326,7 @@ class _Hashes:
       if alg.digest(hashes) != rec.hash:
         self.mismatch(rec, 0, "its runs' hashes do not hash to its recorded hash")
         return []
-      return [(r.pack, _Item(r.lo, r.hi, hashes[w * n:(w + 1) * n], rec, w, lambda where, r=r: (
+      return [(r.pack, _Item(r.lo, r.hi, hashes[w * n:(w + 1) * n], rec, w, lambda where, r=r: (  # type: ignore[misc]
           f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
           f"{where}) differ from what was saved")))
               for w, r in enumerate(_runs.writer_runs(self.src.manifest, rec))]
@@ -340,6 +346,7 @@ class _Hashes:
     """Block ``pos`` of unit ``u`` landed (``got.data`` None: it failed to read)."""
     if u.hashed is not None:
       rec, n = u.hashed, self.alg.nbytes
+      assert rec.chunk_hashes is not None
       want = rec.chunk_hashes[pos * n:(pos + 1) * n]
       if got.data is not None and want != _refs.NO_HASH and \
           self.alg.array_digest(got.data) != want:
@@ -373,7 +380,7 @@ def _verify_per_process(src: _source.Source) -> list[str]:
   names = ", ".join(r.where for r in wanted[:3]) + (", ..." if len(wanted) > 3 else "")
   problems = []
   for p in range(manifest.process_count):
-    here = f"{src.location}/{_perprocess.values_key(manifest.data, p)}"
+    here = f"{src.location}/{_perprocess.values_key(cast(str, manifest.data), p)}"
     try:
       leaves = read_values(src, p)
     except CheckpointError as e:
