@@ -136,7 +136,7 @@ def plan_save(state, mesh, process: int, per: int, procs: np.ndarray
   packs = _packing.assign(items, len(procs) // per, extra=regions,
                           chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else
                           _packing.PACK_CHUNK_BYTES)
-  for info, shape, leaf in pieced:  # what _pieces_save.Planner.parts checks and stages
+  for info, shape, leaf in pieced:  # what _piece_writes.Planner.parts checks and stages
     chunk, units = _layout.plan_write(info, shape, state[leaf.index][2], salt=leaf.index)
     assert chunk == leaf.chunk and len(units) == len(layout.mine(leaf.index, process)[0])
   return time.perf_counter() - t0, plans, packs.sizes
@@ -147,7 +147,7 @@ def plan_restore(state, mesh, process: int, per: int, saved_mesh=None, procs=Non
   """One process's restore plan: ``plan_read`` per leaf; with ``saved_mesh``, also what
   reading pieced leaves adds: the pieces layout a reader builds when it parses the manifest,
   and, for each slice, the chunks it intersects located in their writers' packs (what
-  ``_pieces_read.SliceReader.parts`` computes before any I/O)."""
+  ``_piece_reads.SliceReader.parts`` computes before any I/O)."""
   t0 = time.perf_counter()
   infos: dict[Any, _layout.ShardingInfo] = {}
   slices = 0

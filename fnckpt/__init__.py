@@ -15,7 +15,7 @@ from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
-from ._export.export import export_safetensors as export_safetensors
+from ._export.to_safetensors import export_safetensors as export_safetensors
 from ._manager.interval import optimal_interval_s as optimal_interval_s
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._format.perprocess import PerProcess as PerProcess

@@ -21,7 +21,7 @@ data:
   locations is dropped alike).
 ``pieces`` (``_layout.pieces``)
   the last pieces layout built (a training loop saves one tree again and again).
-``reads`` (``_sources.pieces``)
+``reads`` (``_sources.piece_reads``)
   bytes and byte ranges read from packs for pieces (tests read them).
 ``hooks`` (``_save``)
   ``on_phase(name)``, called as a save passes each phase ("staging", "staged", "written",

@@ -177,7 +177,7 @@ def test_a_save_writes_the_pack_files_tensorstore_writes(tmp_path, monkeypatch):
 
 
 def test_a_leaf_of_several_parts_is_gathered_into_the_chunk_as_raw_gathers_it():
-  from fnckpt._save.staged import Staged
+  from fnckpt._save.staged_leaf import Staged
   x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
   parts = [((slice(0, 6), slice(0, 4)), x[:, :4].copy()), ((slice(0, 6), slice(4, 8)),
                                                            x[:, 4:].copy())]

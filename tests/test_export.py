@@ -492,7 +492,7 @@ def test_planned_headers_are_valid_safetensors(specs, max_size, single):
 def test_a_failed_write_leaves_nothing(saved, tmp_path, monkeypatch):
   """A write that fails midway (a full disk, injected on the third piece): the export raises
   naming the file and the cause, and neither the file nor a temporary one is left."""
-  from fnckpt._export import export as _export
+  from fnckpt._export import to_safetensors as _export
   path, _ = saved
   real, calls = _export._to_bytes, []
 

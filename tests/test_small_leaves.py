@@ -236,7 +236,7 @@ def test_assemble_zeroes_what_no_piece_covers_in_a_reused_buffer(monkeypatch):
   with a fresh zeroed buffer, never an earlier chunk's bytes.)"""
   from fnckpt import _state
   from fnckpt._save import buffers as _buffers
-  from fnckpt._save.staged import Staged
+  from fnckpt._save.staged_leaf import Staged
   from fnckpt._save.staging import Assemble
   monkeypatch.setattr(_state, "buffers", _state._Buffers())
   poisoned = np.full(32 + _buffers.ALIGN, 0xFF, np.uint8)   # (room for 32: reused for 20)

@@ -353,7 +353,7 @@ def changed_leaves(reports: Iterable[Report], stored: Mapping[int, StoredCand]) 
 
 
 def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
-             reports: Sequence[Report], cands: Candidates, changed: set[int], location: str,
+             reports: Sequence[Report], reusable: Candidates, changed: set[int], location: str,
              layout: Any = None, regions: Any = None
              ) -> tuple[tuple[_records.Leaf, ...], tuple[_records.Pack, ...],
                         tuple[_records.Base, ...]]:
@@ -376,14 +376,14 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
       if records[i].pieces is None:
         records[i] = _records.evolve(records[i], hash=h)
   for i, hashes in chunks.items():
-    records[i] = _stored_hashes(records[i], hashes, cands.stored.get(i), i in changed, bases,
+    records[i] = _stored_hashes(records[i], hashes, reusable.stored.get(i), i in changed, bases,
                                 location)
   place = _Placer(packs, reports, bases)
-  _place_packed(records, reports, cands.packed, place)
+  _place_packed(records, reports, reusable.packed, place)
   own = {p.process: k for k, p in enumerate(packs) if p.process is not None}
   for i, rec in enumerate(records):
     if rec.pieces is not None:
-      records[i] = _runs(rec=rec, reports=reports, cand=cands.pieced.get(i), layout=layout, regions=regions, own=own, packs=packs,
+      records[i] = _runs(rec=rec, reports=reports, cand=reusable.pieced.get(i), layout=layout, regions=regions, own=own, packs=packs,
                          place=place, location=location)
   packs = [dataclasses.replace(p, process=None, pieces=None) for p in place.packs]
   return tuple(records), tuple(packs), tuple(bases.items)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._io import arrays as _store, commit as _commit
+from .._io import arrays as _arrays, commit as _commit
 from .._sources import source as _source
 
 __all__ = ["RestoreOptions"]
@@ -33,4 +33,4 @@ class RestoreOptions:
 
   def budget(self) -> int:
     """Bytes of reads in flight (``budget_bytes``, else the default read window)."""
-    return _store.budget_arg(self.budget_bytes, "restore", _source.READ_WINDOW_BYTES)
+    return _arrays.budget_arg(self.budget_bytes, "restore", _source.READ_WINDOW_BYTES)

@@ -4,7 +4,7 @@ target's devices as it lands.
 
 Packed leaves are read first, each whole (a run of them lying one after another in a pack as
 one byte range), and placed with their sharding; stored, pieced and foreign leaves as the
-distinct slices this process's devices need (``_layout.plan_read``), each placed on its
+distinct slices this process's devices need (``_chunks.plan_read``), each placed on its
 devices; inline leaves (no stored bytes: values in the manifest) while the first read is
 awaited (the window's ``idle``), else last. A run's leaves are views of the one aligned buffer
 it was read into, and inline leaves bound for several CPU devices are copied into shared
@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError
-from .._layout import chunks as _layout
+from .._layout import chunks as _chunks
 from .._format import leaves as _leaves
-from .._io import arrays as _store
+from .._io import arrays as _arrays
 from .._sources import read as _read
 from .._sources.source import Source
 
@@ -84,11 +84,11 @@ def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int
     if (r.want.rec.packed is not None and not r.sliced) or r.want.rec.inline is not None:
       continue
     leaf = opener.leaf(r.want.rec)
-    plan: dict[_layout.Index, Any]
+    plan: dict[_chunks.Index, Any]
     if r.sharding is None:
       plan = {tuple((0, n) for n in r.shape): None}
     else:
-      plan = _layout.plan_read(r.sharding, r.shape)  # O(local devices), cached
+      plan = _chunks.plan_read(r.sharding, r.shape)  # O(local devices), cached
     for index, devices in plan.items():
       yield _read.Region(leaf, index, leaf.cost(index), (i, devices))
 
@@ -254,7 +254,7 @@ def inline_hosts(recs: list[Any], shardings: list[jax.sharding.Sharding | None]
     else:
       out[k] = _leaves.inline_array(rec)
   for block in _blocks([len(recs[k].inline) for k in shared], RUN_BYTES):
-    buf = _store.aligned_empty((block[-1][1] + len(recs[shared[block[-1][0]]].inline),),
+    buf = _arrays.aligned_empty((block[-1][1] + len(recs[shared[block[-1][0]]].inline),),
                                np.uint8)
     for j, offset in block:
       rec = recs[shared[j]]
@@ -278,7 +278,7 @@ def _cpu_shared(devices: Any) -> bool:
 
 
 def _blocks(sizes: list[int], limit: int) -> list[list[tuple[int, int]]]:
-  """Consecutive items of ``sizes`` bytes laid out at :data:`_store.ALIGN`-aligned offsets in
+  """Consecutive items of ``sizes`` bytes laid out at :data:`_arrays.ALIGN`-aligned offsets in
   blocks of at most ``limit`` bytes (a larger item alone): per block, ``(position, offset)``.
 
   >>> _blocks([10, 64, 100, 7, 200], 160)
@@ -287,7 +287,7 @@ def _blocks(sizes: list[int], limit: int) -> list[list[tuple[int, int]]]:
   blocks: list[list[tuple[int, int]]] = []
   end = 0
   for j, n in enumerate(sizes):
-    offset = -(-end // _store.ALIGN) * _store.ALIGN
+    offset = -(-end // _arrays.ALIGN) * _arrays.ALIGN
     if not blocks or offset + n > limit:
       blocks.append([])
       offset = 0
@@ -297,12 +297,12 @@ def _blocks(sizes: list[int], limit: int) -> list[list[tuple[int, int]]]:
 
 
 def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
-  """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_store.ALIGN`)
+  """``host`` (ours) as CPU devices adopt it without a copy (aligned, :data:`_arrays.ALIGN`)
   when two or more of them take it, whole or in slices: one copy here instead of one per
   device (of each slice whose start stays aligned)."""
-  if host.ctypes.data % _store.ALIGN == 0 or not _cpu_shared(devices):
+  if host.ctypes.data % _arrays.ALIGN == 0 or not _cpu_shared(devices):
     return host
-  out = _store.aligned_empty(host.shape, host.dtype)
+  out = _arrays.aligned_empty(host.shape, host.dtype)
   np.copyto(out, host)
   return out
 

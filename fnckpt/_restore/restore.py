@@ -13,10 +13,10 @@ from typing import Any, Callable, Sequence, cast
 import jax
 import numpy as np
 
-from .._layout import chunks as _layout
+from .._layout import chunks as _chunks
 from .._format import (leaves as _leaves, perprocess as _perprocess, records as _records,
                        tree as _tree)
-from .._io import commit as _commit, paths as _paths, arrays as _store
+from .._io import commit as _commit, paths as _paths, arrays as _arrays
 from .._sources import source as _source
 from .._sources.source import Source
 from .. import _state
@@ -106,7 +106,7 @@ def _array_metadata(rec: _records.Leaf) -> ArrayMetadata:
   shape = tuple(rec.shape)
   return ArrayMetadata(shape, dtype, _saved_sharding(rec.sharding), rec.impl,
                        _storage_of(rec),
-                       _layout.nbytes(shape, dtype.itemsize))
+                       _chunks.nbytes(shape, dtype.itemsize))
 
 
 def _storage_of(rec: _records.Leaf) -> str:

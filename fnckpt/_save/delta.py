@@ -29,7 +29,7 @@ import tensorstore as ts
 
 from .._layout import packing as _packing
 from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
-from .._io import collective as _collective, arrays as _store, direct as _direct
+from .._io import collective as _collective, arrays as _arrays, direct as _direct
 from .._errors import CheckpointError
 from . import buffers as _buffers
 
@@ -52,7 +52,7 @@ class Plan:
   """What concluding a save needs from its plan (see ``fnckpt._save.save``)."""
   records: tuple[_records.Leaf, ...]
   packs: tuple[_records.Pack, ...]
-  cands: _refs.Candidates
+  reusable: _refs.Candidates
   store_specs: dict[int, dict[str, Any]]      # leaf -> its zarr spec (candidates)
   store_dirs: dict[int, str]                  # leaf -> its own store dir (candidates)
   kv_spec: dict[str, Any]
@@ -161,7 +161,7 @@ class Delta:
 
   def __init__(self, kv_spec: dict[str, Any], ctx: ts.Context, data_dir: str, me: int,
                release: Callable[[int], None], segment_bytes: int,
-               budget: _store.ByteBudget | None = None):
+               budget: _arrays.ByteBudget | None = None):
     self.report = _refs.Report()
     self.skipped: list[tuple[int, int, int]] = []   # (leaf, chunk pos, bytes) not written
     self.skipped_bytes = 0
@@ -352,9 +352,9 @@ class Delta:
     padded, chunk, inner = _packing.assign([_packing.PackItem(0, n, 0)], 1).sizes[0]
     k = len(self.report.segments)
     d = f"{self._dir}/q/{self._me}/{k}"
-    spec = _store.pack_spec(self._kv_spec, d, padded, chunk, inner)
+    spec = _arrays.pack_spec(self._kv_spec, d, padded, chunk, inner)
     try:
-      store = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
+      store = _arrays.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
                                 mode="create").result()
     except BaseException:
       self._release(sum(b.cost for b in items))
@@ -363,7 +363,7 @@ class Delta:
     futures = []
     for start in range(0, padded, chunk):
       end = min(start + chunk, padded)
-      futures.append(_store.write_chunk(store, ((start, end),), _assemble(items, start, end)))
+      futures.append(_arrays.write_chunk(store, ((start, end),), _assemble(items, start, end)))
     self.written_bytes += padded
     self.written_chunks += len(futures)
     cost = sum(b.cost for b in items)
@@ -406,14 +406,14 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
   if gathered is not None:  # process 0
     assert plan.build is not None   # (process 0's)
     reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
-    changed = _refs.changed_leaves(reports, plan.cands.stored)
-    records, packs, bases = _refs.finalize(records=plan.records, packs=plan.packs, reports=reports, cands=plan.cands,
+    changed = _refs.changed_leaves(reports, plan.reusable.stored)
+    records, packs, bases = _refs.finalize(records=plan.records, packs=plan.packs, reports=reports, reusable=plan.reusable,
                                            changed=changed, location=location, layout=plan.layout, regions=plan.regions)
     manifest = plan.build(records, packs, bases)
   changed = set(msgpack.unpackb(session.share("changed", msgpack.packb(sorted(changed)))))
   futures = _copy_skipped(plan, delta, kv, ctx, changed)
   if gathered is not None:  # process 0 writes the zarr.json of every stored array
-    futures += [_store.open_array(plan.store_specs[i], ctx, mode="create") for i in sorted(
+    futures += [_arrays.open_array(plan.store_specs[i], ctx, mode="create") for i in sorted(
         changed)]
   for f in futures:
     f.result()
@@ -440,7 +440,7 @@ def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
   out: list[ts.Future] = []
   try:
     for i, pos, n in todo:
-      cand, rec = plan.cands.stored[i], plan.records[i]
+      cand, rec = plan.reusable.stored[i], plan.records[i]
       root = _refs.resolve(loc, cand.base.dir, "the base")
       if root not in sources:
         sources[root] = ts.KvStore.open(loc.spec_at(root), context=ctx).result()
@@ -463,7 +463,7 @@ def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
   return out
 
 
-def _fits(budget: _store.ByteBudget | None, n: int) -> bool:
+def _fits(budget: _arrays.ByteBudget | None, n: int) -> bool:
   return budget is None or budget.held == 0 or budget.held + n <= budget.limit
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._errors import CheckpointError
-from .._io import arrays as _store, commit as _commit
+from .._io import arrays as _arrays, commit as _commit
 from .._layout import packing as _packing
 
 __all__ = ["SaveOptions", "INLINE_BYTES"]
@@ -37,12 +37,12 @@ class SaveOptions:
   compression: str | None = None
   zstd: int | None = None
   barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S
-  codecs: _store.Codecs = dataclasses.field(init=False, compare=False, repr=False)
+  codecs: _arrays.Codecs = dataclasses.field(init=False, compare=False, repr=False)
 
   def __post_init__(self) -> None:
     _check_sizes(self.inline_bytes, self.pack_bytes)
     try:
-      codecs = _store.compression_options(self.compression, self.zstd)
+      codecs = _arrays.compression_options(self.compression, self.zstd)
     except ValueError as e:
       raise CheckpointError(str(e)) from None
     object.__setattr__(self, "codecs", codecs)

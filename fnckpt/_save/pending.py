@@ -176,7 +176,7 @@ class Pending:
                new_loc: _refs.Location, planned: Sequence[_records.Leaf]):
     self.handle, self.base, self.path = handle, base, base.path
     self.loc, self.new_loc, self.planned = loc, new_loc, tuple(planned)
-    self.planned_cands = _refs.Candidates()   # by layout (expectations pending)
+    self.planned_reusable = _refs.Candidates()   # by layout (expectations pending)
     self.meshes: tuple = ()                   # the new save's meshes of pieced leaves
     self.records: tuple = ()
     self.resolved: tuple | None = None   # (check_base or None, refs.Candidates)
@@ -191,9 +191,9 @@ class Pending:
                  ) -> _refs.Candidates:
     """The plan's candidates (``save._plan``): by layout, expectations pending."""
     self.records, self.meshes = tuple(records), tuple(meshes)
-    self.planned_cands = by_layout(records, self.planned)
+    self.planned_reusable = by_layout(records, self.planned)
     self.planned = ()
-    return self.planned_cands
+    return self.planned_reusable
 
   def attach(self, writer: Any, check_of: Callable[[Any], Callable[[], None]]) -> None:
     """Before the writer starts: ``check_of(source)`` is the committed base's commit guard."""
@@ -271,18 +271,18 @@ class Pending:
 
   def _fill(self, item: Any) -> None:
     """Set a pending item's expectation: the base's, or None (written; its leaf changed)."""
-    cands = self.resolved[1] if self.resolved is not None else _refs.Candidates()
+    reusable = self.resolved[1] if self.resolved is not None else _refs.Candidates()
     if hasattr(item, "pos"):  # a stored chunk
-      cand = cands.stored.get(item.leaf)
+      cand = reusable.stored.get(item.leaf)
       item.expect = cand.expect(item.pos) if cand is not None else None
       if cand is None:
         self._writer.delta.report.changed.add(item.leaf)
-    elif item.leaf in self.planned_cands.pieced:  # a process's run of a pieced leaf
-      cand = cands.pieced.get(item.leaf)
+    elif item.leaf in self.planned_reusable.pieced:  # a process's run of a pieced leaf
+      cand = reusable.pieced.get(item.leaf)
       run = cand.runs.get(self._writer.delta.me) if cand is not None else None
       item.expect = run.hash if run is not None else None
     else:  # a packed leaf: no expectation -> a pack segment
-      cand = cands.packed.get(item.leaf)
+      cand = reusable.packed.get(item.leaf)
       item.expect = cand.hash if cand is not None else None
 
   def _resolve(self) -> None:
@@ -295,7 +295,7 @@ class Pending:
       return
     got = _refs.candidates(self.records, src.manifest, _refs.locate(src.kv_spec),
                            self.new_loc, self.meshes)
-    want = self.planned_cands
+    want = self.planned_reusable
     assert self._check_of is not None   # (attached before any item)
     self.resolved = (self._check_of(src), _refs.Candidates(
         {i: c for i, c in got.stored.items() if i in want.stored},
@@ -311,10 +311,10 @@ class Pending:
       self._resolve()
     assert self.resolved is not None
     check, got = self.resolved
-    want = self.planned_cands
+    want = self.planned_reusable
     for i in want.stored:
       if i not in got.stored:  # not reusable after all: written whole (process 0 decides)
         self._writer.delta.report.changed.add(i)
-    return dataclasses.replace(plan, cands=_refs.Candidates(
+    return dataclasses.replace(plan, reusable=_refs.Candidates(
         {i: got.stored.get(i, c) for i, c in want.stored.items()}, got.packed, got.pieced),
         check_base=check)

@@ -19,21 +19,21 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from .._layout import chunks as _layout, packing as _packing, pieces as _pieces
+from .._layout import chunks as _chunks, packing as _packing, pieces as _pieces
 from .._format import (hashes as _hashes, leaves as _leaves, manifest as _manifest,
                        perprocess as _perprocess, records as _records, refs as _refs,
                        tree as _tree)
-from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _store, \
+from .._io import collective as _collective, commit as _commit, paths as _paths, arrays as _arrays, \
   direct as _direct
 from .._sources import source as _source
-from . import delta as _delta, pending as _pending, pieces as _pieces_save
+from . import delta as _delta, pending as _pending, piece_writes as _piece_writes
 from .. import _state
 from .._errors import CheckpointError
 from .._version import __version__
 from .errors import at_leaf as _at, wrap
 from .handle import SaveHandle, begin
 from .copies import Copies
-from .staged import Run, Staged
+from .staged_leaf import Run, Staged
 from .staging import (CHUNK_COST, charge as _charge, leaf_nbytes as _nbytes,
                       stage_array as _stage_array, stage_pack as _stage_pack,
                       start_copies as _start_copies)
@@ -61,12 +61,12 @@ def _reached(location: str, name: str) -> None:
   _state.hooks.on_phase(name)
 
 
-def _process_budget(limit: int) -> _store.ByteBudget:
+def _process_budget(limit: int) -> _arrays.ByteBudget:
   """One budget per process, shared by overlapping saves; its limit is the latest asked."""
   saves = _state.saves
   with saves.budget_lock:
     if saves.budget is None:
-      saves.budget = _store.ByteBudget(limit)
+      saves.budget = _arrays.ByteBudget(limit)
     saves.budget.limit = limit
     return saves.budget
 
@@ -77,7 +77,7 @@ class _Array:
   rec: _records.Leaf             # with ``stored``
   data: Any                      # jax.Array or np.ndarray holding the bytes
   spec: dict[str, Any]
-  units: list[_layout.WriteUnit]
+  units: list[_chunks.WriteUnit]
 
 
 @dataclasses.dataclass
@@ -94,13 +94,13 @@ class _Plan:
   data_dir: str
   values: bytes | None = None    # this process's fnckpt.PerProcess values (its pp/ file)
   holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
-  cands: _refs.Candidates = dataclasses.field(default_factory=_refs.Candidates)
+  reusable: _refs.Candidates = dataclasses.field(default_factory=_refs.Candidates)
   maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
-  pieces: list[_pieces_save.PackPart] = dataclasses.field(default_factory=list)  # mine
+  pieces: list[_piece_writes.PackPart] = dataclasses.field(default_factory=list)  # mine
   meshes: tuple[np.ndarray, ...] = ()   # the pieced leaves' meshes and layout (the manifest's)
   layout: _pieces.Layout | None = None
   regions: _pieces.Layout | None = None  # the pieced leaves in the packs' regions
-  maybe_runs: list[tuple[int, list[_pieces_save.PackPart]]] = dataclasses.field(
+  maybe_runs: list[tuple[int, list[_piece_writes.PackPart]]] = dataclasses.field(
       default_factory=list)   # mine, of pieced leaves that may reuse the base's runs
 
 
@@ -167,7 +167,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
   arrays, problems, candidates, per_process = [], [], [], []
   inline: list[tuple[int, Any]] = []
   me, nproc = jax.process_index(), jax.process_count()
-  pieced = _pieces_save.Planner(_pieces.PIECE_BYTES if options.pieces else 0)
+  pieced = _piece_writes.Planner(_pieces.PIECE_BYTES if options.pieces else 0)
   for path, leaf in leaves:
     i = len(records)
     if isinstance(leaf, _perprocess.PerProcess):
@@ -189,7 +189,7 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
                       "save the state before the step that donates it.")
       continue
     assert rec.shape is not None
-    size = _layout.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
+    size = _chunks.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
     whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
     if size <= inline_bytes and whole:
       inline.append((i, data))
@@ -211,20 +211,20 @@ def _plan(leaves, kv_spec: dict, data_dir: str, options: SaveOptions,
   if problems:
     raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
   _set_inline(records, inline, me)
-  cands = _candidates(base, records, pieced.meshes)
-  maybe = [c for c in candidates if c[0] in cands.packed]
+  reusable = _candidates(base, records, pieced.meshes)
+  maybe = [c for c in candidates if c[0] in reusable.packed]
   owners = _packing.assign([c[2] for c in maybe], nproc).where
-  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in cands.packed],
-                                data_dir, nproc, me, pieced.finish(cands.pieced))
+  packs, packed = _assign_packs(records, [c for c in candidates if c[0] not in reusable.packed],
+                                data_dir, nproc, me, pieced.finish(reusable.pieced))
   mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
   parts = pieced.parts(cast(int, mine[0].pieces), me) if pieced.regions is not None and mine \
       else []
   return _Plan(records=tuple(records), arrays=arrays, packed=packed, packs=packs,
                my_pack=mine[0] if mine else None, data_dir=data_dir, values=values,
-               holders=holders, cands=cands,
+               holders=holders, reusable=reusable,
                maybe_packed=[(i, d) for i, d, _ in maybe if owners[i][0] == me], pieces=parts,
                meshes=tuple(pieced.meshes), layout=pieced.layout, regions=pieced.regions,
-               maybe_runs=pieced.runs(me) if cands.pieced else [])
+               maybe_runs=pieced.runs(me) if reusable.pieced else [])
 
 
 def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
@@ -248,17 +248,17 @@ def _candidates(base: _Base | None, records: list[_records.Leaf],
   because their layout differs (``(key path, why)``)."""
   if base is None:
     return _refs.Candidates()
-  cands = base.candidates(records, meshes)
-  leaves = cands.not_compared
+  reusable = base.candidates(records, meshes)
+  leaves = reusable.not_compared
   if not leaves or jax.process_index() != 0:
-    return cands
+    return reusable
   where, why = leaves[0]
   more = f" (and {len(leaves) - 1} more leaves)" if len(leaves) > 1 else ""
   warnings.warn(
       f"save(base={base.where!r}): {where}{more} cannot reuse the base's data: {why}. Such "
       "leaves are written in full; save with the same settings and shardings as the base to "
       "write only what changed.", RuntimeWarning, stacklevel=5)
-  return cands
+  return reusable
 
 
 def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc: int, me: int,
@@ -286,23 +286,23 @@ def _assign_packs(records: list[_records.Leaf], candidates, data_dir: str, nproc
 
 
 def _zarr_array(i: int, rec: _records.Leaf, data, kv_spec, data_dir: str,
-                codecs: _store.Codecs) -> _Array:
+                codecs: _arrays.Codecs) -> _Array:
   """A large leaf's zarr array (its record with ``stored``) and the chunks this process
   writes: planned from the sharding's structure (O(local devices), cached), ``salt=i``
   spreading replicated leaves' writes over processes."""
   dtype, shape = np.dtype(data.dtype), tuple(data.shape)
   if isinstance(data, np.ndarray):
     whole = tuple((0, n) for n in shape)
-    chunks = _layout.chunk_shape(shape, 1, dtype.itemsize)
-    units = [_layout.WriteUnit(whole, "host", whole)] if jax.process_index() == 0 else []
+    chunks = _chunks.chunk_shape(shape, 1, dtype.itemsize)
+    units = [_chunks.WriteUnit(whole, "host", whole)] if jax.process_index() == 0 else []
   else:
-    chunks, units = _layout.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
-  inner = _layout.inner_chunk_shape(chunks, dtype.itemsize)
+    chunks, units = _chunks.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
+  inner = _chunks.inner_chunk_shape(chunks, dtype.itemsize)
   stored = _records.Stored(f"{data_dir}/a/{i}", tuple(int(c) for c in chunks),
                            tuple(int(c) for c in inner), *codecs)
-  units = units if _layout.nbytes(shape, 1) else []
+  units = units if _chunks.nbytes(shape, 1) else []
   return _Array(i, _records.evolve(rec, stored=stored), data,
-                _store.zarr_spec(kv_spec, stored, cast(str, rec.dtype), shape), units)
+                _arrays.zarr_spec(kv_spec, stored, cast(str, rec.dtype), shape), units)
 
 
 def save(tree: Any, path: str, *, overwrite: bool = False, metadata: Any = None,
@@ -401,7 +401,7 @@ def start(tree: Any, where: _paths.Location | str, options: SaveOptions | None =
     _agree(session, plan.records, plan.holders)
     phase = "checking the location"
     _prepare_location(kv, location, options.overwrite, session, handle)
-    budget = _process_budget(_store.budget_arg(options.budget_bytes, "save",
+    budget = _process_budget(_arrays.budget_arg(options.budget_bytes, "save",
                                                default_budget_bytes()))
     writer = Writer(location, session, budget, lambda p: _reached(key, p),
                     lambda err: _done(handle, cast(Writer, writer), err, t0))
@@ -507,13 +507,13 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
   return what committing needs."""
   kv_spec, ctx, kv = opened
   is_main = jax.process_index() == 0
-  creating = [_store.open_array(a.spec, ctx, mode="create") for a in plan.arrays
-              if a.index not in plan.cands.stored] if is_main else []  # (candidates: if changed)
-  writing = [_store.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
+  creating = [_arrays.open_array(a.spec, ctx, mode="create") for a in plan.arrays
+              if a.index not in plan.reusable.stored] if is_main else []  # (candidates: if changed)
+  writing = [_arrays.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
   _start_copies(plan, budget)
   copies = Copies()
   for a, fut in zip(plan.arrays, writing):
-    _stage_array(a, fut, cand=plan.cands.stored.get(a.index), writer=writer, budget=budget,
+    _stage_array(a, fut, cand=plan.reusable.stored.get(a.index), writer=writer, budget=budget,
                  handle=handle, copies=copies)
   if plan.my_pack is not None:
     _stage_pack(plan, kv_spec, ctx, writer=writer, budget=budget, handle=handle, copies=copies)
@@ -522,9 +522,9 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
   if plan.values is not None:
     creating.append(kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()),
                              plan.values))
-  maybe_stored = [a for a in plan.arrays if a.index in plan.cands.stored]
-  dplan = _delta.Plan(
-      records=plan.records, packs=plan.packs, cands=plan.cands,
+  maybe_stored = [a for a in plan.arrays if a.index in plan.reusable.stored]
+  delta_plan = _delta.Plan(
+      records=plan.records, packs=plan.packs, reusable=plan.reusable,
       store_specs={a.index: a.spec for a in maybe_stored},
       store_dirs={a.index: cast(_records.Stored, a.rec.stored).dir for a in maybe_stored},
       kv_spec=kv_spec, data_dir=plan.data_dir,
@@ -534,7 +534,7 @@ def _stage_all(plan: _Plan, opened: _paths.Opened, writer: Writer, budget,
       regions=plan.regions)
   pend = based.pending if based is not None else None
   return Commit(kv, lambda: _delta.conclude(
-      writer.session, pend.complete(dplan) if pend is not None else dplan,
+      writer.session, pend.complete(delta_plan) if pend is not None else delta_plan,
       cast(_delta.Delta, writer.delta), kv,
       ctx, writer.location), creating, is_main, _direct.local_root(kv_spec))
 
@@ -553,9 +553,9 @@ def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle,
   me = jax.process_index()
   items: list[tuple[int, int, Callable[..., Staged | Run], bytes | None]] = [
       (i, _nbytes(data), lambda i=i, data=data: Staged.of(data, copies.at(plan.records[i].path)),
-       plan.cands.packed[i].hash) for i, data in plan.maybe_packed]
+       plan.reusable.packed[i].hash) for i, data in plan.maybe_packed]
   for i, parts in plan.maybe_runs:
-    run = plan.cands.pieced[i].runs.get(me)
+    run = plan.reusable.pieced[i].runs.get(me)
     items.append((i, sum(p.nbytes for p in parts),
                   lambda i=i, parts=parts: Run([p.make(copies.at(plan.records[i].path))
                                                 for p in parts]),

@@ -13,15 +13,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._layout import chunks as _layout
+from .._layout import chunks as _chunks
 from .._format import refs as _refs
-from .._io import arrays as _store, direct as _direct
+from .._io import arrays as _arrays, direct as _direct
 from .._layout.shard import ShardImage
-from . import buffers as _buffers, pieces as _pieces_save
+from . import buffers as _buffers, piece_writes as _piece_writes
 from .handle import SaveHandle
 from .copies import Copies, mode as _mode
 from .errors import at_leaf
-from .staged import Staged
+from .staged_leaf import Staged
 from .writer import Chunk, Writer
 
 __all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged",
@@ -42,7 +42,7 @@ def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budg
   itemsize = np.dtype(a.data.dtype).itemsize
   chunks, shape = a.rec.stored.chunks, a.rec.shape
   for unit in a.units:
-    n = _layout.nbytes([b - s for s, b in unit.index], itemsize)
+    n = _chunks.nbytes([b - s for s, b in unit.index], itemsize)
     try:
       host = charge(budget, CHUNK_COST * n, writer,
                     lambda: stage_unit(a.data, unit, shard_data.get(unit.device),  # noqa: B023
@@ -62,11 +62,11 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
   writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
   it does not need."""
   pack = plan.my_pack
-  spec = _store.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
+  spec = _arrays.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
-  fut = _store.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
-  todo = sorted([_pieces_save.PackPart(plan.records[i].packed.offset, leaf_nbytes(data),
+  fut = _arrays.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
+  todo = sorted([_piece_writes.PackPart(plan.records[i].packed.offset, leaf_nbytes(data),
                                         i, functools.partial(Staged.of, data))
                   for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
   staged: dict[int, Staged] = {}  # by position in todo
@@ -111,7 +111,7 @@ def _assemble(got: list, start: int, end: int, pack: Any, root: str | None) -> A
                   path=_direct.chunk_path(root, pack.dir, start // pack.chunk))
 
 
-def charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
+def charge(budget: _arrays.ByteBudget, cost: int, writer: Writer, stage) -> Any:
   """Take ``cost`` from the budget (starting the writer when it is full), then stage."""
   if writer.error is not None:
     raise writer.error
@@ -123,7 +123,7 @@ def charge(budget: _store.ByteBudget, cost: int, writer: Writer, stage) -> Any:
     raise
 
 
-def count_staged(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
+def count_staged(handle: SaveHandle, budget: _arrays.ByteBudget, n: int) -> None:
   """A chunk of ``n`` bytes staged: the handle's stats."""
   handle.stats.peak_staged_bytes = max(handle.stats.peak_staged_bytes, budget.held)
   handle.stats.bytes_written += n
@@ -132,7 +132,7 @@ def count_staged(handle: SaveHandle, budget: _store.ByteBudget, n: int) -> None:
 
 def leaf_nbytes(data: Any) -> int:
   """The bytes of an array leaf."""
-  return _layout.nbytes(data.shape, np.dtype(data.dtype).itemsize)
+  return _chunks.nbytes(data.shape, np.dtype(data.dtype).itemsize)
 
 
 @dataclasses.dataclass
@@ -171,7 +171,7 @@ class Assemble:
     return buf
 
 
-def stage_unit(data: Any, unit: _layout.WriteUnit, shard_data: Any, copies: Copies) -> Any:
+def stage_unit(data: Any, unit: _chunks.WriteUnit, shard_data: Any, copies: Copies) -> Any:
   """The unit's bytes, safe from whatever the caller does next (numpy, or a callable the
   writer calls for them: ``copies.Owned``).
 
@@ -189,7 +189,7 @@ def stage_unit(data: Any, unit: _layout.WriteUnit, shard_data: Any, copies: Copi
   return copies.get(shard_data, None if whole else local)
 
 
-def start_copies(plan: Any, budget: _store.ByteBudget) -> None:
+def start_copies(plan: Any, budget: _arrays.ByteBudget) -> None:
   """Accelerators staged with ``"asarray"`` (forced: the old path): start every
   device-to-host copy of this save at once (when they fit in the budget), so the caller
   waits for about the total transfer time, not a sum of serial round trips. ``"owned"``

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import tensorstore as ts
 
 from .._format import manifest as _manifest
-from .._io import collective as _collective, commit as _commit, arrays as _store, direct as _direct
+from .._io import collective as _collective, commit as _commit, arrays as _arrays, direct as _direct
 from . import buffers as _buffers, delta as _delta
 from .errors import wrap
 
@@ -61,7 +61,7 @@ class Writer:
   staging never waits on bytes nobody will free, publishes the error to the other processes
   and arrives at the remaining barriers (so none of them waits for this one)."""
 
-  def __init__(self, location: str, session: _collective.Session, budget: _store.ByteBudget,
+  def __init__(self, location: str, session: _collective.Session, budget: _arrays.ByteBudget,
                reached: Callable[[str], None], on_done: Callable[[BaseException | None], None]):
     self.location = location
     self.session = session
@@ -185,7 +185,7 @@ class Writer:
       write = lambda: delta.write_file(make.path, image, host)  # noqa: E731
     else:
       store = item.store.result()
-      write = lambda: _store.write_chunk(store, item.index, host)  # noqa: E731
+      write = lambda: _arrays.write_chunk(store, item.index, host)  # noqa: E731
     delta.chunk(leaf=item.leaf, pos=item.pos, expect=item.expect, nbytes=item.nbytes,
                 cost=item.cost, host=host, write=write, spans=getattr(make, "spans", None),
                 reuse=getattr(make, "reuse", False))

@@ -28,7 +28,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._format import parse as _parse, records as _records
-from .._io import paths as _paths, arrays as _store
+from .._io import paths as _paths, arrays as _arrays
 from .._errors import CheckpointError
 
 __all__ = ["METADATA", "CHECKPOINT_METADATA", "Entry", "parse_metadata", "open_item", "TooLarge"]
@@ -252,7 +252,7 @@ class Reader:
 
   def slice_reader(self, rec: _records.Leaf):
     store = self.stores[rec.index]
-    return lambda index, batch=None: _store.read_slice(store, index, batch)
+    return lambda index, batch=None: _arrays.read_slice(store, index, batch)
 
   def read_bytes(self, rec: _records.Leaf, index) -> int:
     """What reading one slice holds in memory (for restore's read budget): TensorStore

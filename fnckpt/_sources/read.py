@@ -39,18 +39,18 @@ import numpy as np
 import tensorstore as ts
 
 from .. import _state
-from .._layout import blocks as _blocks, chunks as _layout
+from .._layout import blocks as _blocks, chunks as _chunks
 from .._format import hashes as _hashes, leaves as _leaves, records as _records, refs as _refs, \
     runs as _runs
-from .._io import arrays as _store, commit as _commit, paths as _paths
+from .._io import arrays as _arrays, commit as _commit, paths as _paths
 from .._errors import CheckpointError, DamagedError
-from . import pieces as _pieces_read
+from . import piece_reads as _piece_reads
 from .source import Source
 
 __all__ = ["Window", "Region", "Landed", "StoredLeaf", "PackRun", "Opener", "read_regions",
            "pack_runs", "run_of", "leaf_error", "base_of", "data_location", "check_memory"]
 
-Index = _layout.Index
+Index = _chunks.Index
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ class StoredLeaf:
 
   def cost(self, index: Index) -> int:
     """Bytes one read of ``index`` holds: its own (a foreign reader may hold more)."""
-    return _layout.nbytes([b - a for a, b in index], self.dtype.itemsize)
+    return _chunks.nbytes([b - a for a, b in index], self.dtype.itemsize)
 
   def error(self, e: BaseException) -> CheckpointError:
     """Why a read failed (:func:`leaf_error`; a CheckpointError passes unchanged)."""
@@ -175,7 +175,7 @@ class _Packed(StoredLeaf):
       hi = lo + math.prod(b - a for a, b in index) * size
     else:
       raise ValueError(f"{index} is not one C-order range of {self.shape}")
-    return _store.read_slice(self.pack, ((lo, hi),), batch)   # (a module attribute: tests
+    return _arrays.read_slice(self.pack, ((lo, hi),), batch)   # (a module attribute: tests
                                                               # patch it)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
@@ -191,7 +191,7 @@ class _Packed(StoredLeaf):
 class PackRun(StoredLeaf):
   """Whole packed leaves lying one after another in one pack (:func:`pack_runs`), read as one
   byte range ``[lo, lo + shape[0])``: one TensorStore read instead of one per leaf, straight
-  into an aligned buffer of ours (``_store.read_into``). ``finish`` gives each leaf's array,
+  into an aligned buffer of ours (``_arrays.read_into``). ``finish`` gives each leaf's array,
   in order, its hash and bool bytes checked as :class:`_Packed` does: disjoint views of that
   one buffer (a caller that hands them out to a host result copies them; CPU devices adopt
   those that start 64-byte aligned without a copy: the mixed state's 999 packed leaves, all
@@ -203,9 +203,9 @@ class PackRun(StoredLeaf):
   leaves: tuple[_Packed, ...] = ()   # the _Packed leaves
   lo: int = 0
 
-  def start(self, index: Index, batch: ts.Batch | None) -> _store.Landing:
+  def start(self, index: Index, batch: ts.Batch | None) -> _arrays.Landing:
     (a, b), = index
-    return _store.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
+    return _arrays.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:  # type: ignore[override]
     if not (raw.flags.c_contiguous and raw.flags.writeable):
@@ -261,7 +261,7 @@ def run_of(leaves: list[Any]) -> PackRun:
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Pieced(StoredLeaf):
-  reader: _pieces_read.SliceReader
+  reader: _piece_reads.SliceReader
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
     return self.reader(index, batch)   # aligned, bools checked
@@ -276,13 +276,13 @@ class _Stored(StoredLeaf):
     """A slice of whole stored chunks (no other slice reads their files) straight into an
     aligned array of ours; any other through the batch (which reads a chunk file's index
     and an inner chunk that several slices need once, in one request per file)."""
-    if _store.on_grid(index, self.chunks, self.shape):
-      return _store.read_into(self.array, index)
-    return _store.read_slice(self.array, index, batch)
+    if _arrays.on_grid(index, self.chunks, self.shape):
+      return _arrays.read_into(self.array, index)
+    return _arrays.read_slice(self.array, index, batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
     assert self.rec is not None and self.rec.dtype is not None
-    return _store.from_storage(raw, self.rec.dtype)
+    return _arrays.from_storage(raw, self.rec.dtype)
 
 
 def hash_damage(leaf: StoredLeaf, what: str) -> DamagedError:
@@ -306,7 +306,7 @@ class _Foreign(StoredLeaf):
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
     assert self.rec is not None and self.rec.dtype is not None
-    return _store.from_storage(raw, self.rec.dtype)
+    return _arrays.from_storage(raw, self.rec.dtype)
 
   def cost(self, index: Index) -> int:
     return max(StoredLeaf.cost(self, index), self.reader.read_bytes(self.rec, index))
@@ -317,7 +317,7 @@ class _Pack(StoredLeaf):
   array: ts.TensorStore
 
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
-    return _store.read_slice(self.array, index, batch)
+    return _arrays.read_slice(self.array, index, batch)
 
 
 class Opener:
@@ -376,10 +376,10 @@ class Opener:
         def damaged(what: str, rec=rec, where=where) -> DamagedError:
           return hash_damage(StoredLeaf(src=src, rec=rec, kind="pieces", shape=shape, dtype=dtype, align=None, where=where), what)
       return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
-                     reader=_pieces_read.SliceReader(manifest, rec, self._pack, damaged))
+                     reader=_piece_reads.SliceReader(manifest, rec, self._pack, damaged))
     st = rec.stored
     assert st is not None
-    array = self._array(_store.zarr_spec(self._kv(st.base), st, rec.dtype,
+    array = self._array(_arrays.zarr_spec(self._kv(st.base), st, rec.dtype,
                                          rec.shape))
     return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
                    data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks))
@@ -387,7 +387,7 @@ class Opener:
   def _pack(self, k: int) -> ts.TensorStore:
     if k not in self._packs:
       p = self.src.manifest.packs[k]
-      self._packs[k] = self._array(_store.pack_spec(self._kv(p.base), p.dir, p.nbytes, p.chunk,
+      self._packs[k] = self._array(_arrays.pack_spec(self._kv(p.base), p.dir, p.nbytes, p.chunk,
                                                     p.inner))
     return self._packs[k]
 
@@ -397,7 +397,7 @@ class Opener:
 
   def _array(self, spec: dict[str, Any]) -> ts.TensorStore:
     if not self.check:
-      return _store.open_array(spec, self.src.ctx, mode="read").result()
+      return _arrays.open_array(spec, self.src.ctx, mode="read").result()
     return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
                    context=self.src.ctx).result()
 

@@ -13,7 +13,7 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started. ``export`` writes local files only (``fnckpt._export.export``).
+is started. ``export`` writes local files only (``fnckpt._export.to_safetensors``).
 ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
 ``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
 is opened as restore opens it (``fnckpt._sources.source.open_source``) and its arrays read

@@ -11,12 +11,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .._layout import blocks as _blocks, chunks as _layout
+from .._layout import blocks as _blocks, chunks as _chunks
 from .._format import leaves as _leaves, records as _records, tree as _tree
 from .._io import commit as _commit
 from .._sources import read as _read, source as _source
 from .._errors import CheckpointError
-from .perprocess import read_values, values_under
+from .perprocess_values import read_values, values_under
 from .text import cause, compact, desc
 
 __all__ = ["run"]
@@ -123,7 +123,7 @@ def _regions(opened: list[tuple[int, Any, Any]], side: int, limit: int
   for k, leaf_a, leaf_b in opened:
     leaf, size = (leaf_a, leaf_b)[side - 1], leaf_a.dtype.itemsize
     for index in _blocks.blocks(leaf_a.shape, size, limit, leaf_a.align):
-      yield _read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], size), k)
+      yield _read.Region(leaf, index, _chunks.nbytes([b - a for a, b in index], size), k)
 
 
 def _count_different(a: np.ndarray, b: np.ndarray) -> int:

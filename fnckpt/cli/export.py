@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Sequence
 
-from .._export.export import export_safetensors
+from .._export.to_safetensors import export_safetensors
 from .._errors import CheckpointError
 from .text import compact, human
 

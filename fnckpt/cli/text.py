@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence, cast
 
-from .._layout import chunks as _layout
+from .._layout import chunks as _chunks
 from .._format import records as _records, refs as _refs
 from .._io import paths as _paths
 from .._sources import source as _source
@@ -79,7 +79,7 @@ def cause(e: BaseException) -> str:
   return f"{what} [{text}]" if what else f"{type(e).__name__}: {text}"
 
 
-def region(index: _layout.Index) -> str:
+def region(index: _chunks.Index) -> str:
   """
   >>> region(((0, 32), (24, 48)))
   '[0:32, 24:48]'

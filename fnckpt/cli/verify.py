@@ -17,14 +17,14 @@ from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
-from .._layout import blocks as _blocks, chunks as _layout
+from .._layout import blocks as _blocks, chunks as _chunks
 from .._format import hashes as _hashes, manifest as _manifest, perprocess as _perprocess, \
     records as _records, refs as _refs, runs as _runs
 from .._io import commit as _commit, paths as _paths
 from .._sources import read as _read, source as _source
 from .._manager import steps as _steps
 from .._errors import CheckpointError
-from .perprocess import read_values, values_under
+from .perprocess_values import read_values, values_under
 from .text import cause, human, region
 
 __all__ = ["run"]
@@ -84,7 +84,7 @@ class _Unit:
 
   @property
   def nbytes(self) -> int:
-    return _layout.nbytes(self.shape, self.itemsize)
+    return _chunks.nbytes(self.shape, self.itemsize)
 
   @property
   def chunks(self) -> int:
@@ -177,7 +177,7 @@ def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[st
         progress.advance(u.nbytes, u.chunks)
         continue
       for pos, index in enumerate(_blocks.grid(u.shape, u.grid)):
-        yield _read.Region(leaf, index, _layout.nbytes([b - a for a, b in index], u.itemsize),
+        yield _read.Region(leaf, index, _chunks.nbytes([b - a for a, b in index], u.itemsize),
                            (k, pos))
 
   for got in _read.read_regions(regions(), _read.Window(_source.READ_WINDOW_BYTES),

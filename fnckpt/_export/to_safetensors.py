@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .._format import leaves as _leaves, records as _records
-from .._io import arrays as _store
+from .._io import arrays as _arrays
 from .._sources import slices as _slices, source as _source
 from . import plan as _export_plan
 from .._errors import CheckpointError
@@ -89,7 +89,7 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
   """
   started = time.monotonic()
   target, single = _output(out)
-  window = _slices.Window(_store.budget_arg(budget_bytes, "export_safetensors",
+  window = _slices.Window(_arrays.budget_arg(budget_bytes, "export_safetensors",
                                             _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES))
   src = _source.open_source(checkpoint, storage_options)
   p = _export_plan.plan(src.manifest.leaves, src.location, single=single, select=select,

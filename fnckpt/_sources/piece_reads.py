@@ -5,7 +5,7 @@ copied into the slice. Where a chunk lies: format 2 computes it (the writer's pi
 format 3 records it (the writer's run, :func:`fnckpt._format.runs.locate`); a format-3 read of
 a writer's whole run is checked against the run's recorded hash.
 Opened by ``read.Opener`` (restore, export, verify and diff read pieces through it), with the
-interface of ``_store.read_slice``."""
+interface of ``_arrays.read_slice``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tensorstore as ts
 from .. import _state
 from .._format import hashes as _hashes, leaves as _leaves, records as _records, \
     runs as _runs
-from .._io import arrays as _store
+from .._io import arrays as _arrays
 from .._layout.chunks import Index
 
 __all__ = ["SliceReader"]
@@ -46,7 +46,7 @@ class _Part:
 
 class SliceReader:
   """``reader(index, batch)`` -> a future of the slice ``index`` of pieced ``leaf`` (its
-  saved dtype), like ``_store.read_slice``. ``open_pack(k)``: pack ``k`` opened for reading.
+  saved dtype), like ``_arrays.read_slice``. ``open_pack(k)``: pack ``k`` opened for reading.
 
   >>> SliceReader.runs_of(((0, 2), (1, 3)), (4, 4))  # rows 0-1, columns 1-2 of a 4x4 chunk
   (1, [(1, 3), (5, 7)])
@@ -69,11 +69,11 @@ class SliceReader:
     reads = _merged(parts)
     futures = []
     for k, lo, hi in reads:
-      futures.append(_store.read_slice(self.open_pack(k), ((lo, hi),), batch))
+      futures.append(_arrays.read_slice(self.open_pack(k), ((lo, hi),), batch))
       _state.reads.bytes_read += hi - lo  # (every reader of this process: for tests)
       _state.reads.ranges += 1
     checks = [self.run_hash(r) for r in reads] if self.damaged is not None else None
-    return _Pending(out=_store.aligned_empty(shape, self.dtype), parts=parts, reads=reads,
+    return _Pending(out=_arrays.aligned_empty(shape, self.dtype), parts=parts, reads=reads,
                     futures=futures, leaf=self.leaf, checks=checks, damaged=self.damaged)
 
   def run_hash(self, read: Sequence[int]) -> tuple[int, bytes] | None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import _state
-from .._layout import chunks as _layout
+from .._layout import chunks as _chunks
 from .._format import leaves as _leaves
 from .copies import Copies, to_host
 
@@ -42,7 +42,7 @@ class Staged:
 
   @property
   def nbytes(self) -> int:
-    return _layout.nbytes(self.shape, self.dtype.itemsize)
+    return _chunks.nbytes(self.shape, self.dtype.itemsize)
 
   def gather_into(self, dst: np.ndarray) -> bool:
     """Copy a leaf of several parts straight into ``dst`` (1-D ``uint8``, :attr:`nbytes`),
@@ -70,14 +70,14 @@ class Staged:
     return _leaves.to_little_endian(np.ascontiguousarray(host)).reshape(-1).view(np.uint8)
 
 
-@_state.memo(_layout.LEAF_PLAN_CACHE_SIZE)
+@_state.memo(_chunks.LEAF_PLAN_CACHE_SIZE)
 def _distinct_shards(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
   """This process's devices holding a distinct shard of an array of ``shape`` (the first of
   each replica group, in device order) and the shard's slices (once per sharding and shape:
   the small leaves of a state share a few). Read-only."""
   out, seen = {}, set()
   for device, index in sharding.addressable_devices_indices_map(shape).items():
-    index = _layout.normalize_index(index, shape)
+    index = _chunks.normalize_index(index, shape)
     if index not in seen:
       seen.add(index)
       out[device] = tuple(slice(a, b) for a, b in index)

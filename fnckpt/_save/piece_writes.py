@@ -11,12 +11,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from .._layout import chunks as _layout, pieces as _pieces
+from .._layout import chunks as _chunks, pieces as _pieces
 from .. import _state
 from .._format import records as _records
 from .._errors import CheckpointError
 from .copies import Copies
-from .staged import Staged
+from .staged_leaf import Staged
 
 __all__ = ["PackPart", "Planner", "mesh_processes"]
 
@@ -51,7 +51,7 @@ def mesh_processes(mesh: Any) -> np.ndarray:
 class _Leaf:
   index: int
   data: Any
-  info: _layout.ShardingInfo
+  info: _chunks.ShardingInfo
   spec: _pieces.PieceLeaf
 
 
@@ -83,15 +83,15 @@ class Planner:
     sharding = data.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
       return None
-    info = _layout.sharding_info(sharding)
+    info = _chunks.sharding_info(sharding)
     shape, itemsize = tuple(data.shape), np.dtype(data.dtype).itemsize
     if info is None or len(info.dim_axes) > len(shape):
       return None
     try:
-      shard = _layout.shard_shape_of(info, shape)
+      shard = _chunks.shard_shape_of(info, shape)
     except CheckpointError:
       return None
-    n = _layout.nbytes(shard, itemsize)
+    n = _chunks.nbytes(shard, itemsize)
     if not 0 < n <= self.piece_bytes:
       return None
     m = self._mesh(sharding.mesh)
@@ -172,17 +172,17 @@ class Planner:
     return out
 
 
-def _units(leaf: _Leaf) -> list[tuple[int, _layout.WriteUnit]]:
+def _units(leaf: _Leaf) -> list[tuple[int, _chunks.WriteUnit]]:
   """(chunk number, unit) of the chunks this process writes, by ``local_writes``' rule (the
   write plan, cached per leaf: a shard of at most 8 MiB is never split, so its chunk is the
   shard)."""
   shape, chunk = tuple(leaf.data.shape), leaf.spec.chunk
-  got, units = _layout.plan_write(leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize,
+  got, units = _chunks.plan_write(leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize,
                                   salt=leaf.index)
   if tuple(got) != chunk:
-    layout = _layout.WriteLayout(shape, chunk, _layout.local_shards(leaf.info, shape))
-    units = _layout.local_writes(layout, salt=leaf.index)
-  return sorted((_layout._cell_number(u.index, chunk, shape), u) for u in units)
+    layout = _chunks.WriteLayout(shape, chunk, _chunks.local_shards(leaf.info, shape))
+    units = _chunks.local_writes(layout, salt=leaf.index)
+  return sorted((_chunks._cell_number(u.index, chunk, shape), u) for u in units)
 
 
 def _stage_shard(shard: Any, dtype: Any, copies: Copies) -> Any:
