@@ -16,23 +16,37 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._export.to_safetensors import export_safetensors as export_safetensors
+from ._format.perprocess import PerProcess as PerProcess
 from ._manager.interval import optimal_interval_s as optimal_interval_s
 from ._manager.manager import CheckpointManager as CheckpointManager
-from ._format.perprocess import PerProcess as PerProcess
 from ._restore.restore import ArrayMetadata as ArrayMetadata
 from ._restore.restore import CheckpointMetadata as CheckpointMetadata
 from ._restore.restore import SavedSharding as SavedSharding
 from ._restore.restore import metadata as metadata
 from ._restore.restore import restore as restore
+from ._restore.target import target_from_metadata as target_from_metadata
 from ._save.handle import SaveHandle as SaveHandle
 from ._save.handle import SaveStats as SaveStats
 from ._save.handle import wait as wait
 from ._save.save import save as save
-from ._restore.target import target_from_metadata as target_from_metadata
 
 __all__ = [
-    "save", "restore", "metadata", "wait", "target_from_metadata", "CheckpointManager",
-    "PerProcess", "export_safetensors", "optimal_interval_s",
-    "SaveHandle", "SaveStats", "CheckpointMetadata", "ArrayMetadata", "SavedSharding",
-    "CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
+  "save",
+  "restore",
+  "metadata",
+  "wait",
+  "target_from_metadata",
+  "CheckpointManager",
+  "PerProcess",
+  "export_safetensors",
+  "optimal_interval_s",
+  "SaveHandle",
+  "SaveStats",
+  "CheckpointMetadata",
+  "ArrayMetadata",
+  "SavedSharding",
+  "CheckpointError",
+  "TreeMismatchError",
+  "NotCommittedError",
+  "BarrierTimeoutError",
 ]

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CheckpointError", "TreeMismatchError", "NotCommittedError", "BarrierTimeoutError",
-           "DamagedError", "NoCheckpointError", "SavesFailedError", "SaveOutcome"]
+__all__ = [
+  "CheckpointError",
+  "TreeMismatchError",
+  "NotCommittedError",
+  "BarrierTimeoutError",
+  "DamagedError",
+  "NoCheckpointError",
+  "SavesFailedError",
+  "SaveOutcome",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,20 +37,25 @@ class SaveOutcome:
   >>> SaveOutcome(committed=True, replaced=True).sentence()[:40]
   ' The checkpoint itself is committed (its'
   """
+
   committed: bool | None
   replaced: bool = False
 
   def sentence(self) -> str:
     """The message's last sentence: what the save left."""
     if self.committed:
-      return (" The checkpoint itself is committed (its marker was written); only this last "
-              "step failed.")
+      return (
+        " The checkpoint itself is committed (its marker was written); only this last step failed."
+      )
     if self.committed is None:
-      return (" Process 0 may have committed the checkpoint; check with fnckpt.metadata or "
-              "`fnckpt ls`.")
+      return (
+        " Process 0 may have committed the checkpoint; check with fnckpt.metadata or `fnckpt ls`."
+      )
     if self.replaced:
-      return (" Nothing was committed; the checkpoint that was at this path was removed first "
-              "(overwrite=True); other checkpoints are intact.")
+      return (
+        " Nothing was committed; the checkpoint that was at this path was removed first "
+        "(overwrite=True); other checkpoints are intact."
+      )
     return " Nothing was committed; earlier checkpoints are intact."
 
 
@@ -60,7 +73,8 @@ class CheckpointError(Exception):
   >>> e.core
   "Saving to 'x' failed while writing the arrays: OSError: disk full."
   """
-  outcome: SaveOutcome | None = None   # set on the instance by the save that raises it
+
+  outcome: SaveOutcome | None = None  # set on the instance by the save that raises it
 
   @property
   def core(self) -> str:

@@ -62,8 +62,19 @@ import itertools
 import threading
 from typing import Any, Callable
 
-__all__ = ["saves", "storage", "sessions", "pieces", "reads", "hooks", "buffers", "collector",
-           "memo", "memos", "MAX_LOCATIONS"]
+__all__ = [
+  "saves",
+  "storage",
+  "sessions",
+  "pieces",
+  "reads",
+  "hooks",
+  "buffers",
+  "collector",
+  "memo",
+  "memos",
+  "MAX_LOCATIONS",
+]
 
 # The most save locations whose attempt numbers are remembered (``sessions``).
 MAX_LOCATIONS = 4096
@@ -73,13 +84,13 @@ class _Saves:
   """This process's saves (``_save.handle`` and ``_save.save``)."""
 
   def __init__(self) -> None:
-    self.lock = threading.Lock()            # guards pending and latest
-    self.pending: set[Any] = set()          # SaveHandles running, or failed and not reported
-    self.latest: dict[str, Any] = {}        # location -> its newest SaveHandle
-    self.order = itertools.count()          # fnckpt.wait() reports in the order saves began
+    self.lock = threading.Lock()  # guards pending and latest
+    self.pending: set[Any] = set()  # SaveHandles running, or failed and not reported
+    self.latest: dict[str, Any] = {}  # location -> its newest SaveHandle
+    self.order = itertools.count()  # fnckpt.wait() reports in the order saves began
     self.budget_lock = threading.Lock()
-    self.budget: Any = None                 # _io.arrays.ByteBudget, made by the first save
-    self.exit_registered = False            # the atexit handler (registered by the first save)
+    self.budget: Any = None  # _io.arrays.ByteBudget, made by the first save
+    self.exit_registered = False  # the atexit handler (registered by the first save)
 
 
 class _Storage:
@@ -87,7 +98,7 @@ class _Storage:
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
-    self.root: Any = None                   # ts.Context holding the memory:// store
+    self.root: Any = None  # ts.Context holding the memory:// store
 
 
 class _Sessions:
@@ -102,7 +113,7 @@ class _Slot:
   """One value, read and replaced whole (atomic under the GIL: no lock)."""
 
   def __init__(self) -> None:
-    self.last: Any = None                   # (key, layout) of the latest pieces layout
+    self.last: Any = None  # (key, layout) of the latest pieces layout
 
 
 class _PieceReads:
@@ -135,8 +146,8 @@ class _Buffers:
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
-    self.free: list[Any] = []               # not in use by any save
-    self.kept = 0                           # their bytes
+    self.free: list[Any] = []  # not in use by any save
+    self.kept = 0  # their bytes
 
 
 class _Collector:
@@ -152,8 +163,8 @@ class _Collector:
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
-    self.depth = 0                          # pauses open
-    self.was_enabled = False                # the collector was on when the first began
+    self.depth = 0  # pauses open
+    self.was_enabled = False  # the collector was on when the first began
 
   @contextlib.contextmanager
   def paused(self):
@@ -186,7 +197,7 @@ reads = _PieceReads()
 hooks = _Hooks()
 buffers = _Buffers()
 collector = _Collector()
-_memos: dict[str, Any] = {}   # qualified name -> the memoised function
+_memos: dict[str, Any] = {}  # qualified name -> the memoised function
 
 
 def memo(maxsize: int | None) -> Callable[[Callable], Callable]:
@@ -200,10 +211,12 @@ def memo(maxsize: int | None) -> Callable[[Callable], Callable]:
   >>> square(3), square.cache_info().currsize
   (9, 1)
   """
+
   def wrap(fn: Callable) -> Callable:
     cached = functools.lru_cache(maxsize=maxsize)(fn)
     _memos[f"{fn.__module__}.{fn.__qualname__}"] = cached
     return cached
+
   return wrap
 
 

@@ -21,13 +21,13 @@ __version__ = "0.3.0"
 # which fnckpt imports). numpy 2.0: jax's own floor. tensorstore 0.1.86: S3 accepts
 # max_retries=0 (0.1.85 refuses it; < 0.1.81 KvStore.read takes no byte_range).
 MINIMUM: dict[str, str] = {
-    "jax": "0.9.0",
-    "jaxlib": "0.9.0",
-    "numpy": "2.0",
-    "tensorstore": "0.1.86",
-    "msgpack": "1.0",
-    "xxhash": "3.0",
-    "crc32c": "2.3",
+  "jax": "0.9.0",
+  "jaxlib": "0.9.0",
+  "numpy": "2.0",
+  "tensorstore": "0.1.86",
+  "msgpack": "1.0",
+  "xxhash": "3.0",
+  "crc32c": "2.3",
 }
 
 
@@ -41,21 +41,24 @@ def parse(version: str) -> tuple[int, ...]:
   return tuple(int(n) for n in match.group(0).split(".")) if match else ()
 
 
-def too_old(installed: Mapping[str, str | None],
-            minimum: Mapping[str, str] = MINIMUM) -> list[str]:
+def too_old(installed: Mapping[str, str | None], minimum: Mapping[str, str] = MINIMUM) -> list[str]:
   """``"name installed (needs >= floor)"`` for each installed package below its floor (a
   package whose version is unknown, None, is not judged).
 
   >>> too_old({"jax": "0.5.0", "jaxlib": "0.5.0", "numpy": "2.1.0", "xxhash": None})
   ['jax 0.5.0 (needs >= 0.9.0)', 'jaxlib 0.5.0 (needs >= 0.9.0)']
   """
-  return [f"{name} {have} (needs >= {minimum[name]})" for name, have in installed.items()
-          if have is not None and name in minimum and parse(have) < parse(minimum[name])]
+  return [
+    f"{name} {have} (needs >= {minimum[name]})"
+    for name, have in installed.items()
+    if have is not None and name in minimum and parse(have) < parse(minimum[name])
+  ]
 
 
 def _installed(name: str) -> str | None:
   if name == "jax":  # what is imported, even where the metadata lies (a source checkout)
     import jax
+
     return jax.__version__
   try:
     return importlib.metadata.version(name)
@@ -77,5 +80,7 @@ def check(installed: Callable[[str], str | None] = _installed) -> None:
   if old:
     names = [entry.split(" ", 1)[0] for entry in old]
     fix = " ".join(f'"{name}>={MINIMUM[name]}"' for name in names)
-    raise ImportError(f"fnckpt {__version__} needs newer versions of: {', '.join(old)}. "
-                      f"Upgrade them: pip install -U {fix}")
+    raise ImportError(
+      f"fnckpt {__version__} needs newer versions of: {', '.join(old)}. "
+      f"Upgrade them: pip install -U {fix}"
+    )

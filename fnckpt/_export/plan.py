@@ -23,32 +23,65 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .._format import records as _records
 from .._errors import CheckpointError
+from .._format import records as _records
 
-__all__ = ["SAFETENSORS_DTYPES", "Tensor", "OutFile", "Plan", "plan", "parse_size",
-           "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME"]
+__all__ = [
+  "SAFETENSORS_DTYPES",
+  "Tensor",
+  "OutFile",
+  "Plan",
+  "plan",
+  "parse_size",
+  "DEFAULT_MAX_SHARD_SIZE",
+  "INDEX_NAME",
+]
 
 # Saved dtype -> safetensors dtype name: exactly the names the ``safetensors`` library
 # (0.8) writes for these numpy/ml_dtypes types (tests/test_export.py checks each against it).
 SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
+  "bool": "BOOL",
+  "uint8": "U8",
+  "int8": "I8",
+  "uint16": "U16",
+  "int16": "I16",
+  "uint32": "U32",
+  "int32": "I32",
+  "uint64": "U64",
+  "int64": "I64",
+  "float16": "F16",
+  "bfloat16": "BF16",
+  "float32": "F32",
+  "float64": "F64",
+  "float8_e4m3fn": "F8_E4M3",
+  "float8_e5m2": "F8_E5M2",
+  "float8_e4m3fnuz": "F8_E4M3FNUZ",
+  "float8_e5m2fnuz": "F8_E5M2FNUZ",
+  "float8_e8m0fnu": "F8_E8M0",
+  "complex64": "C64",
 }
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9       # Hugging Face's "5GB"
-MAX_HEADER_BYTES = 100_000_000           # the safetensors library refuses larger headers
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses larger headers
 INDEX_NAME = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {
+  "": 1,
+  "B": 1,
+  "KB": 10**3,
+  "MB": 10**6,
+  "GB": 10**9,
+  "TB": 10**12,
+  "KIB": 1 << 10,
+  "MIB": 1 << 20,
+  "GIB": 1 << 30,
+  "TIB": 1 << 40,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
   """One exported tensor: its name, the saved leaf, the dtype written (the saved one or the
   cast's) and its byte range in the file's data section."""
+
   name: str
   leaf: _records.Leaf
   dtype: str
@@ -65,6 +98,7 @@ class Tensor:
 class OutFile:
   """One output file: its name (relative to the output directory, or the output file itself),
   its whole header (length prefix included) and its tensors in data order."""
+
   name: str
   header: bytes
   tensors: tuple[Tensor, ...]
@@ -77,10 +111,10 @@ class OutFile:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   files: tuple[OutFile, ...]
-  index: bytes | None              # model.safetensors.index.json (sharded output only)
-  metadata: Mapping[str, str]      # every file's __metadata__
-  skipped: tuple[str, ...]         # "<key path>: why" for leaves left out
-  total_bytes: int                 # tensor data bytes, all files
+  index: bytes | None  # model.safetensors.index.json (sharded output only)
+  metadata: Mapping[str, str]  # every file's __metadata__
+  skipped: tuple[str, ...]  # "<key path>: why" for leaves left out
+  total_bytes: int  # tensor data bytes, all files
 
 
 def parse_size(size: int | str) -> int:
@@ -94,8 +128,10 @@ def parse_size(size: int | str) -> int:
   else:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
     if not m or m.group(2) not in _UNITS:
-      raise CheckpointError(f"max_shard_size={size!r}: expected a number of bytes or a size "
-                            "like '5GB', '500MB' or '2GiB'.")
+      raise CheckpointError(
+        f"max_shard_size={size!r}: expected a number of bytes or a size "
+        "like '5GB', '500MB' or '2GiB'."
+      )
     n = int(float(m.group(1)) * _UNITS[m.group(2)])
   if n < 1:
     raise CheckpointError(f"max_shard_size={size!r}: it must be at least 1 byte.")
@@ -107,13 +143,16 @@ def _select_path(select: str | Sequence[Any] | None) -> tuple[str, ...]:
     return ()
   parts = select.split(".") if isinstance(select, str) else [str(k) for k in select]
   if not all(parts):
-    raise CheckpointError(f"select={select!r}: expected a key path like 'params' or "
-                          "'params.dense' (keys joined with '.'), with no empty key.")
+    raise CheckpointError(
+      f"select={select!r}: expected a key path like 'params' or "
+      "'params.dense' (keys joined with '.'), with no empty key."
+    )
   return tuple(parts)
 
 
-def _selected(leaves: Sequence[_records.Leaf], select: tuple[str, ...], select_arg: Any,
-              location: str) -> list[tuple[_records.Leaf, tuple[str, ...]]]:
+def _selected(
+  leaves: Sequence[_records.Leaf], select: tuple[str, ...], select_arg: Any, location: str
+) -> list[tuple[_records.Leaf, tuple[str, ...]]]:
   """The leaves under ``select``, each with its key path relative to it (a selected leaf:
   its own last key)."""
   n, out = len(select), []
@@ -124,9 +163,10 @@ def _selected(leaves: Sequence[_records.Leaf], select: tuple[str, ...], select_a
   if not out and select:
     tops = sorted({str(l.path[0][1]) for l in leaves if l.path})
     raise CheckpointError(
-        f"select={select_arg!r} matches no key path of the checkpoint at {location!r}; its "
-        f"top-level keys are {tops[:20]}. Select one of them (keys joined with '.', e.g. "
-        "'params.dense'); `fnckpt inspect` lists every key path.")
+      f"select={select_arg!r} matches no key path of the checkpoint at {location!r}; its "
+      f"top-level keys are {tops[:20]}. Select one of them (keys joined with '.', e.g. "
+      "'params.dense'); `fnckpt inspect` lists every key path."
+    )
   return out
 
 
@@ -134,7 +174,7 @@ def _name(rel: tuple[str, ...], rename: Sequence[tuple[str, str]], prefix: str) 
   name = ".".join(rel)
   for old, new in rename:  # longest first; whole keys only
     if name == old or name.startswith(old + "."):
-      name = (new + name[len(old):]).lstrip(".") if new else name[len(old) + 1:]
+      name = (new + name[len(old) :]).lstrip(".") if new else name[len(old) + 1 :]
       break
   return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -142,14 +182,17 @@ def _name(rel: tuple[str, ...], rename: Sequence[tuple[str, str]], prefix: str) 
 def _rename_pairs(rename: Mapping[str, str] | None) -> list[tuple[str, str]]:
   pairs = [(str(o).strip("."), str(n).strip(".")) for o, n in (rename or {}).items()]
   if any(not o for o, _ in pairs):
-    raise CheckpointError(f"rename={rename!r}: every OLD must be a non-empty key prefix "
-                          "(use prefix= to prepend to every name).")
+    raise CheckpointError(
+      f"rename={rename!r}: every OLD must be a non-empty key prefix "
+      "(use prefix= to prepend to every name)."
+    )
   return sorted(pairs, key=lambda p: -len(p[0]))
 
 
 def _is_float(name: str) -> bool:
   """Floating point, ml_dtypes' types included (numpy's issubdtype misses bfloat16, fp8)."""
   import jax.numpy as jnp
+
   return bool(jnp.issubdtype(_records.np_dtype(name), jnp.floating))
 
 
@@ -164,14 +207,16 @@ def _check_cast(dtype: Any) -> str | None:
   if dtype is None:
     return None
   try:
-    name = _records.np_dtype(str(np.dtype(dtype).name if not isinstance(dtype, str)
-                                 else dtype)).name
+    name = _records.np_dtype(
+      str(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
+    ).name
   except Exception:
     name = None
   if name not in SAFETENSORS_DTYPES or not _is_float(name):
     floats = [d for d in SAFETENSORS_DTYPES if _is_float(d)]
-    raise CheckpointError(f"dtype={dtype!r}: expected a floating dtype safetensors holds: "
-                          f"{', '.join(floats)}.")
+    raise CheckpointError(
+      f"dtype={dtype!r}: expected a floating dtype safetensors holds: {', '.join(floats)}."
+    )
   return name
 
 
@@ -196,8 +241,9 @@ def _classify(picked, cast, rename, prefix):
   for leaf, rel in picked:
     name = _name(rel, rename, prefix)
     if leaf.kind == "key":
-      refused.append(f"{leaf.where}: a PRNG key array ({leaf.impl}); safetensors holds plain "
-                     "arrays only")
+      refused.append(
+        f"{leaf.where}: a PRNG key array ({leaf.impl}); safetensors holds plain arrays only"
+      )
     elif leaf.kind == "array":
       dtype = _out_dtype(leaf, cast)
       if dtype is None:
@@ -209,8 +255,10 @@ def _classify(picked, cast, rename, prefix):
     elif text is not None:
       skipped.append(f"{leaf.where}: its name {name!r} is taken in __metadata__")
     else:
-      skipped.append(f"{leaf.where}: {leaf.kind} {leaf.type or ''}".rstrip() +
-                     " (not an array, number or string)")
+      skipped.append(
+        f"{leaf.where}: {leaf.kind} {leaf.type or ''}".rstrip()
+        + " (not an array, number or string)"
+      )
   return tensors, metadata, skipped, refused
 
 
@@ -219,16 +267,21 @@ def _check_names(tensors, metadata, location: str) -> None:
   problems = []
   for name, leaf, _ in tensors:
     if not name:
-      problems.append(f"{leaf.where}: its name is empty (the checkpoint is one array, or "
-                      "rename= left nothing of it); give prefix=")
+      problems.append(
+        f"{leaf.where}: its name is empty (the checkpoint is one array, or "
+        "rename= left nothing of it); give prefix="
+      )
     elif name == "__metadata__" or name in seen:
       other = seen.get(name, "the header's __metadata__")
-      problems.append(f"{leaf.where}: its name {name!r} is also that of {other}; rename= or "
-                      "prefix= can tell them apart")
+      problems.append(
+        f"{leaf.where}: its name {name!r} is also that of {other}; rename= or "
+        "prefix= can tell them apart"
+      )
     seen.setdefault(name, leaf.where)
   if problems:
-    raise CheckpointError(f"Cannot export the checkpoint at {location!r} to safetensors:\n  "
-                          + "\n  ".join(problems))
+    raise CheckpointError(
+      f"Cannot export the checkpoint at {location!r} to safetensors:\n  " + "\n  ".join(problems)
+    )
 
 
 def _split(tensors: list, max_size: int | None) -> list[list]:
@@ -256,23 +309,34 @@ def _header(entries: list, metadata: Mapping[str, str], where: str) -> tuple[byt
   for name, leaf, dtype in entries:
     n = math.prod(leaf.shape) * _records.itemsize(dtype)
     out.append(Tensor(name, leaf, dtype, offset, offset + n))
-    body[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(leaf.shape),
-                  "data_offsets": [offset, offset + n]}
+    body[name] = {
+      "dtype": SAFETENSORS_DTYPES[dtype],
+      "shape": list(leaf.shape),
+      "data_offsets": [offset, offset + n],
+    }
     offset += n
   text = json.dumps(body, separators=(",", ":")).encode()
   text += b" " * (-len(text) % 8)
   if len(text) > MAX_HEADER_BYTES:
     raise CheckpointError(
-        f"The safetensors header of {where} would be {len(text)} bytes, more than the "
-        f"{MAX_HEADER_BYTES} the safetensors library reads. Export to a directory with a "
-        "smaller max_shard_size (fewer tensors per file).")
+      f"The safetensors header of {where} would be {len(text)} bytes, more than the "
+      f"{MAX_HEADER_BYTES} the safetensors library reads. Export to a directory with a "
+      "smaller max_shard_size (fewer tensors per file)."
+    )
   return len(text).to_bytes(8, "little") + text, tuple(out)
 
 
-def plan(leaves: Sequence[_records.Leaf], location: str, *, single: str | None,
-         select: str | Sequence[Any] | None = None, dtype: Any = None,
-         prefix: str | None = None, rename: Mapping[str, str] | None = None,
-         max_shard_size: int | str | None = None) -> Plan:
+def plan(
+  leaves: Sequence[_records.Leaf],
+  location: str,
+  *,
+  single: str | None,
+  select: str | Sequence[Any] | None = None,
+  dtype: Any = None,
+  prefix: str | None = None,
+  rename: Mapping[str, str] | None = None,
+  max_shard_size: int | str | None = None,
+) -> Plan:
   """The export of ``leaves`` (a checkpoint's records): one file named ``single``, or (None)
   shards ``model-0000i-of-0000N.safetensors`` with an index.
 
@@ -283,28 +347,36 @@ def plan(leaves: Sequence[_records.Leaf], location: str, *, single: str | None,
   ([('model.w', 'float32', 0, 8)], 112)
   """
   if single and max_shard_size is not None:
-    raise CheckpointError(f"max_shard_size={max_shard_size!r} applies to a directory output; "
-                          f"{single!r} is one file. Give a directory name to get shards.")
+    raise CheckpointError(
+      f"max_shard_size={max_shard_size!r} applies to a directory output; "
+      f"{single!r} is one file. Give a directory name to get shards."
+    )
   cast = _check_cast(dtype)
   picked = _selected(leaves, _select_path(select), select, location)
   tensors, metadata, skipped, refused = _classify(
-      picked, cast, _rename_pairs(rename), (prefix or "").strip("."))
+    picked, cast, _rename_pairs(rename), (prefix or "").strip(".")
+  )
   if refused:
     raise CheckpointError(
-        f"Cannot export the checkpoint at {location!r} to safetensors:\n  " +
-        "\n  ".join(refused) + "\nExport a subtree without these leaves (select='params', "
-        "or `fnckpt export --select params`); a floating dtype can also be converted with "
-        "dtype='bfloat16'.")
+      f"Cannot export the checkpoint at {location!r} to safetensors:\n  "
+      + "\n  ".join(refused)
+      + "\nExport a subtree without these leaves (select='params', "
+      "or `fnckpt export --select params`); a floating dtype can also be converted with "
+      "dtype='bfloat16'."
+    )
   _check_names(tensors, metadata, location)
-  groups = _split(tensors, None if single else parse_size(max_shard_size or
-                                                          DEFAULT_MAX_SHARD_SIZE))
-  names = [single] if single else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-                                   for i in range(len(groups))]
+  groups = _split(tensors, None if single else parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
+  names = (
+    [single]
+    if single
+    else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+  )
   files = tuple(OutFile(n, *_header(g, metadata, n)) for n, g in zip(names, groups))
   total = sum(f.tensors[-1].end for f in files if f.tensors)
   index = None
   if not single:
     weight_map = {t.name: f.name for f in files for t in f.tensors}
-    index = json.dumps({"metadata": {"total_size": total},
-                        "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode()
+    index = json.dumps(
+      {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+    ).encode()
   return Plan(files, index, metadata, tuple(skipped), total)

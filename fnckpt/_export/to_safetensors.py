@@ -20,11 +20,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .._format import leaves as _leaves, records as _records
-from .._io import arrays as _arrays
-from .._sources import slices as _slices, source as _source
-from . import plan as _export_plan
 from .._errors import CheckpointError
+from .._format import leaves as _leaves
+from .._format import records as _records
+from .._io import arrays as _arrays
+from .._sources import slices as _slices
+from .._sources import source as _source
+from . import plan as _export_plan
 
 __all__ = ["export_safetensors", "ExportResult"]
 
@@ -35,6 +37,7 @@ class ExportResult:
   many tensors and bytes of tensor data, the header's ``__metadata__``, the key paths left out
   (and why), the time taken, and the read window's peak (bytes held at once, each read
   charged twice its size; at most ``budget_bytes``)."""
+
   out: str
   files: tuple[str, ...]
   tensors: int
@@ -45,12 +48,19 @@ class ExportResult:
   peak_read_bytes: int
 
 
-def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
-                       select: str | Sequence[Any] | None = None, dtype: Any = None,
-                       prefix: str | None = None, rename: Mapping[str, str] | None = None,
-                       max_shard_size: int | str | None = None, overwrite: bool = False,
-                       budget_bytes: int | None = None,
-                       storage_options: dict[str, Any] | None = None) -> ExportResult:
+def export_safetensors(
+  checkpoint: str,
+  out: str | os.PathLike,
+  *,
+  select: str | Sequence[Any] | None = None,
+  dtype: Any = None,
+  prefix: str | None = None,
+  rename: Mapping[str, str] | None = None,
+  max_shard_size: int | str | None = None,
+  overwrite: bool = False,
+  budget_bytes: int | None = None,
+  storage_options: dict[str, Any] | None = None,
+) -> ExportResult:
   """Write a committed checkpoint's arrays as safetensors, streaming (bounded memory).
 
   Tensor names are key paths joined with ``.`` (``params.dense.kernel``; sequence indices as
@@ -89,16 +99,27 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
   """
   started = time.monotonic()
   target, single = _output(out)
-  window = _slices.Window(_arrays.budget_arg(budget_bytes, "export_safetensors",
-                                            _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES))
+  window = _slices.Window(
+    _arrays.budget_arg(
+      budget_bytes, "export_safetensors", _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES
+    )
+  )
   src = _source.open_source(checkpoint, storage_options)
-  p = _export_plan.plan(src.manifest.leaves, src.location, single=single, select=select,
-                        dtype=dtype, prefix=prefix, rename=rename,
-                        max_shard_size=max_shard_size)
+  p = _export_plan.plan(
+    src.manifest.leaves,
+    src.location,
+    single=single,
+    select=select,
+    dtype=dtype,
+    prefix=prefix,
+    rename=rename,
+    max_shard_size=max_shard_size,
+  )
   _check_target(target, overwrite)
   # (the name stays within NAME_MAX whatever the target's length: 1 + 200 + 21 bytes)
-  tmp = os.path.join(os.path.dirname(target),
-                     f".{os.path.basename(target)[:200]}.tmp-{secrets.token_hex(8)}")
+  tmp = os.path.join(
+    os.path.dirname(target), f".{os.path.basename(target)[:200]}.tmp-{secrets.token_hex(8)}"
+  )
   try:
     if single:
       _write_file(src, p.files[0], tmp, window, target)
@@ -106,32 +127,47 @@ def export_safetensors(checkpoint: str, out: str | os.PathLike, *,
       os.mkdir(tmp)
       for f in p.files:
         _write_file(src, f, os.path.join(tmp, f.name), window, target)
-      assert p.index is not None   # (sharded output)
+      assert p.index is not None  # (sharded output)
       _write_bytes(os.path.join(tmp, _export_plan.INDEX_NAME), p.index, target)
     _publish(tmp, target, overwrite)
   except BaseException:  # clean up (best effort: never in place of the error being raised)
     shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
     raise
-  names = [target] if single else [os.path.join(target, f.name) for f in p.files] + [
-      os.path.join(target, _export_plan.INDEX_NAME)]
-  return ExportResult(out=target, files=tuple(names), tensors=sum(len(f.tensors) for f in p.files),
-                      bytes=p.total_bytes, metadata=dict(p.metadata), skipped=p.skipped,
-                      seconds=time.monotonic() - started, peak_read_bytes=window.peak)
+  names = (
+    [target]
+    if single
+    else [os.path.join(target, f.name) for f in p.files]
+    + [os.path.join(target, _export_plan.INDEX_NAME)]
+  )
+  return ExportResult(
+    out=target,
+    files=tuple(names),
+    tensors=sum(len(f.tensors) for f in p.files),
+    bytes=p.total_bytes,
+    metadata=dict(p.metadata),
+    skipped=p.skipped,
+    seconds=time.monotonic() - started,
+    peak_read_bytes=window.peak,
+  )
 
 
 def _output(out: str | os.PathLike) -> tuple[str, str | None]:
   """The absolute output path, and its file name if it is one file (``.safetensors``)."""
   text = os.fspath(out)
   if "://" in text:
-    raise CheckpointError(f"out={text!r}: export writes local files only. Export to a local "
-                          "path, then copy it (e.g. gsutil cp / aws s3 cp).")
+    raise CheckpointError(
+      f"out={text!r}: export writes local files only. Export to a local "
+      "path, then copy it (e.g. gsutil cp / aws s3 cp)."
+    )
   target = os.path.abspath(text)  # "hf/" is the directory "hf"
   if not os.path.basename(target):
     raise CheckpointError(f"out={text!r}: give a file (NAME.safetensors) or a directory name.")
   name = len(os.fsencode(os.path.basename(target)))
   if name > 255:
-    raise CheckpointError(f"out=...{text[-40:]!r}: its last name is {name} bytes long; file "
-                          "systems allow at most 255. Choose a shorter name.")
+    raise CheckpointError(
+      f"out=...{text[-40:]!r}: its last name is {name} bytes long; file "
+      "systems allow at most 255. Choose a shorter name."
+    )
   single = target.endswith(".safetensors") and not text.endswith(os.sep)
   return target, (os.path.basename(target) if single else None)
 
@@ -140,7 +176,8 @@ def _output(out: str | os.PathLike) -> tuple[str, str | None]:
 MIN_WINDOW_BYTES = 64 << 10
 
 _EXPORT_NAME = re.compile(
-    r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json")
+  r"model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json"
+)
 
 
 def _check_target(target: str, overwrite: bool) -> None:
@@ -148,21 +185,25 @@ def _check_target(target: str, overwrite: bool) -> None:
   try:
     os.makedirs(parent, exist_ok=True)
   except OSError as e:
-    raise CheckpointError(f"Cannot create the directory {parent!r} for the export "
-                          f"({type(e).__name__}: {e}).") from None
+    raise CheckpointError(
+      f"Cannot create the directory {parent!r} for the export ({type(e).__name__}: {e})."
+    ) from None
   if overwrite and os.path.isdir(target) and not os.path.islink(target):
     # Replacing a directory removes it whole: only one that holds nothing but an export.
     others = [n for n in os.listdir(target) if not _EXPORT_NAME.fullmatch(n)]
     if others:
       raise CheckpointError(
-          f"{target!r} holds files that are not part of a safetensors export (e.g. "
-          f"{sorted(others)[0]!r}); overwrite=True would delete them. Export into an empty or "
-          "new directory (then move the files), or remove that directory yourself.")
+        f"{target!r} holds files that are not part of a safetensors export (e.g. "
+        f"{sorted(others)[0]!r}); overwrite=True would delete them. Export into an empty or "
+        "new directory (then move the files), or remove that directory yourself."
+      )
   if os.path.lexists(target) and not overwrite:
     empty_dir = os.path.isdir(target) and not os.listdir(target)
     if not (empty_dir and not target.endswith(".safetensors")):
-      raise CheckpointError(f"{target!r} already exists. Pass overwrite=True (CLI: "
-                            "--overwrite) to replace it, or choose another path.")
+      raise CheckpointError(
+        f"{target!r} already exists. Pass overwrite=True (CLI: "
+        "--overwrite) to replace it, or choose another path."
+      )
 
 
 def _to_bytes(data: np.ndarray) -> np.ndarray:
@@ -172,8 +213,9 @@ def _to_bytes(data: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
-def _write_file(src: _source.Source, f: _export_plan.OutFile, path: str,
-                window: _slices.Window, target: str) -> None:
+def _write_file(
+  src: _source.Source, f: _export_plan.OutFile, path: str, window: _slices.Window, target: str
+) -> None:
   """One safetensors file: the header, then each tensor's pieces in order (checking that
   every tensor gets exactly its bytes), fsynced."""
   try:
@@ -181,34 +223,47 @@ def _write_file(src: _source.Source, f: _export_plan.OutFile, path: str,
       fh.write(f.header)
       written = since_trim = 0
       by_leaf = {t.leaf.index: t for t in f.tensors}
-      for piece in _slices.pieces(src, [t.leaf for t in f.tensors], window, lambda leaf:
-                                  _records.itemsize(by_leaf[leaf.index].dtype)):
+      for piece in _slices.pieces(
+        src,
+        [t.leaf for t in f.tensors],
+        window,
+        lambda leaf: _records.itemsize(by_leaf[leaf.index].dtype),
+      ):
         t = by_leaf[piece.leaf.index]
         if written != t.begin + piece.start * _records.itemsize(t.dtype):
-          raise AssertionError(f"{t.name}: a piece lands at {written}, not at "
-                               f"{t.begin + piece.start * _records.itemsize(t.dtype)}")
-        data = piece.data if piece.data.dtype.name == t.dtype else _leaves.cast(
-            piece.data, _records.np_dtype(t.dtype), t.leaf.where)
+          raise AssertionError(
+            f"{t.name}: a piece lands at {written}, not at "
+            f"{t.begin + piece.start * _records.itemsize(t.dtype)}"
+          )
+        data = (
+          piece.data
+          if piece.data.dtype.name == t.dtype
+          else _leaves.cast(piece.data, _records.np_dtype(t.dtype), t.leaf.where)
+        )
         written += fh.write(_to_bytes(data))  # type: ignore[arg-type]  # (numpy's stubs)
         since_trim += data.nbytes
         if since_trim >= window.limit:
           since_trim = _give_back_freed_memory()
       if written != (f.tensors[-1].end if f.tensors else 0):
-        raise AssertionError(f"{written} bytes of tensor data written, the header says "
-                             f"{f.tensors[-1].end}")
+        raise AssertionError(
+          f"{written} bytes of tensor data written, the header says {f.tensors[-1].end}"
+        )
       fh.flush()
       os.fsync(fh.fileno())
   except (CheckpointError, AssertionError):
     raise
   except OSError as e:
-    raise CheckpointError(f"Cannot write {os.path.join(target, f.name)!r} "
-                          f"({type(e).__name__}: {e}). Check the free space and "
-                          "permissions there.") from None
+    raise CheckpointError(
+      f"Cannot write {os.path.join(target, f.name)!r} "
+      f"({type(e).__name__}: {e}). Check the free space and "
+      "permissions there."
+    ) from None
 
 
 def _malloc_trim() -> Any:
   try:
     import ctypes
+
     return ctypes.CDLL("libc.so.6").malloc_trim
   except (OSError, AttributeError):  # not glibc
     return None
@@ -256,11 +311,14 @@ def _publish(tmp: str, target: str, overwrite: bool) -> None:
     finally:
       os.close(fd)
   except FileExistsError:
-    raise CheckpointError(f"{target!r} already exists. Pass overwrite=True (CLI: "
-                          "--overwrite) to replace it, or choose another path.") from None
+    raise CheckpointError(
+      f"{target!r} already exists. Pass overwrite=True (CLI: "
+      "--overwrite) to replace it, or choose another path."
+    ) from None
   except OSError as e:
-    raise CheckpointError(f"Cannot move the export into place at {target!r} "
-                          f"({type(e).__name__}: {e}).") from None
+    raise CheckpointError(
+      f"Cannot move the export into place at {target!r} ({type(e).__name__}: {e})."
+    ) from None
 
 
 def _link_or_rename(tmp: str, target: str) -> None:

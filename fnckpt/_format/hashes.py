@@ -67,5 +67,5 @@ def update(h: Any, a: np.ndarray) -> None:
   row = a[0].nbytes if a.ndim and a.shape[0] else a.nbytes
   step = max(1, _BLOCK // max(row, 1))
   for start in range(0, a.shape[0], step):
-    block = np.ascontiguousarray(a[start:start + step])
+    block = np.ascontiguousarray(a[start : start + step])
     h.update(memoryview(block.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # (numpy's stubs)

@@ -20,8 +20,15 @@ from . import records as _records
 from .manifest import check_msgpackable
 from .tree import keystr
 
-__all__ = ["leaf_record", "decode_value", "sharding_record", "dtype_of", "is_key_array",
-           "host_value", "to_little_endian"]
+__all__ = [
+  "leaf_record",
+  "decode_value",
+  "sharding_record",
+  "dtype_of",
+  "is_key_array",
+  "host_value",
+  "to_little_endian",
+]
 
 _SCALARS = (bool, int, float, complex, str, bytes)
 
@@ -32,7 +39,8 @@ def dtype_of(name: str) -> np.dtype:
     return np.dtype(jnp.dtype(name))
   except TypeError:
     raise CheckpointError(
-        f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes.") from None
+      f"Unknown dtype {name!r} in the checkpoint; upgrade jax/ml_dtypes."
+    ) from None
 
 
 def is_key_array(x: Any) -> bool:
@@ -56,8 +64,9 @@ def sharding_record(sharding: Any) -> _records.Sharding | None:
         spec.append(str(entry))
     mesh = sharding.mesh
     sizes = tuple(int(mesh.shape[a]) for a in mesh.axis_names)
-    return _records.Sharding("named", tuple(str(a) for a in mesh.axis_names), sizes,
-                             tuple(spec), math.prod(sizes))
+    return _records.Sharding(
+      "named", tuple(str(a) for a in mesh.axis_names), sizes, tuple(spec), math.prod(sizes)
+    )
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     return _records.Sharding("single")
   return _records.Sharding(type(sharding).__name__, devices=len(sharding.device_set))
@@ -94,8 +103,9 @@ def inline_array(leaf: _records.Leaf) -> np.ndarray:
   """An inline array leaf's value: a writable copy (results must be writable like read ones;
   ``frombuffer`` over bytes is read-only)."""
   assert leaf.inline is not None and leaf.dtype is not None
-  return checked_bools(np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(
-      leaf.shape).copy(), leaf)
+  return checked_bools(
+    np.frombuffer(leaf.inline, dtype=dtype_of(leaf.dtype)).reshape(leaf.shape).copy(), leaf
+  )
 
 
 def cast(host: np.ndarray, dtype: Any, where: str) -> np.ndarray:
@@ -114,8 +124,10 @@ def cast(host: np.ndarray, dtype: Any, where: str) -> np.ndarray:
   try:
     return host.astype(np.float32).astype(dtype)
   except TypeError as e:
-    raise CheckpointError(f"{where}: cannot convert {host.dtype} to {np.dtype(dtype)} ({e}). "
-                          "Convert it to a type numpy can cast first.") from None
+    raise CheckpointError(
+      f"{where}: cannot convert {host.dtype} to {np.dtype(dtype)} ({e}). "
+      "Convert it to a type numpy can cast first."
+    ) from None
 
 
 def checked_bools(host: np.ndarray, leaf: _records.Leaf) -> np.ndarray:
@@ -131,9 +143,10 @@ def checked_bools(host: np.ndarray, leaf: _records.Leaf) -> np.ndarray:
   if host.dtype == np.bool_ and host.size and host.view(np.uint8).max() > 1:
     where = leaf.where if leaf is not None else "an array"
     raise CheckpointError(
-        f"{where}: a bool array holds a byte other than 0 and 1, which fnckpt never writes: "
-        "the checkpoint is damaged. Restore another checkpoint (or verify this one with "
-        "`fnckpt verify`).")
+      f"{where}: a bool array holds a byte other than 0 and 1, which fnckpt never writes: "
+      "the checkpoint is damaged. Restore another checkpoint (or verify this one with "
+      "`fnckpt verify`)."
+    )
   return host
 
 
@@ -174,15 +187,20 @@ def _unplain(obj: Any) -> Any:
 
 def _unsupported(path, leaf) -> CheckpointError:
   t = type(leaf)
-  code = (" A function is code, not state: save only the arrays (Equinox: "
-          "eqx.partition(model, eqx.is_array)[0]; Flax NNX: nnx.split(model)[1]) and rebuild "
-          "the rest in code." if callable(leaf) else "")
+  code = (
+    " A function is code, not state: save only the arrays (Equinox: "
+    "eqx.partition(model, eqx.is_array)[0]; Flax NNX: nnx.split(model)[1]) and rebuild "
+    "the rest in code."
+    if callable(leaf)
+    else ""
+  )
   return CheckpointError(
-      f"Unsupported leaf at {keystr(path)}: {t.__module__}.{t.__qualname__}. fnckpt saves "
-      "jax.Array (any dtype, typed PRNG keys included), numpy arrays and scalars, Python "
-      "bool/int/float/complex/str/bytes/None, empty containers and numpy Generators. If this "
-      "is a container, register it as a pytree node (jax.tree_util.register_dataclass or "
-      "register_pytree_with_keys); otherwise convert it to one of these before saving." + code)
+    f"Unsupported leaf at {keystr(path)}: {t.__module__}.{t.__qualname__}. fnckpt saves "
+    "jax.Array (any dtype, typed PRNG keys included), numpy arrays and scalars, Python "
+    "bool/int/float/complex/str/bytes/None, empty containers and numpy Generators. If this "
+    "is a container, register it as a pytree node (jax.tree_util.register_dataclass or "
+    "register_pytree_with_keys); otherwise convert it to one of these before saving." + code
+  )
 
 
 def leaf_record(index: int, path: Any, leaf: Any) -> tuple[_records.Leaf, Any]:
@@ -198,23 +216,36 @@ def leaf_record(index: int, path: Any, leaf: Any) -> tuple[_records.Leaf, Any]:
   path = tuple(path)
   if leaf is None or (isinstance(leaf, (dict, list, tuple)) and len(leaf) == 0):
     t = "none" if leaf is None else type(leaf).__name__
-    return _records.Leaf(index, path, "empty", type=t if t in ("none", "dict", "list",
-                                                               "tuple") else "tuple",
-                         name=f"{type(leaf).__module__}.{type(leaf).__qualname__}"), None
+    return _records.Leaf(
+      index,
+      path,
+      "empty",
+      type=t if t in ("none", "dict", "list", "tuple") else "tuple",
+      name=f"{type(leaf).__module__}.{type(leaf).__qualname__}",
+    ), None
   if isinstance(leaf, jax.Array):
     kind, impl, data = "array", None, leaf
     if is_key_array(leaf):
       kind, impl, data = "key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
-    return _records.Leaf(index=index, path=path, kind=kind, dtype=_dtype_name(np.dtype(data.dtype)),
-                         shape=tuple(data.shape), source="jax", sharding=sharding_record(leaf.sharding), impl=impl), data
+    return _records.Leaf(
+      index=index,
+      path=path,
+      kind=kind,
+      dtype=_dtype_name(np.dtype(data.dtype)),
+      shape=tuple(data.shape),
+      source="jax",
+      sharding=sharding_record(leaf.sharding),
+      impl=impl,
+    ), data
   if isinstance(leaf, np.ndarray):
     name = _stored_name(leaf.dtype)
     if name is None:
       raise CheckpointError(
-          f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only bool, integer, "
-          "float16/32/64, complex64/128 and ml_dtypes' types (bfloat16, int4, float8_*) are "
-          "stored. Convert it before saving (e.g. longdouble with .astype(np.float64), strings "
-          "to a list of str).")
+        f"Unsupported numpy dtype {leaf.dtype} at {keystr(path)}: only bool, integer, "
+        "float16/32/64, complex64/128 and ml_dtypes' types (bfloat16, int4, float8_*) are "
+        "stored. Convert it before saving (e.g. longdouble with .astype(np.float64), strings "
+        "to a list of str)."
+      )
     return _records.Leaf(index, path, "array", name, leaf.shape, "numpy"), leaf
   return _value_record(index, path, leaf), None
 
@@ -231,8 +262,14 @@ def _value_record(index: int, path: Any, leaf: Any) -> _records.Leaf:
       return _records.Leaf(index, path, "bigint", value=int(leaf))
     t = type(leaf)
     base: type = next(b for b in _SCALARS if isinstance(leaf, b))
-    return _records.Leaf(index, path, "scalar", type=base.__name__, value=base(leaf),
-                         subtype=None if t is base else f"{t.__module__}.{t.__qualname__}")
+    return _records.Leaf(
+      index,
+      path,
+      "scalar",
+      type=base.__name__,
+      value=base(leaf),
+      subtype=None if t is base else f"{t.__module__}.{t.__qualname__}",
+    )
   if isinstance(leaf, np.random.Generator):
     state = _plain(leaf.bit_generator.state)
     check_msgpackable(state, keystr(path))
@@ -257,7 +294,9 @@ def decode_value(leaf: _records.Leaf) -> Any:
       bitgen = getattr(np.random, state["bit_generator"])()  # an allow-listed name
       bitgen.state = state
     except Exception as e:  # numpy checks the state itself
-      raise CheckpointError(f"The numpy Generator at {leaf.where} has an invalid saved state "
-                            f"({type(e).__name__}: {e}); the checkpoint is damaged.") from None
+      raise CheckpointError(
+        f"The numpy Generator at {leaf.where} has an invalid saved state "
+        f"({type(e).__name__}: {e}); the checkpoint is damaged."
+      ) from None
     return np.random.Generator(bitgen)
   raise CheckpointError(f"Leaf kind {kind!r} at {leaf.where} is not a plain value.")

@@ -11,20 +11,33 @@ from typing import Any
 
 import msgpack
 
-from . import parse as _parse, records as _records
 from .._errors import CheckpointError, DamagedError
+from . import parse as _parse
+from . import records as _records
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READ_VERSION", "MANIFEST", "COMMIT", "DATA_DIR",
-           "encode", "decode", "pack", "encode_commit", "decode_commit", "digest",
-           "check_msgpackable"]
+__all__ = [
+  "FORMAT_NAME",
+  "FORMAT_VERSION",
+  "READ_VERSION",
+  "MANIFEST",
+  "COMMIT",
+  "DATA_DIR",
+  "encode",
+  "decode",
+  "pack",
+  "encode_commit",
+  "decode_commit",
+  "digest",
+  "check_msgpackable",
+]
 
 FORMAT_NAME = "fnckpt"
-FORMAT_VERSION = 3          # the format save writes
-READ_VERSION = 3            # the newest format this fnckpt reads (docs/format.md)
+FORMAT_VERSION = 3  # the format save writes
+READ_VERSION = 3  # the newest format this fnckpt reads (docs/format.md)
 MANIFEST = "manifest.msgpack"
 COMMIT = "COMMIT"
-DATA_DIR = "d"              # format 1: arrays at d/<n>/
-DATA_PREFIX = "data-"       # format 2: a save's data under data-<32 hex digits>/
+DATA_DIR = "d"  # format 1: arrays at d/<n>/
+DATA_PREFIX = "data-"  # format 2: a save's data under data-<32 hex digits>/
 
 
 def pack(obj: Any, size_hint: int = 0) -> bytes:
@@ -78,8 +91,9 @@ def check_msgpackable(value: Any, where: str) -> None:
       check_msgpackable(v, f"{where}[{k!r}]")
     return
   raise CheckpointError(
-      f"{where}: value of type {type(value).__name__} cannot be stored as metadata; use "
-      "None, bool, int, float, str, bytes, lists and dicts of these.")
+    f"{where}: value of type {type(value).__name__} cannot be stored as metadata; use "
+    "None, bool, int, float, str, bytes, lists and dicts of these."
+  )
 
 
 def encode(manifest: _records.Manifest) -> bytes:
@@ -90,8 +104,10 @@ def encode(manifest: _records.Manifest) -> bytes:
   True
   """
   if not isinstance(manifest, _records.Manifest):
-    raise TypeError(f"manifest.encode takes a records.Manifest, not {type(manifest).__name__} "
-                    "(manifest.pack writes plain data)")
+    raise TypeError(
+      f"manifest.encode takes a records.Manifest, not {type(manifest).__name__} "
+      "(manifest.pack writes plain data)"
+    )
   return pack(_records.encode(manifest), _size_hint(manifest))
 
 
@@ -113,8 +129,9 @@ def decode(data: bytes, location: str) -> _records.Manifest:
     manifest = unpack(data)
   except Exception as e:  # msgpack raises several unrelated types
     raise DamagedError(
-        f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
-        "cannot be read; restore an earlier one.") from None
+      f"The manifest of {location!r} is corrupt ({type(e).__name__}: {e}). The checkpoint "
+      "cannot be read; restore an earlier one."
+    ) from None
   _check_header(manifest, location, "manifest")
   return _parse.parse(manifest, location, READ_VERSION)
 
@@ -122,22 +139,31 @@ def decode(data: bytes, location: str) -> _records.Manifest:
 def _check_header(obj: Any, location: str, what: str) -> None:
   if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
     raise DamagedError(
-        f"The {what} of {location!r} is corrupt or not an fnckpt {what} (no "
-        f"'format': '{FORMAT_NAME}' header).")
+      f"The {what} of {location!r} is corrupt or not an fnckpt {what} (no "
+      f"'format': '{FORMAT_NAME}' header)."
+    )
   version = obj.get("version")
   if not isinstance(version, int) or isinstance(version, bool) or version < 1:
     raise DamagedError(f"The {what} of {location!r} is corrupt: no format version.")
   if version > READ_VERSION:
     raise CheckpointError(
-        f"{location!r} was written in fnckpt format version {version}, newer than this fnckpt "
-        f"reads (up to {READ_VERSION}). Upgrade fnckpt: pip install -U fnckpt.")
+      f"{location!r} was written in fnckpt format version {version}, newer than this fnckpt "
+      f"reads (up to {READ_VERSION}). Upgrade fnckpt: pip install -U fnckpt."
+    )
 
 
-def encode_commit(manifest_bytes: bytes, committed_at: float,
-                  version: int = FORMAT_VERSION) -> bytes:
+def encode_commit(
+  manifest_bytes: bytes, committed_at: float, version: int = FORMAT_VERSION
+) -> bytes:
   """The commit marker: names the manifest it commits by hash (``version``: the manifest's)."""
-  return pack({"format": FORMAT_NAME, "version": version,
-                "manifest_sha256": digest(manifest_bytes), "committed": committed_at})
+  return pack(
+    {
+      "format": FORMAT_NAME,
+      "version": version,
+      "manifest_sha256": digest(manifest_bytes),
+      "committed": committed_at,
+    }
+  )
 
 
 def decode_commit(data: bytes, location: str) -> dict[str, Any]:
@@ -147,6 +173,7 @@ def decode_commit(data: bytes, location: str) -> dict[str, Any]:
     raise DamagedError(f"The commit marker of {location!r} is corrupt ({e}).") from None
   _check_header(commit, location, "commit marker")
   if not isinstance(commit.get("manifest_sha256"), str) or not isinstance(
-      commit.get("committed", 0.0), (int, float)):
+    commit.get("committed", 0.0), (int, float)
+  ):
     raise DamagedError(f"The commit marker of {location!r} is corrupt: no manifest hash.")
   return commit

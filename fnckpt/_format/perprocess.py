@@ -16,9 +16,22 @@ from typing import Any, Sequence
 import jax
 import msgpack
 
-from . import (leaves as _leaves, manifest as _manifest, parse as _parse, records as _records,
-               tree as _tree)
 from .._errors import CheckpointError, DamagedError
+from . import (
+  leaves as _leaves,
+)
+from . import (
+  manifest as _manifest,
+)
+from . import (
+  parse as _parse,
+)
+from . import (
+  records as _records,
+)
+from . import (
+  tree as _tree,
+)
 
 __all__ = ["PerProcess", "values_key", "encode", "decode", "value_at"]
 
@@ -37,6 +50,7 @@ class PerProcess:
   >>> fnckpt.restore(f"{d}/c", {"loader": fnckpt.PerProcess(None)})["loader"].value
   {'epoch': 3, 'offset': 17}
   """
+
   value: Any
 
 
@@ -59,21 +73,25 @@ def encode(items: Sequence[tuple[_tree.Path, PerProcess]]) -> bytes:
   if problems:
     raise CheckpointError("\n  ".join(problems))
   payload = msgpack.packb({"leaves": [_records.encode(r) for r in records]}, use_bin_type=True)
-  return msgpack.packb({"sha256": hashlib.sha256(payload).hexdigest(), "payload": payload},
-                       use_bin_type=True)
+  return msgpack.packb(
+    {"sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}, use_bin_type=True
+  )
 
 
 def _record(index: int, where: _tree.Path, leaf: Any) -> _records.Leaf:
   if isinstance(leaf, PerProcess):
-    raise CheckpointError(f"fnckpt.PerProcess at {_tree.keystr(where)} is inside another "
-                          "PerProcess; wrap only the outer value.")
+    raise CheckpointError(
+      f"fnckpt.PerProcess at {_tree.keystr(where)} is inside another "
+      "PerProcess; wrap only the outer value."
+    )
   rec, data = _leaves.leaf_record(index, where, leaf)
   if data is None:
     return rec
   if isinstance(data, jax.Array) and not (data.is_fully_addressable or data.is_fully_replicated):
     raise CheckpointError(
-        f"The array at {_tree.keystr(where)} is inside fnckpt.PerProcess but spans several "
-        "processes; a per-process value must be held whole by its process.")
+      f"The array at {_tree.keystr(where)} is inside fnckpt.PerProcess but spans several "
+      "processes; a per-process value must be held whole by its process."
+    )
   return dataclasses.replace(rec, inline=_leaves.host_bytes(data))
 
 
@@ -83,33 +101,46 @@ def decode(data: bytes, where: str) -> tuple[_records.Leaf, ...]:
   validated like the manifest's."""
   try:
     outer = _manifest.unpack(data)
-    ok = (isinstance(outer, dict) and set(outer) == {"sha256", "payload"}
-          and isinstance(outer["payload"], bytes) and isinstance(outer["sha256"], str))
+    ok = (
+      isinstance(outer, dict)
+      and set(outer) == {"sha256", "payload"}
+      and isinstance(outer["payload"], bytes)
+      and isinstance(outer["sha256"], str)
+    )
     if ok and hashlib.sha256(outer["payload"]).hexdigest() != outer["sha256"]:
-      raise DamagedError(f"The per-process values at {where!r} are corrupt (SHA-256 "
-                            "mismatch); restore an earlier checkpoint.")
+      raise DamagedError(
+        f"The per-process values at {where!r} are corrupt (SHA-256 "
+        "mismatch); restore an earlier checkpoint."
+      )
     m = _manifest.unpack(outer["payload"]) if ok else None
   except CheckpointError:
     raise
   except Exception as e:  # msgpack raises several unrelated types
-    raise DamagedError(f"The per-process values at {where!r} are corrupt "
-                       f"({type(e).__name__}); restore an earlier checkpoint.") from None
+    raise DamagedError(
+      f"The per-process values at {where!r} are corrupt "
+      f"({type(e).__name__}); restore an earlier checkpoint."
+    ) from None
   if not ok:
-    raise DamagedError(f"The per-process values at {where!r} are corrupt (not a "
-                       "{sha256, payload} map); restore an earlier checkpoint.")
+    raise DamagedError(
+      f"The per-process values at {where!r} are corrupt (not a "
+      "{sha256, payload} map); restore an earlier checkpoint."
+    )
   return _parse.parse_values(m, where)
 
 
-def value_at(leaves: Sequence[_records.Leaf], path: _tree.Path, template: Any,
-             where: str) -> PerProcess:
+def value_at(
+  leaves: Sequence[_records.Leaf], path: _tree.Path, template: Any, where: str
+) -> PerProcess:
   """The ``PerProcess`` saved at ``path``, rebuilt from ``leaves`` (in ``template``'s tree
   structure when it has one, else plain dicts and lists)."""
   n = len(path)
   key = _tree.match_key(path)
   mine = [l for l in leaves if _tree.match_key(l.path[:n]) == key]
   if not mine:
-    raise CheckpointError(f"{where!r} holds no per-process value for {_tree.keystr(path)}; "
-                          "the checkpoint is damaged. Restore an earlier one.")
+    raise CheckpointError(
+      f"{where!r} holds no per-process value for {_tree.keystr(path)}; "
+      "the checkpoint is damaged. Restore an earlier one."
+    )
   values = [_value(l) for l in mine]
   subs = [l.path[n:] for l in mine]
   if template is None:
@@ -118,9 +149,10 @@ def value_at(leaves: Sequence[_records.Leaf], path: _tree.Path, template: Any,
   if [_tree.match_key(p) for p, _ in pairs] != [_tree.match_key(s) for s in subs]:
     saved = ", ".join(_tree.keystr(path + s) for s in subs[:4])
     raise CheckpointError(
-        f"fnckpt.PerProcess at {_tree.keystr(path)}: the target's value has another tree "
-        f"structure than the saved one (saved leaves: {saved}{', ...' if len(subs) > 4 else ''})."
-        " Pass fnckpt.PerProcess(None) to take the saved structure.")
+      f"fnckpt.PerProcess at {_tree.keystr(path)}: the target's value has another tree "
+      f"structure than the saved one (saved leaves: {saved}{', ...' if len(subs) > 4 else ''})."
+      " Pass fnckpt.PerProcess(None) to take the saved structure."
+    )
   return PerProcess(jax.tree_util.tree_unflatten(treedef, values))
 
 

@@ -26,40 +26,64 @@ from .. import _state
 from .codecs import BLOSC
 from .tree import keystr
 
-__all__ = ["Manifest", "Leaf", "Stored", "Packed", "Pack", "Pieces", "Sharding", "Base", "Fork",
-           "encode", "evolve", "DTYPES", "PRNG_IMPLS", "BIT_GENERATORS", "itemsize", "np_dtype",
-           "MAX_DIMS", "HASH_BYTES", "HASH_ALGS", "RUN_BYTES"]
+__all__ = [
+  "Manifest",
+  "Leaf",
+  "Stored",
+  "Packed",
+  "Pack",
+  "Pieces",
+  "Sharding",
+  "Base",
+  "Fork",
+  "encode",
+  "evolve",
+  "DTYPES",
+  "PRNG_IMPLS",
+  "BIT_GENERATORS",
+  "itemsize",
+  "np_dtype",
+  "MAX_DIMS",
+  "HASH_BYTES",
+  "HASH_ALGS",
+  "RUN_BYTES",
+]
 
 # Every dtype a leaf may have: numpy's numeric types and ml_dtypes' (bfloat16, int4, float8...).
-DTYPES = frozenset((
+DTYPES = frozenset(
+  (
     "bool int2 int4 int8 int16 int32 int64 uint2 uint4 uint8 uint16 uint32 uint64 "
     "float8_e3m4 float8_e4m3 float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 "
     "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn float16 bfloat16 float32 float64 "
-    "complex64 complex128").split())
-PRNG_IMPLS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}   # impl -> key data words
+    "complex64 complex128"
+  ).split()
+)
+PRNG_IMPLS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}  # impl -> key data words
 BIT_GENERATORS = frozenset(("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"))
-LEAF_KINDS = frozenset(("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty",
-                        "perprocess"))
+LEAF_KINDS = frozenset(
+  ("array", "key", "scalar", "bigint", "npscalar", "npgen", "empty", "perprocess")
+)
 SCALAR_TYPES = frozenset(("bool", "int", "float", "complex", "str", "bytes"))
 PATH_KINDS = frozenset(("dict", "seq", "attr", "flat"))
 MAX_DIMS = 64
-MAX_PACK_CHUNK = 64 << 20         # a pack's chunk (one file, one write)
+MAX_PACK_CHUNK = 64 << 20  # a pack's chunk (one file, one write)
 MAX_ELEMENTS = 1 << 62
-MAX_CHUNKS = 1 << 32              # chunks of one stored array
-MAX_DEPTH = 32                    # nesting of a Generator's state
-MAX_BIGINT_DIGITS = 4000          # below Python's int() digit limit
+MAX_CHUNKS = 1 << 32  # chunks of one stored array
+MAX_DEPTH = 32  # nesting of a Generator's state
+MAX_BIGINT_DIGITS = 4000  # below Python's int() digit limit
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DATA_NAME = re.compile(r"data-[0-9a-f]{32}")
-HASH_BYTES = 32                   # SHA-256 (format 2's content hashes)
-HASH_ALGS = {"xxh3-128": 16}      # format 3's ``hash`` algorithm -> digest bytes
-RUN_BYTES = 12                    # a pieces run: pack u32 LE, offset u64 LE (format 3)
-FP_BYTES = 8                      # a chunk's fingerprint (fnckpt._format.refs.fingerprint)
-MAX_UP = 64                       # '..' names at the front of a reference
+HASH_BYTES = 32  # SHA-256 (format 2's content hashes)
+HASH_ALGS = {"xxh3-128": 16}  # format 3's ``hash`` algorithm -> digest bytes
+RUN_BYTES = 12  # a pieces run: pack u32 LE, offset u64 LE (format 3)
+FP_BYTES = 8  # a chunk's fingerprint (fnckpt._format.refs.fingerprint)
+MAX_UP = 64  # '..' names at the front of a reference
 
 
 def np_dtype(name: str) -> np.dtype:
   """An allow-listed dtype name -> numpy dtype (ml_dtypes' types included)."""
   import jax.numpy as jnp
+
   return np.dtype(jnp.dtype(name))
 
 
@@ -73,6 +97,7 @@ def itemsize(name: str) -> int:
 class Base:
   """A referenced checkpoint: ``dir`` relative to the parent of the referring checkpoint's
   directory, and the ``data`` directory (of the save that wrote the bytes) referred to."""
+
   dir: str
   data: str
 
@@ -80,6 +105,7 @@ class Base:
 @dataclasses.dataclass(frozen=True)
 class Fork:
   """Lineage of a forked run: the parent ``run`` (relative to this run's directory), ``step``."""
+
   run: str
   step: int
 
@@ -88,12 +114,13 @@ class Fork:
 class Sharding:
   """A saved sharding: ``type`` "named" (mesh ``axes``/``sizes`` and ``spec``), "single", or
   another JAX sharding's class name with its device count."""
+
   type: str
   axes: tuple[str, ...] = ()
   sizes: tuple[int, ...] = ()
-  spec: tuple[Any, ...] = ()       # None, an axis name, or a tuple of axis names per dim
+  spec: tuple[Any, ...] = ()  # None, an axis name, or a tuple of axis names per dim
   devices: int = 1
-  mesh: int | None = None          # a pieced leaf's: index in the manifest's ``meshes``
+  mesh: int | None = None  # a pieced leaf's: index in the manifest's ``meshes``
 
   @property
   def dim_axes(self) -> tuple[tuple[int, ...], ...]:
@@ -108,25 +135,27 @@ class Sharding:
 @dataclasses.dataclass(frozen=True)
 class Stored:
   """A zarr3 array holding a leaf: ``dir`` relative to the checkpoint root."""
+
   dir: str
   chunks: tuple[int, ...]
   inner: tuple[int, ...]
   zstd: int | None
   blosc: tuple[tuple[str, Any], ...] | None = None  # blosc's configuration (sorted items)
-  base: int | None = None          # index in the manifest's ``bases``: ``dir`` is relative to it
+  base: int | None = None  # index in the manifest's ``bases``: ``dir`` is relative to it
 
 
 @dataclasses.dataclass(frozen=True)
 class Pack:
   """A process's pack (format 2): a 1-D uint8 zarr3 array at ``dir`` of ``nbytes`` bytes,
   ``chunk``-byte chunks of ``inner``-byte inner chunks."""
+
   dir: str
   nbytes: int
   chunk: int
   inner: int
   base: int | None = None
-  process: int | None = None       # the process that wrote it (set when the save has pieces)
-  pieces: int | None = None        # where that process's pieces region starts in it
+  process: int | None = None  # the process that wrote it (set when the save has pieces)
+  pieces: int | None = None  # where that process's pieces region starts in it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +164,7 @@ class Pieces:
   their writers' packs. Format 2: placed by ``Manifest.layout`` (rule 2). Format 3: ``runs``
   (12 bytes per writing process, increasing: pack u32 LE, offset u64 LE) says where each
   writer's chunks lie, ``hashes`` (16 bytes per writer) their hash."""
+
   chunks: tuple[int, ...]
   mesh: int
   runs: bytes | None = None
@@ -144,6 +174,7 @@ class Pieces:
 @dataclasses.dataclass(frozen=True)
 class Packed:
   """A leaf stored in a pack: bytes ``[offset, offset + nbytes)`` of pack ``pack``."""
+
   pack: int
   offset: int
   nbytes: int
@@ -156,6 +187,7 @@ class Leaf:
   kinds hold ``value`` (checked). ``hash`` is the leaf's content hash (format 3: of every
   array outside the manifest; format 2: when saved with hashes), ``chunk_hashes`` a stored
   leaf's per-chunk hashes, ``chunk_fps`` format 2's chunk fingerprints (read only)."""
+
   index: int
   path: tuple[tuple[str, Any], ...]
   kind: str
@@ -168,13 +200,13 @@ class Leaf:
   stored: Stored | None = None
   packed: Packed | None = None
   pieces: Pieces | None = None
-  type: str | None = None          # scalar type, or the empty container's type
-  name: str | None = None          # an empty container's class
+  type: str | None = None  # scalar type, or the empty container's type
+  name: str | None = None  # an empty container's class
   value: Any = None
-  hash: bytes | None = None        # content hash (docs/format.md "References and hashes")
+  hash: bytes | None = None  # content hash (docs/format.md "References and hashes")
   chunk_hashes: bytes | None = None
   chunk_fps: bytes | None = None
-  subtype: str | None = None       # a scalar's subclass ("module.Name"; informative only)
+  subtype: str | None = None  # a scalar's subclass ("module.Name"; informative only)
 
   @property
   def where(self) -> str:
@@ -197,14 +229,14 @@ class Manifest:
   versions: Mapping[str, str]
   metadata: Any
   leaves: tuple[Leaf, ...]
-  data: str | None = None           # format 2: the directory of this save's data
+  data: str | None = None  # format 2: the directory of this save's data
   packs: tuple[Pack, ...] = ()
-  bases: tuple[Base, ...] = ()      # checkpoints whose data this one refers to
+  bases: tuple[Base, ...] = ()  # checkpoints whose data this one refers to
   fork: Fork | None = None
   # per mesh of pieced leaves: the process of each position; the pieced leaves' layout
   meshes: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False)
-  layout: Any = dataclasses.field(default=None, compare=False)   # ``_pieces.Layout`` or None
-  hash: str | None = None           # format 3: the content hashes' algorithm ("xxh3-128")
+  layout: Any = dataclasses.field(default=None, compare=False)  # ``_pieces.Layout`` or None
+  hash: str | None = None  # format 3: the content hashes' algorithm ("xxh3-128")
 
   def pack_of(self, process: int) -> int:
     """The index in ``packs`` of ``process``'s own pack (with its pieces region)."""
@@ -234,8 +266,9 @@ def evolve(r: Any, **changes: Any) -> Any:
     raise TypeError(f"{type(r).__name__} has no field {sorted(changes.keys() - names.keys())[0]!r}")
   out = object.__new__(type(r))
   state = r.__dict__
-  out.__dict__.update(state if len(state) == len(names) else
-                      {k: v for k, v in state.items() if k in names})
+  out.__dict__.update(
+    state if len(state) == len(names) else {k: v for k, v in state.items() if k in names}
+  )
   out.__dict__.update(changes)
   return out
 
@@ -245,6 +278,7 @@ def evolve(r: Any, **changes: Any) -> Any:
 # bytes as before the writer built records). Derived and record-only fields (``Leaf.index``,
 # ``Packed.nbytes``, ``Pieces.mesh``, a named sharding's ``devices``, ``Manifest.layout``) are
 # not written; nothing a record lacks is added.
+
 
 def encode(r: Manifest | Leaf) -> dict[str, Any]:
   """A record -> its msgpack map: the inverse of :func:`fnckpt._format.parse.parse` for every
@@ -260,10 +294,17 @@ def encode(r: Manifest | Leaf) -> dict[str, Any]:
 def _encode_manifest(m: Manifest) -> dict[str, Any]:
   if m.version not in (2, 3) or m.data is None:
     raise ValueError(f"format {m.version} records are read-only: fnckpt writes formats 2, 3")
-  out = {"format": "fnckpt", "version": m.version, "created": float(m.created),
-         "process_count": m.process_count, "versions": dict(m.versions),
-         "metadata": m.metadata, "data": m.data, "packs": [_encode_pack(p) for p in m.packs],
-         "leaves": [_encode_leaf(l) for l in m.leaves]}
+  out = {
+    "format": "fnckpt",
+    "version": m.version,
+    "created": float(m.created),
+    "process_count": m.process_count,
+    "versions": dict(m.versions),
+    "metadata": m.metadata,
+    "data": m.data,
+    "packs": [_encode_pack(p) for p in m.packs],
+    "leaves": [_encode_leaf(l) for l in m.leaves],
+  }
   if m.hash is not None:
     out["hash"] = m.hash
   if m.meshes:
@@ -313,7 +354,7 @@ def _encode_leaf(l: Leaf) -> dict[str, Any]:
     rec["dtype"], rec["value"] = l.dtype, l.value
   elif kind == "npgen":
     rec["value"] = l.value
-  return rec                      # "perprocess": path and kind only
+  return rec  # "perprocess": path and kind only
 
 
 def _encode_sharding(s: Sharding | None) -> dict[str, Any] | None:
@@ -323,19 +364,27 @@ def _encode_sharding(s: Sharding | None) -> dict[str, Any] | None:
     return {"type": "single"}
   if s.type != "named":
     return {"type": s.type, "devices": s.devices}
-  out: dict[str, Any] = {"type": "named", "axes": list(s.axes), "sizes": list(s.sizes),
-         "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]}
+  out: dict[str, Any] = {
+    "type": "named",
+    "axes": list(s.axes),
+    "sizes": list(s.sizes),
+    "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
+  }
   if s.mesh is not None:
     out["mesh"] = s.mesh
   return out
 
 
-_BLOSC_KEYS = tuple(BLOSC)       # "cname", "clevel", "shuffle": the order save writes
+_BLOSC_KEYS = tuple(BLOSC)  # "cname", "clevel", "shuffle": the order save writes
 
 
 def _encode_stored(s: Stored) -> dict[str, Any]:
-  out: dict[str, Any] = {"dir": s.dir, "chunks": list(s.chunks), "inner": list(s.inner),
-                         "zstd": s.zstd}
+  out: dict[str, Any] = {
+    "dir": s.dir,
+    "chunks": list(s.chunks),
+    "inner": list(s.inner),
+    "zstd": s.zstd,
+  }
   if s.blosc is not None:
     b = dict(s.blosc)
     out["blosc"] = {**{k: b[k] for k in _BLOSC_KEYS if k in b}, **b}

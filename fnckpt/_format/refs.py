@@ -18,13 +18,32 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .._layout import pieces as _pieces
-from . import hashes as _hashes, parse as _parse, records as _records
 from .._errors import CheckpointError
+from .._layout import pieces as _pieces
+from . import hashes as _hashes
+from . import parse as _parse
+from . import records as _records
 
-__all__ = ["digest", "array_digest", "Location", "locate", "relative", "resolve",
-           "StoredCand", "PackCand", "RunCand", "Candidates", "candidates", "Report",
-           "finalize", "chunk_pos", "chunk_key", "run_writers", "same_split", "split_of"]
+__all__ = [
+  "digest",
+  "array_digest",
+  "Location",
+  "locate",
+  "relative",
+  "resolve",
+  "StoredCand",
+  "PackCand",
+  "RunCand",
+  "Candidates",
+  "candidates",
+  "Report",
+  "finalize",
+  "chunk_pos",
+  "chunk_key",
+  "run_writers",
+  "same_split",
+  "split_of",
+]
 
 
 def digest(data: Any) -> bytes:
@@ -37,7 +56,7 @@ def digest(data: Any) -> bytes:
   return hashlib.sha256(data).digest()
 
 
-NO_HASH = bytes(_records.HASH_BYTES)   # format 2: a chunk_hashes entry for a chunk not hashed
+NO_HASH = bytes(_records.HASH_BYTES)  # format 2: a chunk_hashes entry for a chunk not hashed
 
 
 def array_digest(host: np.ndarray) -> bytes:
@@ -50,11 +69,13 @@ def array_digest(host: np.ndarray) -> bytes:
 
 # --- where things are -------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Location:
   """A checkpoint directory as a kvstore spec split in two: ``store`` (everything but the path,
   as canonical JSON: two locations on one store compare equal) and ``path`` (absolute, with a
   leading ``/``, no trailing ``/``), plus whether the driver's paths are absolute."""
+
   store: str
   path: str
   absolute: bool
@@ -90,10 +111,11 @@ def relative(target: str, start: str) -> str:
     return _parse.check_rel(rel, "a reference")
   except Exception as e:  # e.g. '.': the target holds the checkpoint that would refer to it
     raise CheckpointError(
-        f"Cannot refer to {target!r} from a checkpoint in {start!r}: the reference would be "
-        f"{rel!r} ({e}). A checkpoint can refer only to checkpoints beside it, not to a "
-        "directory that contains it. Choose a base (or fork directory) outside the new "
-        "checkpoint's directory, or save without base=.") from None
+      f"Cannot refer to {target!r} from a checkpoint in {start!r}: the reference would be "
+      f"{rel!r} ({e}). A checkpoint can refer only to checkpoints beside it, not to a "
+      "directory that contains it. Choose a base (or fork directory) outside the new "
+      "checkpoint's directory, or save without base=."
+    ) from None
 
 
 def resolve(loc: Location, rel: str, where: str) -> str:
@@ -110,31 +132,35 @@ def resolve(loc: Location, rel: str, where: str) -> str:
       parts.pop()
     else:
       raise CheckpointError(
-          f"{where}: the reference {rel!r} leads above the root of its storage location. The "
-          "manifest is damaged, or the checkpoint was moved without what it refers to; restore "
-          "an earlier checkpoint.")
+        f"{where}: the reference {rel!r} leads above the root of its storage location. The "
+        "manifest is damaged, or the checkpoint was moved without what it refers to; restore "
+        "an earlier checkpoint."
+      )
   return "/" + "/".join(parts)
 
 
 # --- which leaves may reuse a base's data ---------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class StoredCand:
   """A stored array leaf whose base has the same layout: reusable if every chunk's hash equals
   the base's (``chunk_hashes``, 16 bytes each in grid order)."""
-  base: _records.Base               # relative to the *new* checkpoint's parent
+
+  base: _records.Base  # relative to the *new* checkpoint's parent
   dir: str
   chunk_hashes: bytes
 
   def expect(self, pos: int) -> bytes:
     n = _hashes.NBYTES
-    return self.chunk_hashes[pos * n:(pos + 1) * n]
+    return self.chunk_hashes[pos * n : (pos + 1) * n]
 
 
 @dataclasses.dataclass(frozen=True)
 class PackCand:
   """A packed leaf, or one process's run of a pieced leaf, whose base stored the same bytes
   positions: reusable if its hash matches (the base's ``pack`` record, ``base`` dropped)."""
+
   base: _records.Base
   pack: _records.Pack
   offset: int
@@ -145,12 +171,14 @@ class PackCand:
 class RunCand:
   """A pieced leaf whose base has the same pieces layout (dtype, shape, chunks, sharding, mesh
   processes and writer rule): per writing process, its run in the base."""
-  runs: Mapping[int, PackCand]      # process -> its run in the base
+
+  runs: Mapping[int, PackCand]  # process -> its run in the base
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidates:
   """Per new leaf record, the base data it may reuse (see :func:`candidates`)."""
+
   stored: Mapping[int, StoredCand] = dataclasses.field(default_factory=dict)
   packed: Mapping[int, PackCand] = dataclasses.field(default_factory=dict)
   pieced: Mapping[int, RunCand] = dataclasses.field(default_factory=dict)
@@ -159,8 +187,9 @@ class Candidates:
   not_compared: tuple[tuple[str, str], ...] = ()
 
 
-def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
-             k: int | None) -> _records.Base | None:
+def _rebased(
+  base: _records.Manifest, base_loc: Location, new_loc: Location, k: int | None
+) -> _records.Base | None:
   """The checkpoint holding the bytes of a base's record (``k``: its ``base`` index, None for
   the base's own data), as a reference from the new checkpoint; ``None`` when that is the new
   checkpoint's own path (its old data is replaced: nothing there may be referred to)."""
@@ -169,7 +198,7 @@ def _rebased(base: _records.Manifest, base_loc: Location, new_loc: Location,
   if target == new_loc.path:
     return None  # the new checkpoint's own path (overwrite=True): its old data goes
   data = base.data if k is None else base.bases[k].data
-  assert data is not None   # (a comparable base, format 3, names its data directory)
+  assert data is not None  # (a comparable base, format 3, names its data directory)
   return _records.Base(relative(target, start), data)
 
 
@@ -178,9 +207,13 @@ def comparable(base: _records.Manifest) -> bool:
   return base.version >= 3 and base.hash == _hashes.ALG
 
 
-def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
-               base_loc: Location, new_loc: Location,
-               meshes: Sequence[np.ndarray] = ()) -> Candidates:
+def candidates(
+  records: Sequence[_records.Leaf],
+  base: _records.Manifest,
+  base_loc: Location,
+  new_loc: Location,
+  meshes: Sequence[np.ndarray] = (),
+) -> Candidates:
   """Per new leaf record (planned: ``stored`` set for a zarr array, ``pieces`` for a pieced
   one, no storage yet for one that may be packed), the base data it may reuse. Equal key
   path, kind, dtype and shape; for stored arrays also chunks, inner chunks and codecs; for
@@ -203,15 +236,21 @@ def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
       continue  # (in the manifest: nothing to write)
     if s is not None and old.stored is not None:
       if (old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc) != (
-          s.chunks, s.inner, s.zstd, s.blosc):
+        s.chunks,
+        s.inner,
+        s.zstd,
+        s.blosc,
+      ):
         apart.append((rec.where, "its chunking or compression differs from the base's"))
         continue
       where = _rebased(base, base_loc, new_loc, old.stored.base)
       if where is not None:
-        assert old.chunk_hashes is not None   # (a hashed stored leaf's)
+        assert old.chunk_hashes is not None  # (a hashed stored leaf's)
         stored[i] = StoredCand(where, old.stored.dir, old.chunk_hashes)
     elif rec.pieces is not None and old.pieces is not None:
-      got = _run_cand(base=base, old=old, rec=rec, i=i, meshes=meshes, base_loc=base_loc, new_loc=new_loc)
+      got = _run_cand(
+        base=base, old=old, rec=rec, i=i, meshes=meshes, base_loc=base_loc, new_loc=new_loc
+      )
       if got is None:
         apart.append((rec.where, "its sharding or mesh differs from the base's"))
         continue
@@ -220,18 +259,31 @@ def candidates(records: Sequence[_records.Leaf], base: _records.Manifest,
       pack = base.packs[old.packed.pack]
       where = _rebased(base, base_loc, new_loc, pack.base)
       if where is not None:
-        packed[i] = PackCand(where, dataclasses.replace(pack, base=None), old.packed.offset,
-                             old.hash)
+        packed[i] = PackCand(
+          where, dataclasses.replace(pack, base=None), old.packed.offset, old.hash
+        )
     else:
-      apart.append((rec.where, f"it is stored {_kind(rec)} here but {_kind(old)} in the base "
-                    "(its sharding, or the save's inline_bytes/pack_bytes/compression differ)"))
+      apart.append(
+        (
+          rec.where,
+          f"it is stored {_kind(rec)} here but {_kind(old)} in the base "
+          "(its sharding, or the save's inline_bytes/pack_bytes/compression differ)",
+        )
+      )
   return Candidates(stored, packed, pieced, tuple(apart))
 
 
 def _kind(rec: _records.Leaf) -> str:
   """How a leaf is stored (for messages)."""
-  return ("as a zarr array" if rec.stored is not None else "as pieces" if rec.pieces is not None
-          else "inline" if rec.inline is not None else "packed")
+  return (
+    "as a zarr array"
+    if rec.stored is not None
+    else "as pieces"
+    if rec.pieces is not None
+    else "inline"
+    if rec.inline is not None
+    else "packed"
+  )
 
 
 def run_writers(layout: Any, index: int) -> np.ndarray:
@@ -252,38 +304,52 @@ def same_split(a: _records.Sharding, b: _records.Sharding, ndim: int) -> bool:
   return (a.axes, a.sizes) == (b.axes, b.sizes) and split_of(a, ndim) == split_of(b, ndim)
 
 
-def _run_cand(base: _records.Manifest, old: _records.Leaf, rec: _records.Leaf, i: int,
-              meshes: Sequence[np.ndarray], base_loc: Location, new_loc: Location
-              ) -> RunCand | None:
+def _run_cand(
+  base: _records.Manifest,
+  old: _records.Leaf,
+  rec: _records.Leaf,
+  i: int,
+  meshes: Sequence[np.ndarray],
+  base_loc: Location,
+  new_loc: Location,
+) -> RunCand | None:
   """The base's runs of a pieced leaf whose chunks land on the same writers as ``rec``'s."""
   a, b = old.sharding, rec.sharding
   assert old.pieces is not None and rec.pieces is not None and rec.shape is not None
   assert a is not None and b is not None and a.mesh is not None and b.mesh is not None
-  if old.pieces.chunks != rec.pieces.chunks or not same_split(a, b, len(rec.shape)) or (
-      not np.array_equal(base.meshes[a.mesh], meshes[b.mesh])):
+  if (
+    old.pieces.chunks != rec.pieces.chunks
+    or not same_split(a, b, len(rec.shape))
+    or (not np.array_equal(base.meshes[a.mesh], meshes[b.mesh]))
+  ):
     return None
   dims = split_of(b, len(rec.shape))
   if _pieces.shift_of(old.index, b.sizes, dims) != _pieces.shift_of(i, b.sizes, dims):
-    return None   # rule 1 depends on the leaf's index: its writers moved
-  assert old.pieces.runs is not None and old.pieces.hashes is not None   # (format 3)
+    return None  # rule 1 depends on the leaf's index: its writers moved
+  assert old.pieces.runs is not None and old.pieces.hashes is not None  # (format 3)
   got = np.frombuffer(old.pieces.runs, dtype=[("pack", "<u4"), ("offset", "<u8")])
   n = _hashes.NBYTES
   runs = {}
-  for w, (proc, (k, offset)) in enumerate(zip(run_writers(base.layout, old.index).tolist(),
-                                              got.tolist())):
+  for w, (proc, (k, offset)) in enumerate(
+    zip(run_writers(base.layout, old.index).tolist(), got.tolist())
+  ):
     pack = base.packs[k]
     where = _rebased(base, base_loc, new_loc, pack.base)
     if where is None:
       return None
-    runs[proc] = PackCand(where, dataclasses.replace(pack, base=None), int(offset),
-                          old.pieces.hashes[w * n:(w + 1) * n])
+    runs[proc] = PackCand(
+      where,
+      dataclasses.replace(pack, base=None),
+      int(offset),
+      old.pieces.hashes[w * n : (w + 1) * n],
+    )
   return RunCand(runs)
 
 
 # --- the final records ----------------------------------------------------------------------
 
-def chunk_pos(index: Sequence[tuple[int, int]], chunks: Sequence[int],
-              shape: Sequence[int]) -> int:
+
+def chunk_pos(index: Sequence[tuple[int, int]], chunks: Sequence[int], shape: Sequence[int]) -> int:
   """The C-order position in the chunk grid of the chunk whose region is ``index``.
 
   >>> chunk_pos(((4, 8), (0, 2)), (4, 2), (8, 4))
@@ -312,6 +378,7 @@ class Report:
   (leaf -> {pos: hash}), candidate stored leaves where one of its chunks differed, hashes of
   the leaves it packed, where its candidate packed leaves went (leaf -> (hash, segment or -1
   for the base's pack, offset)) and the pack segments it wrote ``(dir, nbytes, chunk, inner)``."""
+
   chunks: dict[int, dict[int, bytes]] = dataclasses.field(default_factory=dict)
   changed: set[int] = dataclasses.field(default_factory=set)
   packed: dict[int, bytes] = dataclasses.field(default_factory=dict)
@@ -319,17 +386,23 @@ class Report:
   segments: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
 
   def to_msgpack(self) -> dict[str, Any]:
-    return {"chunks": {k: list(v.items()) for k, v in self.chunks.items()},
-            "changed": sorted(self.changed), "packed": self.packed,
-            "maybe": {k: list(v) for k, v in self.maybe.items()},
-            "segments": [list(s) for s in self.segments]}
+    return {
+      "chunks": {k: list(v.items()) for k, v in self.chunks.items()},
+      "changed": sorted(self.changed),
+      "packed": self.packed,
+      "maybe": {k: list(v) for k, v in self.maybe.items()},
+      "segments": [list(s) for s in self.segments],
+    }
 
   @staticmethod
   def from_msgpack(d: Mapping[str, Any]) -> Report:
-    return Report({int(k): {int(p): bytes(h) for p, h in v} for k, v in d["chunks"].items()},
-                  set(d["changed"]), {int(k): bytes(v) for k, v in d["packed"].items()},
-                  {int(k): (bytes(v[0]), int(v[1]), int(v[2])) for k, v in d["maybe"].items()},
-                  [tuple(s) for s in d["segments"]])
+    return Report(
+      {int(k): {int(p): bytes(h) for p, h in v} for k, v in d["chunks"].items()},
+      set(d["changed"]),
+      {int(k): bytes(v) for k, v in d["packed"].items()},
+      {int(k): (bytes(v[0]), int(v[1]), int(v[2])) for k, v in d["maybe"].items()},
+      [tuple(s) for s in d["segments"]],
+    )
 
 
 class _Bases:
@@ -352,11 +425,16 @@ def changed_leaves(reports: Iterable[Report], stored: Mapping[int, StoredCand]) 
   return out & set(stored)
 
 
-def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
-             reports: Sequence[Report], reusable: Candidates, changed: set[int], location: str,
-             layout: Any = None, regions: Any = None
-             ) -> tuple[tuple[_records.Leaf, ...], tuple[_records.Pack, ...],
-                        tuple[_records.Base, ...]]:
+def finalize(
+  records: Sequence[_records.Leaf],
+  packs: Sequence[_records.Pack],
+  reports: Sequence[Report],
+  reusable: Candidates,
+  changed: set[int],
+  location: str,
+  layout: Any = None,
+  regions: Any = None,
+) -> tuple[tuple[_records.Leaf, ...], tuple[_records.Pack, ...], tuple[_records.Base, ...]]:
   """(leaf records, packs, bases) of a format-3 manifest: hashes added, reused leaves
   referring to their base's data, candidate packed leaves and pieces runs placed in their
   segment or the base's pack. ``layout``: the pieced leaves' writer rule (all of them);
@@ -369,41 +447,62 @@ def finalize(records: Sequence[_records.Leaf], packs: Sequence[_records.Pack],
     for i, hashes in r.chunks.items():
       mine = chunks.setdefault(i, {})
       if set(mine) & set(hashes):
-        raise CheckpointError(f"Saving to {location!r}: two processes wrote one chunk of "
-                              f"leaf #{i} (process {proc} among them).")
+        raise CheckpointError(
+          f"Saving to {location!r}: two processes wrote one chunk of "
+          f"leaf #{i} (process {proc} among them)."
+        )
       mine.update(hashes)
     for i, h in r.packed.items():
       if records[i].pieces is None:
         records[i] = _records.evolve(records[i], hash=h)
   for i, hashes in chunks.items():
-    records[i] = _stored_hashes(records[i], hashes, reusable.stored.get(i), i in changed, bases,
-                                location)
+    records[i] = _stored_hashes(
+      records[i], hashes, reusable.stored.get(i), i in changed, bases, location
+    )
   place = _Placer(packs, reports, bases)
   _place_packed(records, reports, reusable.packed, place)
   own = {p.process: k for k, p in enumerate(packs) if p.process is not None}
   for i, rec in enumerate(records):
     if rec.pieces is not None:
-      records[i] = _runs(rec=rec, reports=reports, cand=reusable.pieced.get(i), layout=layout, regions=regions, own=own, packs=packs,
-                         place=place, location=location)
+      records[i] = _runs(
+        rec=rec,
+        reports=reports,
+        cand=reusable.pieced.get(i),
+        layout=layout,
+        regions=regions,
+        own=own,
+        packs=packs,
+        place=place,
+        location=location,
+      )
   packs = [dataclasses.replace(p, process=None, pieces=None) for p in place.packs]
   return tuple(records), tuple(packs), tuple(bases.items)
 
 
-def _stored_hashes(rec: _records.Leaf, hashes: Mapping[int, bytes], cand: StoredCand | None,
-                   changed: bool, bases: _Bases, location: str) -> _records.Leaf:
+def _stored_hashes(
+  rec: _records.Leaf,
+  hashes: Mapping[int, bytes],
+  cand: StoredCand | None,
+  changed: bool,
+  bases: _Bases,
+  location: str,
+) -> _records.Leaf:
   """A stored leaf's record with its chunk hashes (and its base's data when reused)."""
   assert rec.shape is not None and rec.stored is not None
   grid = [-(-n // c) for n, c in zip(rec.shape, rec.stored.chunks)]
   n = int(np.prod(grid)) if all(rec.shape) else 0
   if sorted(hashes) != list(range(n)):
-    raise CheckpointError(f"Saving to {location!r}: the chunk hashes of leaf {rec.where} are "
-                          f"incomplete ({len(hashes)} of {n}).")
+    raise CheckpointError(
+      f"Saving to {location!r}: the chunk hashes of leaf {rec.where} are "
+      f"incomplete ({len(hashes)} of {n})."
+    )
   chunk_hashes = b"".join(hashes[p] for p in range(n))
   where = rec.stored
   if cand is not None and not changed:
     where = dataclasses.replace(where, dir=cand.dir, base=bases.index(cand.base))
-  return _records.evolve(rec, stored=where, chunk_hashes=chunk_hashes,
-                         hash=_hashes.digest(chunk_hashes))
+  return _records.evolve(
+    rec, stored=where, chunk_hashes=chunk_hashes, hash=_hashes.digest(chunk_hashes)
+  )
 
 
 class _Placer:
@@ -437,8 +536,12 @@ class _Placer:
     return self.reused(cand), cand.offset
 
 
-def _place_packed(records: list[_records.Leaf], reports: Sequence[Report],
-                  packed: Mapping[int, PackCand], place: _Placer) -> None:
+def _place_packed(
+  records: list[_records.Leaf],
+  reports: Sequence[Report],
+  packed: Mapping[int, PackCand],
+  place: _Placer,
+) -> None:
   for proc, r in enumerate(reports):
     for i, (h, seg, offset) in sorted(r.maybe.items()):
       rec = records[i]
@@ -447,39 +550,55 @@ def _place_packed(records: list[_records.Leaf], reports: Sequence[Report],
         records[i] = _records.evolve(rec, hash=h, packed=_records.Packed(k, at, rec.nbytes))
 
 
-def _runs(rec: _records.Leaf, reports: Sequence[Report], cand: RunCand | None, layout: Any,
-          regions: Any, own: Mapping[int, int], packs: Sequence[_records.Pack],
-          place: _Placer, location: str) -> _records.Leaf:
+def _runs(
+  rec: _records.Leaf,
+  reports: Sequence[Report],
+  cand: RunCand | None,
+  layout: Any,
+  regions: Any,
+  own: Mapping[int, int],
+  packs: Sequence[_records.Pack],
+  place: _Placer,
+  location: str,
+) -> _records.Leaf:
   """A pieced leaf's record with each writer's run (where, hash): one written apart (a
   candidate) from the writers' reports (segment or the base's), another's in its writer's own
   pack region."""
   i, runs, hashes = rec.index, [], []
-  apart = any(i in r.maybe for r in reports)   # (written apart: it was a candidate)
+  apart = any(i in r.maybe for r in reports)  # (written apart: it was a candidate)
   for proc in run_writers(layout, i).tolist():
     r = reports[proc]
     if apart:
       if i not in r.maybe:
-        raise CheckpointError(f"Saving to {location!r}: process {proc} did not report its "
-                              f"pieces of leaf {rec.where}.")
+        raise CheckpointError(
+          f"Saving to {location!r}: process {proc} did not report its pieces of leaf {rec.where}."
+        )
       h, seg, offset = r.maybe[i]
       k, at = place.place(proc, seg, offset, cand.runs.get(proc) if cand is not None else None)
     else:
       if i not in r.packed:
-        raise CheckpointError(f"Saving to {location!r}: process {proc} did not report the "
-                              f"hash of its pieces of leaf {rec.where}.")
+        raise CheckpointError(
+          f"Saving to {location!r}: process {proc} did not report the "
+          f"hash of its pieces of leaf {rec.where}."
+        )
       h, k = r.packed[i], own[proc]
       at = packs[k].pieces + regions.mine(i, proc)[1]
     runs.append(struct.pack("<IQ", k, at))
     hashes.append(h)
   joined = b"".join(hashes)
-  return _records.evolve(rec, hash=_hashes.digest(joined), pieces=_records.evolve(
-      rec.pieces, runs=b"".join(runs), hashes=joined))
+  return _records.evolve(
+    rec,
+    hash=_hashes.digest(joined),
+    pieces=_records.evolve(rec.pieces, runs=b"".join(runs), hashes=joined),
+  )
 
 
 # --- reading ------------------------------------------------------------------------------------
 
-def base_spec(kv_spec: Mapping[str, Any], manifest: _records.Manifest, base: int | None,
-              location: str) -> dict[str, Any]:
+
+def base_spec(
+  kv_spec: Mapping[str, Any], manifest: _records.Manifest, base: int | None, location: str
+) -> dict[str, Any]:
   """The kvstore spec of the checkpoint holding data of ``base`` (an index in the manifest's
   ``bases``; None: the checkpoint at ``kv_spec`` itself)."""
   if base is None:

@@ -23,6 +23,7 @@ RUN = np.dtype([("pack", "<u4"), ("offset", "<u8")])
 
 class Run(NamedTuple):
   """One writer's chunks of a pieced leaf: bytes ``[lo, hi)`` of pack ``pack``."""
+
   process: int
   pack: int
   lo: int
@@ -69,14 +70,20 @@ def writer_runs(manifest: Manifest, leaf: Leaf) -> list[Run]:
     packs, starts = pieces_runs(manifest, leaf)
   else:
     packs = np.array([manifest.pack_of(p) for p in procs.tolist()], np.int64)
-    starts = np.array([manifest.packs[k].pieces + manifest.layout.mine(leaf.index, p)[1]
-                       for k, p in zip(packs.tolist(), procs.tolist())], np.int64)
-  return [Run(p, k, lo, lo + n * size) for p, k, lo, n in
-          zip(procs.tolist(), packs.tolist(), starts.tolist(), counts.tolist())]
+    starts = np.array(
+      [
+        manifest.packs[k].pieces + manifest.layout.mine(leaf.index, p)[1]
+        for k, p in zip(packs.tolist(), procs.tolist())
+      ],
+      np.int64,
+    )
+  return [
+    Run(p, k, lo, lo + n * size)
+    for p, k, lo, n in zip(procs.tolist(), packs.tolist(), starts.tolist(), counts.tolist())
+  ]
 
 
-def locate(manifest: Manifest, leaf: Leaf, numbers: np.ndarray
-           ) -> tuple[np.ndarray, np.ndarray]:
+def locate(manifest: Manifest, leaf: Leaf, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(pack index, byte offset in it) of chunks ``numbers`` (C order over the chunk grid) of
   pieced ``leaf``: format 3 from its recorded runs, format 2 from the pieces regions."""
   numbers = np.asarray(numbers, np.int64)

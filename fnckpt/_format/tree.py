@@ -14,8 +14,17 @@ import jax
 
 from .._errors import CheckpointError, TreeMismatchError
 
-__all__ = ["PathEntry", "flatten", "keystr", "match_key", "unflatten_from_paths", "diff",
-           "is_empty_node", "key_problem", "MAX_PATH_DEPTH"]
+__all__ = [
+  "PathEntry",
+  "flatten",
+  "keystr",
+  "match_key",
+  "unflatten_from_paths",
+  "diff",
+  "is_empty_node",
+  "key_problem",
+  "MAX_PATH_DEPTH",
+]
 
 PathEntry = tuple[str, Any]  # (kind, key)
 Path = tuple[PathEntry, ...]
@@ -65,9 +74,10 @@ def _entry(k: Any, kp: Any) -> PathEntry:
     key = k.key
     if not isinstance(key, _KEY_TYPES) or isinstance(key, bool):
       raise CheckpointError(
-          f"Unsupported dict key {key!r} (type {type(key).__name__}) at {tu.keystr(kp)}: "
-          "checkpoint keys must be str or int. Convert the dict's keys, e.g. "
-          "{str(k): v for k, v in d.items()}.")
+        f"Unsupported dict key {key!r} (type {type(key).__name__}) at {tu.keystr(kp)}: "
+        "checkpoint keys must be str or int. Convert the dict's keys, e.g. "
+        "{str(k): v for k, v in d.items()}."
+      )
     return ("dict", key)
   if isinstance(k, tu.SequenceKey):
     return ("seq", int(k.idx))
@@ -113,8 +123,9 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
   except (TypeError, ValueError) as e:  # e.g. a dict whose keys do not sort (1 and "a")
     raise CheckpointError(
-        f"The tree cannot be flattened by jax.tree_util ({e}). A dict's keys must sort: use "
-        "keys of one type (all str or all int).") from e
+      f"The tree cannot be flattened by jax.tree_util ({e}). A dict's keys must sort: use "
+      "keys of one type (all str or all int)."
+    ) from e
   out = []
   for kp, leaf in pairs:  # (the key path as users see it is made only for an error)
     path = tuple(_entry(k, kp) for k in kp)
@@ -128,14 +139,16 @@ def _check_path(path: Path, kp: Any) -> None:
   where = lambda: jax.tree_util.keystr(kp)  # noqa: E731
   if len(path) > MAX_PATH_DEPTH:
     raise CheckpointError(
-        f"The leaf at {where()[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
-        f"hold at most {MAX_PATH_DEPTH}. Flatten that part of the tree.")
+      f"The leaf at {where()[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "
+      f"hold at most {MAX_PATH_DEPTH}. Flatten that part of the tree."
+    )
   for kind, key in path:
     problem = key_problem(kind, key)
     if problem:
       raise CheckpointError(
-          f"Cannot save the leaf at {where()[:200]}: its key path holds {problem}, which no "
-          "reader accepts. Rename the key (e.g. a shorter string).")
+        f"Cannot save the leaf at {where()[:200]}: its key path holds {problem}, which no "
+        "reader accepts. Rename the key (e.g. a shorter string)."
+      )
 
 
 def unflatten_from_paths(paths: Sequence[Sequence[Sequence[Any]]], values: Sequence[Any]) -> Any:
@@ -172,8 +185,9 @@ def unflatten_from_paths(paths: Sequence[Sequence[Sequence[Any]]], values: Seque
   return {} if root is None else root
 
 
-def diff(saved: Iterable[Sequence[Sequence[Any]]], wanted: Iterable[Sequence[Sequence[Any]]]
-         ) -> tuple[list[str], list[str]]:
+def diff(
+  saved: Iterable[Sequence[Sequence[Any]]], wanted: Iterable[Sequence[Sequence[Any]]]
+) -> tuple[list[str], list[str]]:
   """Key paths only in ``wanted`` (missing from the checkpoint) and only in ``saved``."""
   saved_keys = {match_key(p): keystr(p) for p in saved}
   wanted_keys = {match_key(p): keystr(p) for p in wanted}
@@ -182,14 +196,22 @@ def diff(saved: Iterable[Sequence[Sequence[Any]]], wanted: Iterable[Sequence[Seq
   return missing, unexpected
 
 
-def mismatch_error(location: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
-                   mismatched: Sequence[str] = (), hint: str = "") -> TreeMismatchError:
+def mismatch_error(
+  location: str,
+  *,
+  missing: Sequence[str] = (),
+  unexpected: Sequence[str] = (),
+  mismatched: Sequence[str] = (),
+  hint: str = "",
+) -> TreeMismatchError:
   """One error listing every problem, so a user fixes them all in one go."""
   lines = [f"The restore target does not match the checkpoint at {location!r}:"]
   limit = 20
-  for title, items in (("missing from the checkpoint (in the target only)", missing),
-                       ("in the checkpoint but not in the target", unexpected),
-                       ("shape or dtype differs", mismatched)):
+  for title, items in (
+    ("missing from the checkpoint (in the target only)", missing),
+    ("in the checkpoint but not in the target", unexpected),
+    ("shape or dtype differs", mismatched),
+  ):
     if items:
       lines.append(f"  {len(items)} key path(s) {title}:")
       lines.extend(f"    {item}" for item in list(items)[:limit])

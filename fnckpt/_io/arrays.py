@@ -19,19 +19,29 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import CheckpointError
-from .._layout.chunks import Index
 from .._format.codecs import BLOSC
 from .._format.leaves import dtype_of
 from .._format.records import Stored
+from .._layout.chunks import Index
 
-__all__ = ["zarr_spec", "pack_spec", "compression_options", "Codecs", "open_array", "write_chunk",
-           "read_slice", "storage_dtype", "from_storage", "ByteBudget"]
+__all__ = [
+  "zarr_spec",
+  "pack_spec",
+  "compression_options",
+  "Codecs",
+  "open_array",
+  "write_chunk",
+  "read_slice",
+  "storage_dtype",
+  "from_storage",
+  "ByteBudget",
+]
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
 
 
-Codecs = tuple[int | None, tuple[tuple[str, Any], ...] | None]   # Stored's (zstd, blosc)
+Codecs = tuple[int | None, tuple[tuple[str, Any], ...] | None]  # Stored's (zstd, blosc)
 
 
 def compression_options(compression: Any, zstd: Any) -> Codecs:
@@ -43,8 +53,10 @@ def compression_options(compression: Any, zstd: Any) -> Codecs:
   """
   if zstd is not None:
     if compression is not None:
-      raise ValueError(f"save(compression={compression!r}, zstd={zstd!r}): give one of them "
-                       "(zstd=N is short for compression='zstd:N').")
+      raise ValueError(
+        f"save(compression={compression!r}, zstd={zstd!r}): give one of them "
+        "(zstd=N is short for compression='zstd:N')."
+      )
     compression = f"zstd:{zstd}" if isinstance(zstd, int) and not isinstance(zstd, bool) else zstd
   if compression is None:
     return None, None
@@ -55,18 +67,23 @@ def compression_options(compression: Any, zstd: Any) -> Codecs:
     n = int(level) if level else 1
     if -131072 <= n <= 22 and n != 0:
       return n, None
-  raise ValueError(f"save(compression={compression!r}): expected None, 'blosc' (lz4 with bit "
-                   "shuffling: the best ratio per CPU second measured on training state), "
-                   "'zstd' or 'zstd:<level>' (level 1..22, or negative for faster).")
+  raise ValueError(
+    f"save(compression={compression!r}): expected None, 'blosc' (lz4 with bit "
+    "shuffling: the best ratio per CPU second measured on training state), "
+    "'zstd' or 'zstd:<level>' (level 1..22, or negative for faster)."
+  )
 
 
 # The data types zarr3 in TensorStore knows. Any other dtype JAX has (uint2, uint4,
 # float8_e4m3) is stored as its bits in the unsigned integer of the same size; the manifest
 # keeps the real dtype and readers view the bits back (from_storage).
-_ZARR3_DTYPES = frozenset((
+_ZARR3_DTYPES = frozenset(
+  (
     "bool int2 int4 int8 uint8 int16 uint16 int32 uint32 int64 uint64 float8_e3m4 "
     "float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz "
-    "float8_e8m0fnu float4_e2m1fn float16 bfloat16 float32 float64 complex64 complex128").split())
+    "float8_e8m0fnu float4_e2m1fn float16 bfloat16 float32 float64 complex64 complex128"
+  ).split()
+)
 
 
 def storage_dtype(dtype: str) -> str:
@@ -95,8 +112,9 @@ def _fill_value(dtype: str) -> Any:
   return 0
 
 
-def zarr_spec(kv: dict[str, Any], stored: Stored, dtype: str,
-              shape: Sequence[int]) -> dict[str, Any]:
+def zarr_spec(
+  kv: dict[str, Any], stored: Stored, dtype: str, shape: Sequence[int]
+) -> dict[str, Any]:
   """The zarr3 TensorStore spec of one array leaf (its ``stored`` record) under the
   checkpoint kvstore ``kv`` (the kvstore of the data's checkpoint: ``stored.base``'s)."""
   inner_codecs: list[dict[str, Any]] = [_BYTES]
@@ -108,26 +126,32 @@ def zarr_spec(kv: dict[str, Any], stored: Stored, dtype: str,
   sub = dict(kv)
   sub["path"] = kv.get("path", "") + stored.dir.strip("/") + "/"
   return {
-      "driver": "zarr3",
-      "kvstore": sub,
-      "metadata": {
-          "shape": list(shape),
-          "data_type": storage_dtype(dtype),
-          "chunk_grid": {"name": "regular",
-                         "configuration": {"chunk_shape": list(stored.chunks)}},
-          "chunk_key_encoding": {"name": "default"},
-          "fill_value": _fill_value(storage_dtype(dtype)),
-          "codecs": [{"name": "sharding_indexed", "configuration": {
-              "chunk_shape": list(stored.inner),
-              "codecs": inner_codecs,
-              "index_codecs": [_BYTES, _CRC],
-              "index_location": "end"}}],
-      },
+    "driver": "zarr3",
+    "kvstore": sub,
+    "metadata": {
+      "shape": list(shape),
+      "data_type": storage_dtype(dtype),
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(stored.chunks)}},
+      "chunk_key_encoding": {"name": "default"},
+      "fill_value": _fill_value(storage_dtype(dtype)),
+      "codecs": [
+        {
+          "name": "sharding_indexed",
+          "configuration": {
+            "chunk_shape": list(stored.inner),
+            "codecs": inner_codecs,
+            "index_codecs": [_BYTES, _CRC],
+            "index_location": "end",
+          },
+        }
+      ],
+    },
   }
 
 
-def pack_spec(kv: dict[str, Any], dir_name: str, nbytes: int, chunk: int,
-              inner: int) -> dict[str, Any]:
+def pack_spec(
+  kv: dict[str, Any], dir_name: str, nbytes: int, chunk: int, inner: int
+) -> dict[str, Any]:
   """A pack (format 2): a 1-D ``uint8`` zarr3 array of ``chunk``-byte chunks and
   ``inner``-byte inner chunks, each checked by crc32c.
 
@@ -143,11 +167,16 @@ def open_array(spec: dict[str, Any], ctx: ts.Context, *, mode: str) -> ts.Future
   if mode == "create":
     return ts.open(spec, create=True, open=True, context=ctx)
   if mode == "write":
-    return ts.open({**spec, "store_data_equal_to_fill_value": True}, write=True,
-                   assume_metadata=True, context=ctx)
+    return ts.open(
+      {**spec, "store_data_equal_to_fill_value": True},
+      write=True,
+      assume_metadata=True,
+      context=ctx,
+    )
   if mode == "read":
-    return ts.open({**spec, "fill_missing_data_reads": False}, read=True,
-                   assume_metadata=True, context=ctx)
+    return ts.open(
+      {**spec, "fill_missing_data_reads": False}, read=True, assume_metadata=True, context=ctx
+    )
   raise ValueError(mode)
 
 
@@ -190,10 +219,10 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   ((3, 5), 0)
   """
   dtype = np.dtype(dtype)
-  n = math.prod(int(d) for d in shape) * dtype.itemsize   # (np.prod: 4 us a call)
+  n = math.prod(int(d) for d in shape) * dtype.itemsize  # (np.prod: 4 us a call)
   raw = np.empty(n + ALIGN, np.uint8)
   start = -raw.ctypes.data % ALIGN
-  return raw[start:start + n].view(dtype).reshape(shape)
+  return raw[start : start + n].view(dtype).reshape(shape)
 
 
 class Landing:
@@ -218,8 +247,7 @@ def read_into(array: ts.TensorStore, index: Index, batch: ts.Batch | None = None
   index once and its data in one request); none for a slice of whole chunks that no other
   slice reads."""
   out = aligned_empty([b - a for a, b in index], array.dtype.numpy_dtype)
-  return Landing(ts.array(out, write=True).write(array[_slices(index)], batch=batch).commit,
-                 out)
+  return Landing(ts.array(out, write=True).write(array[_slices(index)], batch=batch).commit, out)
 
 
 def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:
@@ -229,8 +257,7 @@ def on_grid(index: Index, grid: Sequence[int], shape: Sequence[int]) -> bool:
   >>> on_grid(((0, 4), (2, 6)), (2, 2), (4, 6)), on_grid(((0, 3),), (2,), (4,))
   (True, False)
   """
-  return all(a % g == 0 and (b % g == 0 or b == n)
-             for (a, b), g, n in zip(index, grid, shape))
+  return all(a % g == 0 and (b % g == 0 or b == n) for (a, b), g, n in zip(index, grid, shape))
 
 
 def budget_arg(value: Any, call: str, default: int, minimum: int = 1) -> int:
@@ -243,8 +270,10 @@ def budget_arg(value: Any, call: str, default: int, minimum: int = 1) -> int:
   if value is None:
     return default
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-    raise CheckpointError(f"{call}(budget_bytes={value!r}): expected an int of at least "
-                          f"{minimum} (bytes), or None for the default ({default}).")
+    raise CheckpointError(
+      f"{call}(budget_bytes={value!r}): expected an int of at least "
+      f"{minimum} (bytes), or None for the default ({default})."
+    )
   return int(value)
 
 
@@ -256,7 +285,7 @@ class ByteBudget:
   def __init__(self, limit: int):
     self.limit = int(limit)
     self.held = 0
-    self.waiting = 0          # callers of acquire waiting now
+    self.waiting = 0  # callers of acquire waiting now
     self._spillers: list[Callable[[], Any]] = []
     self._cv = threading.Condition()
 

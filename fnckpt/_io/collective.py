@@ -28,8 +28,8 @@ import time
 import jax
 
 from .. import _state
-from . import commit as _commit
 from .._errors import BarrierTimeoutError, CheckpointError, SaveOutcome
+from . import commit as _commit
 
 __all__ = ["Session", "PHASES", "PeerFailedError"]
 
@@ -40,6 +40,7 @@ PHASES = ("agreed", "checked", "cleared", "hashed", "written", "committed")
 _POLL_S = 0.5
 # The most characters of an error published to the other processes.
 _MAX_ERROR_CHARS = 4000
+
 
 class PeerFailedError(CheckpointError):
   """Another process failed during the same collective save."""
@@ -70,7 +71,7 @@ class Session:
     self.timeout_s = timeout_s
     self.multi = jax.process_count() > 1
     self.passed: list[str] = []
-    self.broken = False   # a barrier failed (deadline, lost process): walking on is pointless
+    self.broken = False  # a barrier failed (deadline, lost process): walking on is pointless
     self.unpublished = False  # fail() could not publish: arrive nowhere (fail closed)
     self._lock = threading.Lock()
     if not self.multi:
@@ -81,16 +82,16 @@ class Session:
     self.attempt = _next_attempt(self.base)
     self.prefix = f"{self.base}/{self.attempt}"
     if jax.process_index() == 0:
-      self.client.key_value_set(f"{self.prefix}/nonce", secrets.token_hex(16),
-                                allow_overwrite=True)
+      self.client.key_value_set(f"{self.prefix}/nonce", secrets.token_hex(16), allow_overwrite=True)
     try:
       self.nonce = self.client.blocking_key_value_get(f"{self.prefix}/nonce", self._ms())
     except Exception as e:
       raise BarrierTimeoutError(
-          f"Saving to {location!r}: process 0 did not start this save within {timeout_s:g}s "
-          f"(this is process {jax.process_index()}; {str(e).splitlines()[0] if str(e) else e!r})"
-          ". Every process must call save for the same location, in the same order; raise "
-          "barrier_timeout_s if process 0 is merely slow.") from None
+        f"Saving to {location!r}: process 0 did not start this save within {timeout_s:g}s "
+        f"(this is process {jax.process_index()}; {str(e).splitlines()[0] if str(e) else e!r})"
+        ". Every process must call save for the same location, in the same order; raise "
+        "barrier_timeout_s if process 0 is merely slow."
+      ) from None
 
   @property
   def _errors(self) -> str:
@@ -114,15 +115,17 @@ class Session:
       start = time.monotonic()
       try:
         return self.client.blocking_key_value_get_bytes(
-            key, self._ms(min(_POLL_S, deadline - start)))
+          key, self._ms(min(_POLL_S, deadline - start))
+        )
       except Exception:  # the wait's deadline (or a lost service): look for a reason
         self.raise_peer_error(f"while waiting for process 0's {name!r}")
         if time.monotonic() >= deadline:
           raise BarrierTimeoutError(
-              f"Saving to {self.location!r}: process {jax.process_index()} waited "
-              f"{self.timeout_s:g}s (barrier_timeout_s) for process 0's {name!r} and it never "
-              "came. Every process must call save for the same location, in the same order; "
-              "raise barrier_timeout_s if process 0 is merely slow.") from None
+            f"Saving to {self.location!r}: process {jax.process_index()} waited "
+            f"{self.timeout_s:g}s (barrier_timeout_s) for process 0's {name!r} and it never "
+            "came. Every process must call save for the same location, in the same order; "
+            "raise barrier_timeout_s if process 0 is merely slow."
+          ) from None
         time.sleep(max(0.0, _POLL_S - (time.monotonic() - start)))  # (an error at once)
 
   def gather(self, phase: str, data: bytes) -> list[bytes] | None:
@@ -135,8 +138,10 @@ class Session:
     self.barrier(phase)
     if jax.process_index() != 0:
       return None
-    return [self.client.blocking_key_value_get_bytes(f"{key}/{p}", self._ms())
-            for p in range(jax.process_count())]
+    return [
+      self.client.blocking_key_value_get_bytes(f"{key}/{p}", self._ms())
+      for p in range(jax.process_count())
+    ]
 
   def barrier(self, phase: str) -> None:
     """Wait for every process at ``phase``; then raise if any process has failed."""
@@ -158,8 +163,9 @@ class Session:
 
   def _arrive(self, phase: str) -> None:
     try:
-      _commit.barrier_id(f"{self.prefix}/{self.nonce}/{phase}", self.location, phase,
-                         self.timeout_s)
+      _commit.barrier_id(
+        f"{self.prefix}/{self.nonce}/{phase}", self.location, phase, self.timeout_s
+      )
     except BaseException:
       self.broken = True
       raise
@@ -190,14 +196,14 @@ class Session:
       if not strict:
         return None
       raise CheckpointError(
-          f"Saving to {self.location!r}: cannot read the other processes' errors from the "
-          f"coordination service ({type(e).__name__}: {e}), so this process stops the save "
-          "rather than risk committing without another's data. Check the job's "
-          "coordinator.") from e
+        f"Saving to {self.location!r}: cannot read the other processes' errors from the "
+        f"coordination service ({type(e).__name__}: {e}), so this process stops the save "
+        "rather than risk committing without another's data. Check the job's "
+        "coordinator."
+      ) from e
     return (found[0][0], *_unpublish(found[0][1])) if found else None
 
-  def raise_peer_error(self, when: str, phase: str | None = None,
-                       strict: bool = True) -> None:
+  def raise_peer_error(self, when: str, phase: str | None = None, strict: bool = True) -> None:
     """Raise :class:`PeerFailedError` if another process published a failure (``when``: what
     this process was doing; ``phase``: the barrier it just passed). Its ``outcome`` is the
     other process's word where that decides: process 0's (it writes the commit marker), or
@@ -214,8 +220,9 @@ class Session:
       # here made the outcome depend on whether its error was published before this check.)
       return
     err = PeerFailedError(
-        f"Saving to {self.location!r} failed on process {who} (process "
-        f"{jax.process_index()} learned of it {when}): {text.rstrip()}")
+      f"Saving to {self.location!r} failed on process {who} (process "
+      f"{jax.process_index()} learned of it {when}): {text.rstrip()}"
+    )
     if who == 0:
       err.outcome = SaveOutcome(committed)
     elif phase == PHASES[-1]:  # (an error from before 'written' was seen there)

@@ -18,13 +18,31 @@ from typing import Any
 import jax
 import tensorstore as ts
 
-from .._format import manifest as _manifest, records as _records
+from .._errors import (
+  BarrierTimeoutError,
+  CheckpointError,
+  DamagedError,
+  NoCheckpointError,
+  NotCommittedError,
+)
+from .._format import manifest as _manifest
+from .._format import records as _records
 from . import paths as _paths
-from .._errors import (BarrierTimeoutError, CheckpointError, DamagedError, NoCheckpointError,
-                       NotCommittedError)
 
-__all__ = ["barrier", "barrier_id", "report", "forget", "publish", "unpublish", "published",
-           "read_header", "write_commit", "is_committed", "unchanged", "changed_error"]
+__all__ = [
+  "barrier",
+  "barrier_id",
+  "report",
+  "forget",
+  "publish",
+  "unpublish",
+  "published",
+  "read_header",
+  "write_commit",
+  "is_committed",
+  "unchanged",
+  "changed_error",
+]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -34,6 +52,7 @@ def _state() -> Any:
   # (jax.distributed exposes only initialize/shutdown/is_initialized), so this is the one
   # private import we allow; every other module goes through it.
   from jax._src import distributed
+
   return distributed.global_state
 
 
@@ -51,8 +70,11 @@ def report(location: str, phase: str) -> None:
   if jax.process_count() == 1:
     return
   try:
-    _client().key_value_set(f"fnckpt/{_key(location)}/progress/{jax.process_index()}",
-                            f"{phase}@{time.time():.3f}", allow_overwrite=True)
+    _client().key_value_set(
+      f"fnckpt/{_key(location)}/progress/{jax.process_index()}",
+      f"{phase}@{time.time():.3f}",
+      allow_overwrite=True,
+    )
   except Exception:  # diagnostics only: never fail a save for them
     pass
 
@@ -72,8 +94,9 @@ def publish(location: str, name: str, text: str) -> bool:
   coordination service's key-value store); whether it was published."""
   for _ in range(3):
     try:
-      _client().key_value_set(f"fnckpt/{_key(location)}/{name}/{jax.process_index()}", text,
-                              allow_overwrite=True)
+      _client().key_value_set(
+        f"fnckpt/{_key(location)}/{name}/{jax.process_index()}", text, allow_overwrite=True
+      )
       return True
     except Exception:
       time.sleep(0.2)
@@ -143,17 +166,21 @@ def barrier_id(barrier: str, location: str, phase: str, timeout_s: float) -> Non
     # (Never ask it which nodes are alive here: that call is itself a barrier.)
     found = re.search(r"timed out task names:\s*(.*?)(?:\n\s*\n|$)", text, re.S)
     names = found.group(1) if found else ""
-    missing = sorted({int(p) for p in re.findall(r"task:(\d+)" if "task:" in names
-                                                else r"\d+", names)})
-    who = (f"process(es) {', '.join(map(str, missing))} did not arrive"
-           f"{_progress(client, key, missing)}" if missing else
-           "not every process arrived")
+    missing = sorted(
+      {int(p) for p in re.findall(r"task:(\d+)" if "task:" in names else r"\d+", names)}
+    )
+    who = (
+      f"process(es) {', '.join(map(str, missing))} did not arrive{_progress(client, key, missing)}"
+      if missing
+      else "not every process arrived"
+    )
     raise BarrierTimeoutError(
-        f"Barrier '{phase}' for {_paths.display(location)!r} failed after "
-        f"{time.monotonic() - start:.1f}s (deadline {timeout_s:g}s) on process "
-        f"{jax.process_index()}: {who}. Every process must call the same fnckpt "
-        f"save/restore for this location; raise barrier_timeout_s if they are merely slow. "
-        f"({text.splitlines()[0] if text else type(e).__name__})") from None
+      f"Barrier '{phase}' for {_paths.display(location)!r} failed after "
+      f"{time.monotonic() - start:.1f}s (deadline {timeout_s:g}s) on process "
+      f"{jax.process_index()}: {who}. Every process must call the same fnckpt "
+      f"save/restore for this location; raise barrier_timeout_s if they are merely slow. "
+      f"({text.splitlines()[0] if text else type(e).__name__})"
+    ) from None
 
 
 def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes, bytes]:
@@ -164,35 +191,38 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
     commit_r = kv.read(_manifest.COMMIT)
     manifest_r = kv.read(_manifest.MANIFEST)
     commit_raw, manifest_raw = commit_r.result(), manifest_r.result()
-    leftovers = commit_raw.state != "value" and (
-        manifest_raw.state == "value" or _has_data(kv))
+    leftovers = commit_raw.state != "value" and (manifest_raw.state == "value" or _has_data(kv))
   except Exception as e:
     raise _paths.io_error(e, location, "reading its commit marker and manifest") from e
   if commit_raw.state != "value":
     if leftovers:
       raise NotCommittedError(
-          f"{location!r} holds an interrupted save: its data is (partly) there but it has no "
-          f"commit marker, so it is not a checkpoint. Restore an earlier step, or delete "
-          f"{location!r} and save again.")
+        f"{location!r} holds an interrupted save: its data is (partly) there but it has no "
+        f"commit marker, so it is not a checkpoint. Restore an earlier step, or delete "
+        f"{location!r} and save again."
+      )
     raise NoCheckpointError(
-        f"No checkpoint at {location!r} (no {_manifest.COMMIT} marker, no {_manifest.MANIFEST}). "
-        "Check the path; a checkpoint directory holds manifest.msgpack and COMMIT.")
+      f"No checkpoint at {location!r} (no {_manifest.COMMIT} marker, no {_manifest.MANIFEST}). "
+      "Check the path; a checkpoint directory holds manifest.msgpack and COMMIT."
+    )
   commit = _manifest.decode_commit(bytes(commit_raw.value), location)
   manifest_bytes = bytes(manifest_raw.value) if manifest_raw.state == "value" else b""
   if _manifest.digest(manifest_bytes) != commit["manifest_sha256"]:
     if not unchanged(kv, bytes(commit_raw.value)):
       raise changed_error(location)
     raise DamagedError(
-        f"The manifest of {location!r} does not match its commit marker (missing or "
-        "modified after the commit). The checkpoint cannot be trusted; restore an earlier one.")
-  return (_manifest.decode(manifest_bytes, location), manifest_bytes,
-          bytes(commit_raw.value))
+      f"The manifest of {location!r} does not match its commit marker (missing or "
+      "modified after the commit). The checkpoint cannot be trusted; restore an earlier one."
+    )
+  return (_manifest.decode(manifest_bytes, location), manifest_bytes, bytes(commit_raw.value))
 
 
 def _has_data(kv: ts.KvStore) -> bool:
   """Whether any save's data is there: format 1's ``d/``, format 2's ``data-<hex>/``."""
-  ranges = [(_manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0"),       # '0' follows '/'
-            (_manifest.DATA_PREFIX, _manifest.DATA_PREFIX[:-1] + ".")]  # '.' follows '-'
+  ranges = [
+    (_manifest.DATA_DIR + "/", _manifest.DATA_DIR + "0"),  # '0' follows '/'
+    (_manifest.DATA_PREFIX, _manifest.DATA_PREFIX[:-1] + "."),
+  ]  # '.' follows '-'
   lists = [kv.list(range=ts.KvStore.KeyRange(lo, hi)) for lo, hi in ranges]
   return any(bool(f.result()) for f in lists)
 
@@ -208,9 +238,10 @@ def unchanged(kv: ts.KvStore, commit_bytes: bytes) -> bool:
 
 def changed_error(location: str) -> CheckpointError:
   return CheckpointError(
-      f"The checkpoint at {location!r} changed while being read (it was overwritten or "
-      "deleted by another save, a retention pass or a cleanup). Nothing was returned; read it "
-      "again, or read a checkpoint that is not being replaced.")
+    f"The checkpoint at {location!r} changed while being read (it was overwritten or "
+    "deleted by another save, a retention pass or a cleanup). Nothing was returned; read it "
+    "again, or read a checkpoint that is not being replaced."
+  )
 
 
 def is_committed(kv: ts.KvStore) -> bool:
@@ -220,8 +251,8 @@ def is_committed(kv: ts.KvStore) -> bool:
     raise _paths.io_error(e, _paths.location_of(kv), "reading its commit marker") from e
 
 
-def write_commit(kv: ts.KvStore, manifest_bytes: bytes,
-                 version: int = _manifest.FORMAT_VERSION) -> None:
+def write_commit(
+  kv: ts.KvStore, manifest_bytes: bytes, version: int = _manifest.FORMAT_VERSION
+) -> None:
   """Write the commit marker of ``manifest_bytes`` (of format ``version``)."""
-  kv.write(_manifest.COMMIT, _manifest.encode_commit(manifest_bytes, time.time(),
-                                                     version)).result()
+  kv.write(_manifest.COMMIT, _manifest.encode_commit(manifest_bytes, time.time(), version)).result()

@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 import jax
 
-from . import commit as _commit, paths as _paths
 from .._errors import CheckpointError
+from . import commit as _commit
+from . import paths as _paths
 
 __all__ = ["from_process_0", "all_gather", "client", "preemption_sync_manager", "multi"]
 
@@ -42,8 +43,7 @@ def _key(location: str, name: str) -> str:
   return f"fnckpt/manager/{digest}/{name}"
 
 
-def from_process_0(location: str, name: str, decide: Callable[[], Any],
-                   timeout_s: float) -> Any:
+def from_process_0(location: str, name: str, decide: Callable[[], Any], timeout_s: float) -> Any:
   """``decide()`` on process 0 (JSON-able result), returned on every process; an exception
   there is raised on every process (process 0: the original; others: a
   :class:`CheckpointError` with its message). Collective with several processes.
@@ -66,8 +66,9 @@ def from_process_0(location: str, name: str, decide: Callable[[], Any],
   if error is not None:
     raise error
   if "error" in answer:
-    raise CheckpointError(f"On process 0 ({name} of {_paths.display(location)!r}): "
-                          f"{answer['error']}")
+    raise CheckpointError(
+      f"On process 0 ({name} of {_paths.display(location)!r}): {answer['error']}"
+    )
   return answer["ok"]
 
 
@@ -84,7 +85,8 @@ def all_gather(location: str, name: str, value: Any, timeout_s: float) -> list[A
   kv.key_value_set(f"{key}/{jax.process_index()}", json.dumps(value), allow_overwrite=True)
   _commit.barrier(location, f"manager-{name}-posted", timeout_s)
   ms = max(1, int(timeout_s * 1000))
-  values = [json.loads(kv.blocking_key_value_get(f"{key}/{p}", ms))
-            for p in range(jax.process_count())]
+  values = [
+    json.loads(kv.blocking_key_value_get(f"{key}/{p}", ms)) for p in range(jax.process_count())
+  ]
   _commit.barrier(location, f"manager-{name}-gathered", timeout_s)
   return values

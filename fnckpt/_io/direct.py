@@ -33,8 +33,16 @@ try:  # (a dependency; without it packs are written through TensorStore as befor
 except ImportError:  # pragma: no cover
   _crc32c = None  # type: ignore[assignment]
 
-__all__ = ["ALIGN", "local_root", "chunk_path", "aligned_size", "encode", "write_chunk",
-           "write_file", "write_bytes"]
+__all__ = [
+  "ALIGN",
+  "local_root",
+  "chunk_path",
+  "aligned_size",
+  "encode",
+  "write_chunk",
+  "write_file",
+  "write_bytes",
+]
 
 # Bytes: the buffer's address and the write's length are multiples of this (every device's
 # logical block size divides it).
@@ -49,8 +57,13 @@ def local_root(kv_spec: dict[str, Any]) -> str | None:
   >>> local_root({"driver": "memory", "path": "x/"}) is None
   True
   """
-  if (not _state.hooks.direct_writes or not _crc32c_works() or not hasattr(os, "O_DIRECT")
-      or kv_spec.get("driver") != "file" or set(kv_spec) != {"driver", "path"}):
+  if (
+    not _state.hooks.direct_writes
+    or not _crc32c_works()
+    or not hasattr(os, "O_DIRECT")
+    or kv_spec.get("driver") != "file"
+    or set(kv_spec) != {"driver", "path"}
+  ):
     return None
   return kv_spec["path"]
 
@@ -90,15 +103,15 @@ def encode(buf: np.ndarray, image: ShardImage) -> None:
   crcs = np.empty(image.stored, "<u4")
   for k in range(image.stored):
     at = k * step
-    crcs[k] = _crc32c.crc32c(buf[at:at + image.inner])  # type: ignore[arg-type]  # (numpy's stubs)
-  slots = buf[:image.index_offset].reshape(image.stored, step)[:, image.inner:]
+    crcs[k] = _crc32c.crc32c(buf[at : at + image.inner])  # type: ignore[arg-type]  # (numpy's stubs)
+  slots = buf[: image.index_offset].reshape(image.stored, step)[:, image.inner :]
   slots[:] = crcs.view(np.uint8).reshape(image.stored, CRC_BYTES)
   index = image.index().view(np.uint8).reshape(-1)
   at = image.index_offset
-  buf[at:at + index.nbytes] = index
+  buf[at : at + index.nbytes] = index
   end = at + index.nbytes
-  buf[end:end + CRC_BYTES] = np.array([_crc32c.crc32c(index)], "<u4").view(np.uint8)  # type: ignore[arg-type]
-  buf[image.size:] = 0   # (the aligned write's tail, truncated away: no stale bytes on disk)
+  buf[end : end + CRC_BYTES] = np.array([_crc32c.crc32c(index)], "<u4").view(np.uint8)  # type: ignore[arg-type]
+  buf[image.size :] = 0  # (the aligned write's tail, truncated away: no stale bytes on disk)
 
 
 def write_chunk(path: str, image: ShardImage, buf: np.ndarray) -> None:
@@ -147,7 +160,7 @@ def _open(path: str) -> int:
   try:
     return os.open(path, flags | os.O_DIRECT, 0o666)
   except OSError as e:
-    if e.errno != errno.EINVAL:   # (EINVAL: the file system refuses O_DIRECT)
+    if e.errno != errno.EINVAL:  # (EINVAL: the file system refuses O_DIRECT)
       raise
     return os.open(path, flags, 0o666)
 
@@ -173,11 +186,13 @@ def _write_all(fd: int, data: memoryview, size: int) -> None:
 
 def _fcntl_flags(fd: int) -> int:
   import fcntl  # (POSIX only, as O_DIRECT)
+
   return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def _set_flags(fd: int, flags: int) -> None:
   import fcntl
+
   fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 

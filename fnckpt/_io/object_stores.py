@@ -65,26 +65,43 @@ from typing import Any
 
 from .._errors import CheckpointError
 
-__all__ = ["kvstore_spec", "split_context_resources", "S3_OPTIONS", "GCS_OPTIONS",
-           "AWS_CREDENTIAL_TYPES"]
+__all__ = [
+  "kvstore_spec",
+  "split_context_resources",
+  "S3_OPTIONS",
+  "GCS_OPTIONS",
+  "AWS_CREDENTIAL_TYPES",
+]
 
 _COMMON_OPTIONS = ("concurrency", "max_retries", "initial_delay", "max_delay")
 S3_OPTIONS: tuple[str, ...] = _COMMON_OPTIONS + (
-    "endpoint", "region", "host_header", "credentials", "profile", "requester_pays",
-    "conditional_write")
+  "endpoint",
+  "region",
+  "host_header",
+  "credentials",
+  "profile",
+  "requester_pays",
+  "conditional_write",
+)
 GCS_OPTIONS: tuple[str, ...] = _COMMON_OPTIONS + ("user_project",)
 AWS_CREDENTIAL_TYPES: tuple[str, ...] = (
-    "default", "environment", "profile", "anonymous", "imds", "ecs")
+  "default",
+  "environment",
+  "profile",
+  "anonymous",
+  "imds",
+  "ecs",
+)
 
 # Why an option of the other scheme, or a common spelling, is not accepted.
 _HINTS = {
-    ("gs", "endpoint"): "gs:// has no per-call endpoint: set TENSORSTORE_GCS_HTTP_URL "
-                        "(process-wide) to use a GCS emulator",
-    ("gs", "credentials"): "gs:// credentials come from GOOGLE_APPLICATION_CREDENTIALS, the gcloud "
-                           "application-default file or the GCE metadata server",
-    ("gs", "region"): "GCS buckets need no region",
-    ("gs", "requester_pays"): "for requester-pays GCS buckets pass 'user_project'",
-    ("s3", "user_project"): "for requester-pays S3 buckets pass requester_pays=True",
+  ("gs", "endpoint"): "gs:// has no per-call endpoint: set TENSORSTORE_GCS_HTTP_URL "
+  "(process-wide) to use a GCS emulator",
+  ("gs", "credentials"): "gs:// credentials come from GOOGLE_APPLICATION_CREDENTIALS, the gcloud "
+  "application-default file or the GCE metadata server",
+  ("gs", "region"): "GCS buckets need no region",
+  ("gs", "requester_pays"): "for requester-pays GCS buckets pass 'user_project'",
+  ("s3", "user_project"): "for requester-pays S3 buckets pass requester_pays=True",
 }
 _SECRET_WORDS = ("key", "secret", "token", "password")
 
@@ -94,8 +111,13 @@ _S3_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9]$")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def kvstore_spec(scheme: str, rest: str, options: Mapping[str, Any] | None = None, *,
-                 environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def kvstore_spec(
+  scheme: str,
+  rest: str,
+  options: Mapping[str, Any] | None = None,
+  *,
+  environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
   """The TensorStore kvstore spec of the directory ``<scheme>://<rest>``.
 
   ``scheme`` is ``"s3"`` or ``"gs"``; ``rest`` is ``bucket/some/path`` (no scheme). ``options``
@@ -143,9 +165,10 @@ initial_delay, max_delay, user_project.
     spec = {"driver": "gcs", "bucket": bucket, "path": path}
     if "TENSORSTORE_GCS_HTTP_URL" not in env and env.get("STORAGE_EMULATOR_HOST"):
       raise CheckpointError(
-          f"STORAGE_EMULATOR_HOST is set but TensorStore does not read it, so {url!r} would go "
-          "to the real Google Cloud Storage. Set TENSORSTORE_GCS_HTTP_URL to the emulator's "
-          "URL (e.g. http://127.0.0.1:4443), or unset STORAGE_EMULATOR_HOST.")
+        f"STORAGE_EMULATOR_HOST is set but TensorStore does not read it, so {url!r} would go "
+        "to the real Google Cloud Storage. Set TENSORSTORE_GCS_HTTP_URL to the emulator's "
+        "URL (e.g. http://127.0.0.1:4443), or unset STORAGE_EMULATOR_HOST."
+      )
     user_project = get.string("user_project")
     if user_project is not None:
       spec["gcs_user_project"] = {"project_id": user_project}
@@ -159,23 +182,32 @@ initial_delay, max_delay, user_project.
   if max_retries is not None:
     retries["max_retries"] = max_retries
   delays = {}
-  for name, var in (("initial_delay", "FNCKPT_REQUEST_INITIAL_DELAY"),
-                    ("max_delay", "FNCKPT_REQUEST_MAX_DELAY")):
+  for name, var in (
+    ("initial_delay", "FNCKPT_REQUEST_INITIAL_DELAY"),
+    ("max_delay", "FNCKPT_REQUEST_MAX_DELAY"),
+  ):
     value = get.duration(name, var)
     if value is not None:
       delays[name] = value
       retries[name] = _format_duration(value)
   if len(delays) == 2 and delays["max_delay"] < delays["initial_delay"]:
     raise CheckpointError(
-        f"max_delay ({retries['max_delay']}) is shorter than initial_delay "
-        f"({retries['initial_delay']}) for {url!r}.")
+      f"max_delay ({retries['max_delay']}) is shorter than initial_delay "
+      f"({retries['initial_delay']}) for {url!r}."
+    )
   if retries:
     spec[f"{prefix}_request_retries"] = retries
   return spec
 
 
-_RESOURCE_KEYS = ("aws_credentials", "s3_request_concurrency", "s3_request_retries",
-                  "gcs_request_concurrency", "gcs_request_retries", "gcs_user_project")
+_RESOURCE_KEYS = (
+  "aws_credentials",
+  "s3_request_concurrency",
+  "s3_request_retries",
+  "gcs_request_concurrency",
+  "gcs_request_retries",
+  "gcs_user_project",
+)
 
 
 def split_context_resources(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -205,13 +237,15 @@ def _s3_settings(get: _Lookup, url: str) -> dict[str, Any]:
   if endpoint is not None:
     if "@" in endpoint:  # user info is a credential: never echo it
       raise CheckpointError(
-          f"The S3 endpoint ({get.source('endpoint', *env_vars)}) for {url!r} contains user "
-          "info ('user:password@'); give credentials through the environment or a credentials "
-          "file instead.")
+        f"The S3 endpoint ({get.source('endpoint', *env_vars)}) for {url!r} contains user "
+        "info ('user:password@'); give credentials through the environment or a credentials "
+        "file instead."
+      )
     if not re.match(r"^https?://[^/?#\s]+/?$", endpoint):
       raise CheckpointError(
-          f"S3 endpoint {endpoint!r} ({get.source('endpoint', *env_vars)}) for {url!r} is not "
-          "an http(s)://host[:port] URL.")
+        f"S3 endpoint {endpoint!r} ({get.source('endpoint', *env_vars)}) for {url!r} is not "
+        "an http(s)://host[:port] URL."
+      )
     out["endpoint"] = endpoint.rstrip("/")
   region = get.string("region", "AWS_REGION", "AWS_DEFAULT_REGION")
   if region is not None:
@@ -220,11 +254,14 @@ def _s3_settings(get: _Lookup, url: str) -> dict[str, Any]:
   if host_header is not None:
     if endpoint is None:
       raise CheckpointError(
-          f"storage option 'host_header' for {url!r} needs an endpoint (storage option "
-          "'endpoint' or FNCKPT_S3_ENDPOINT).")
+        f"storage option 'host_header' for {url!r} needs an endpoint (storage option "
+        "'endpoint' or FNCKPT_S3_ENDPOINT)."
+      )
     out["host_header"] = host_header
-  for name, key in (("requester_pays", "requester_pays"),
-                    ("conditional_write", "use_conditional_write")):
+  for name, key in (
+    ("requester_pays", "requester_pays"),
+    ("conditional_write", "use_conditional_write"),
+  ):
     flag = get.boolean(name)
     if flag is not None:
       out[key] = flag
@@ -242,23 +279,27 @@ def _aws_credentials(get: _Lookup, url: str) -> dict[str, Any] | None:
     # Keys in the environment are what the default chain would find first anyway; naming the
     # provider skips the chain's file reads (an error logged per open when ~/.aws is missing)
     # and any instance-metadata lookups.
-    have_keys = all(get.env.get(var, "").strip()
-                    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+    have_keys = all(
+      get.env.get(var, "").strip() for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    )
     creds = {"type": "environment"} if have_keys and get.raw("profile") is None else None
   elif isinstance(raw, str):
     if raw.strip() not in AWS_CREDENTIAL_TYPES:
       raise CheckpointError(
-          f"{where} for {url!r} must be one of {', '.join(AWS_CREDENTIAL_TYPES)} or a TensorStore "
-          "aws_credentials object; got a string that is none of these.")
+        f"{where} for {url!r} must be one of {', '.join(AWS_CREDENTIAL_TYPES)} or a TensorStore "
+        "aws_credentials object; got a string that is none of these."
+      )
     creds = {"type": raw.strip()}
   elif isinstance(raw, Mapping):
     if raw.get("type") not in AWS_CREDENTIAL_TYPES:
       raise CheckpointError(
-          f"{where} for {url!r} must have a 'type' among {', '.join(AWS_CREDENTIAL_TYPES)}.")
+        f"{where} for {url!r} must have a 'type' among {', '.join(AWS_CREDENTIAL_TYPES)}."
+      )
     creds = dict(raw)
   else:
     raise CheckpointError(
-        f"{where} for {url!r} must be a string or a mapping, not {type(raw).__name__}.")
+      f"{where} for {url!r} must be a string or a mapping, not {type(raw).__name__}."
+    )
   profile = get.string("profile")
   if profile is not None:
     if creds is None:
@@ -267,34 +308,39 @@ def _aws_credentials(get: _Lookup, url: str) -> dict[str, Any] | None:
       creds["profile"] = profile
     else:
       raise CheckpointError(
-          f"storage option 'profile' for {url!r} conflicts with credentials of type "
-          f"{creds['type']!r}{' that name a profile' if 'profile' in creds else ''}.")
+        f"storage option 'profile' for {url!r} conflicts with credentials of type "
+        f"{creds['type']!r}{' that name a profile' if 'profile' in creds else ''}."
+      )
   return creds
 
 
 def _split_bucket(scheme: str, rest: str, url: str) -> tuple[str, str]:
   bucket, _, path = rest.partition("/")
   if not bucket:
-    raise CheckpointError(
-        f"{url!r} names no bucket: write {scheme}://BUCKET/path/to/checkpoint.")
+    raise CheckpointError(f"{url!r} names no bucket: write {scheme}://BUCKET/path/to/checkpoint.")
   if scheme == "gs":
-    valid = (3 <= len(bucket) <= 222 and _GCS_BUCKET.match(bucket) is not None
-             and all(len(part) <= 63 for part in bucket.split(".")))
+    valid = (
+      3 <= len(bucket) <= 222
+      and _GCS_BUCKET.match(bucket) is not None
+      and all(len(part) <= 63 for part in bucket.split("."))
+    )
     rule = "3-63 characters (222 with dots) of lowercase letters, digits, '-', '_' and '.'"
   else:
     valid = 3 <= len(bucket) <= 255 and _S3_BUCKET.match(bucket) is not None
     rule = "3-63 characters of lowercase letters, digits, '-' and '.'"
   if not valid:
     raise CheckpointError(
-        f"{bucket!r} in {url!r} is not a valid bucket name: {rule}, starting and ending with a "
-        "letter or digit.")
+      f"{bucket!r} in {url!r} is not a valid bucket name: {rule}, starting and ending with a "
+      "letter or digit."
+    )
   path = path.rstrip("/")
   if path:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
       raise CheckpointError(
-          f"{url!r} has an empty, '.' or '..' path component; object stores take keys "
-          "literally, so write the path without them.")
+        f"{url!r} has an empty, '.' or '..' path component; object stores take keys "
+        "literally, so write the path without them."
+      )
     path += "/"
   return bucket, path
 
@@ -310,12 +356,16 @@ def _unknown_option_message(scheme: str, name: str, url: str, known: tuple[str, 
     if hint:
       hints.append(hint)
     elif scheme == "s3" and any(word in name.lower() for word in _SECRET_WORDS):
-      hints.append("secrets are not taken as options: set AWS_ACCESS_KEY_ID / "
-                   "AWS_SECRET_ACCESS_KEY or use a credentials file (options 'credentials', "
-                   "'profile')")
+      hints.append(
+        "secrets are not taken as options: set AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY or use a credentials file (options 'credentials', "
+        "'profile')"
+      )
   detail = f" ({' '.join(hints)})" if hints else ""
-  return (f"Unknown storage option {name_text} for {url!r}{detail}. "
-          f"Options for {scheme}:// are: {', '.join(known)}.")
+  return (
+    f"Unknown storage option {name_text} for {url!r}{detail}. "
+    f"Options for {scheme}:// are: {', '.join(known)}."
+  )
 
 
 class _Lookup:
@@ -348,8 +398,9 @@ class _Lookup:
       return None
     if not isinstance(value, str) or not value.strip():
       raise CheckpointError(
-          f"{self.source(name, *env_vars)} for {self.url!r} must be a non-empty string, not "
-          f"{type(value).__name__}.")
+        f"{self.source(name, *env_vars)} for {self.url!r} must be a non-empty string, not "
+        f"{type(value).__name__}."
+      )
     return value.strip()
 
   def integer(self, name: str, *env_vars: str, minimum: int) -> int | None:
@@ -363,8 +414,9 @@ class _Lookup:
       number = int(value)
     if number is None or number < minimum:
       raise CheckpointError(
-          f"{self.source(name, *env_vars)} for {self.url!r} must be an integer >= {minimum}, "
-          f"got {value!r}.")
+        f"{self.source(name, *env_vars)} for {self.url!r} must be an integer >= {minimum}, "
+        f"got {value!r}."
+      )
     return number
 
   def boolean(self, name: str) -> bool | None:
@@ -373,7 +425,8 @@ class _Lookup:
       return None
     if not isinstance(value, bool):
       raise CheckpointError(
-          f"storage option {name!r} for {self.url!r} must be True or False, got {value!r}.")
+        f"storage option {name!r} for {self.url!r} must be True or False, got {value!r}."
+      )
     return value
 
   def duration(self, name: str, *env_vars: str) -> float | None:
@@ -389,12 +442,15 @@ class _Lookup:
       if re.fullmatch(r"\d+(\.\d+)?", text):
         seconds = float(text)
       elif _DURATION.match(text):
-        seconds = sum(float(num) * _DURATION_UNITS[unit]
-                      for num, _, unit in re.findall(r"(\d+(\.\d+)?)(ns|us|ms|s|m|h)", text))
+        seconds = sum(
+          float(num) * _DURATION_UNITS[unit]
+          for num, _, unit in re.findall(r"(\d+(\.\d+)?)(ns|us|ms|s|m|h)", text)
+        )
     if seconds is None or not seconds >= 0 or seconds == float("inf"):
       raise CheckpointError(
-          f"{self.source(name, *env_vars)} for {self.url!r} must be a number of seconds >= 0 "
-          f"or a duration such as '250ms' or '2s', got {value!r}.")
+        f"{self.source(name, *env_vars)} for {self.url!r} must be a number of seconds >= 0 "
+        f"or a duration such as '250ms' or '2s', got {value!r}."
+      )
     return seconds
 
 

@@ -25,12 +25,29 @@ import tensorstore as ts
 from .. import _state
 from .._errors import CheckpointError
 
-__all__ = ["Location", "Opened", "kvstore_spec", "join", "display", "resolve", "open_kvstore",
-           "context", "list_keys",
-           "delete_prefix", "clear", "io_error", "io_hint", "location_of",
-           "redact", "error_text", "status_code", "read_failure"]
+__all__ = [
+  "Location",
+  "Opened",
+  "kvstore_spec",
+  "join",
+  "display",
+  "resolve",
+  "open_kvstore",
+  "context",
+  "list_keys",
+  "delete_prefix",
+  "clear",
+  "io_error",
+  "io_hint",
+  "location_of",
+  "redact",
+  "error_text",
+  "status_code",
+  "read_failure",
+]
 
 _SCHEMES = ("file://", "memory://", "gs://", "s3://")
+
 
 def _root() -> ts.Context:
   """The parent context: holds only the process-wide ``memory://`` key-value store."""
@@ -41,8 +58,9 @@ def _root() -> ts.Context:
     return storage.root
 
 
-def context(*, concurrency: int | None = None,
-            resources: dict[str, Any] | None = None) -> ts.Context:
+def context(
+  *, concurrency: int | None = None, resources: dict[str, Any] | None = None
+) -> ts.Context:
   """A fresh TensorStore context for one save or restore: no cache, bounded concurrency.
 
   Fresh per operation so that nothing grows across saves; the ``memory://`` store is inherited
@@ -61,11 +79,12 @@ def _split_scheme(path: str) -> tuple[str, str]:
   path = os.fspath(path)
   for scheme in _SCHEMES:
     if path.startswith(scheme):
-      return scheme[:-3], path[len(scheme):]
+      return scheme[:-3], path[len(scheme) :]
   if "://" in path:
     raise CheckpointError(
-        f"Unsupported storage location {path!r}: the scheme is not one of "
-        f"{', '.join(s for s in _SCHEMES)}. Use a local path or one of these URLs.")
+      f"Unsupported storage location {path!r}: the scheme is not one of "
+      f"{', '.join(s for s in _SCHEMES)}. Use a local path or one of these URLs."
+    )
   return "file", path
 
 
@@ -98,18 +117,22 @@ def kvstore_spec(path: str, options: Mapping[str, Any] | None = None) -> dict[st
   options = dict(options or {})
   scheme, rest = _split_scheme(path)
   if scheme == "file":
-    spec: dict[str, Any] = {"driver": "file",
-                            "path": os.path.abspath(os.path.expanduser(rest)).rstrip("/") + "/"}
+    spec: dict[str, Any] = {
+      "driver": "file",
+      "path": os.path.abspath(os.path.expanduser(rest)).rstrip("/") + "/",
+    }
   elif scheme == "memory":
     spec = {"driver": "memory", "path": rest.strip("/") + "/"}
   else:
     from . import object_stores as _object_stores  # gs:// and s3:// settings live there
+
     spec = _object_stores.kvstore_spec(scheme, rest, options)
     options = {}
   if options:
     raise CheckpointError(
-        f"storage_options {sorted(options)} are not used by {display(path)!r}; "
-        "they apply to gs:// and s3:// locations only.")
+      f"storage_options {sorted(options)} are not used by {display(path)!r}; "
+      "they apply to gs:// and s3:// locations only."
+    )
   return spec
 
 
@@ -133,12 +156,14 @@ class Location:
   >>> loc.join("3").spec()
   {'driver': 'memory', 'path': 'doc/loc/3/'}
   """
+
   path: str
   options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _frozen(None), hash=False)
 
   @classmethod
-  def of(cls, path: str | os.PathLike[str] | Location,
-         options: Mapping[str, Any] | None = None) -> Location:
+  def of(
+    cls, path: str | os.PathLike[str] | Location, options: Mapping[str, Any] | None = None
+  ) -> Location:
     """``path`` (with ``options``, the user's storage options) as a location; a location
     is returned as it is."""
     if isinstance(path, Location):
@@ -162,11 +187,11 @@ class Location:
 # Local file system errors, by the OS's words (TensorStore reports them as PERMISSION_DENIED /
 # RESOURCE_EXHAUSTED, which must not get the object stores' credential hints).
 _LOCAL_HINTS = (
-    ("No space left on device", " The disk is full: free some space or save elsewhere."),
-    ("Disk quota exceeded", " The disk quota is used up: free some space or save elsewhere."),
-    ("File too large", " A file went over the process's file size limit (ulimit -f)."),
-    ("Read-only file system", " The destination is on a read-only file system: save elsewhere."),
-    ("Permission denied", " This process may not access it: check the owner and permissions."),
+  ("No space left on device", " The disk is full: free some space or save elsewhere."),
+  ("Disk quota exceeded", " The disk quota is used up: free some space or save elsewhere."),
+  ("File too large", " A file went over the process's file size limit (ulimit -f)."),
+  ("Read-only file system", " The destination is on a read-only file system: save elsewhere."),
+  ("Permission denied", " This process may not access it: check the owner and permissions."),
 )
 
 
@@ -185,18 +210,40 @@ def io_hint(e: BaseException) -> str:
   # (GCS answers a write into a missing bucket with a bare 404)
   if "NoSuchBucket" in text or ("NOT_FOUND" in text and "Error writing gs://" in text):
     return " The bucket does not exist: check its name (and the endpoint or account it lives in)."
-  if any(w in text for w in ("PERMISSION_DENIED", "UNAUTHENTICATED", "SignatureDoesNotMatch",
-                             "InvalidAccessKeyId", "AccessDenied", "http_response_code='403'",
-                             "http_response_code='401'")):
-    return (" Access was denied: check the credentials (AWS_ACCESS_KEY_ID / "
-            "AWS_SECRET_ACCESS_KEY, the AWS profile or storage option 'credentials'; "
-            "GOOGLE_APPLICATION_CREDENTIALS for gs://) and the bucket's permissions.")
-  if any(w in text for w in ("CURL error", "Could not connect", "Could not resolve",
-                             "Timeout was reached", "retry attempts failed", "UNAVAILABLE")):
-    return (" The storage server could not be reached: check the endpoint (storage option "
-            "'endpoint' or FNCKPT_S3_ENDPOINT for s3://, TENSORSTORE_GCS_HTTP_URL for a GCS "
-            "emulator) and the network. Storage options 'max_retries' / 'max_delay' "
-            "(FNCKPT_REQUEST_RETRIES / FNCKPT_REQUEST_MAX_DELAY) bound how long it keeps trying.")
+  if any(
+    w in text
+    for w in (
+      "PERMISSION_DENIED",
+      "UNAUTHENTICATED",
+      "SignatureDoesNotMatch",
+      "InvalidAccessKeyId",
+      "AccessDenied",
+      "http_response_code='403'",
+      "http_response_code='401'",
+    )
+  ):
+    return (
+      " Access was denied: check the credentials (AWS_ACCESS_KEY_ID / "
+      "AWS_SECRET_ACCESS_KEY, the AWS profile or storage option 'credentials'; "
+      "GOOGLE_APPLICATION_CREDENTIALS for gs://) and the bucket's permissions."
+    )
+  if any(
+    w in text
+    for w in (
+      "CURL error",
+      "Could not connect",
+      "Could not resolve",
+      "Timeout was reached",
+      "retry attempts failed",
+      "UNAVAILABLE",
+    )
+  ):
+    return (
+      " The storage server could not be reached: check the endpoint (storage option "
+      "'endpoint' or FNCKPT_S3_ENDPOINT for s3://, TENSORSTORE_GCS_HTTP_URL for a GCS "
+      "emulator) and the network. Storage options 'max_retries' / 'max_delay' "
+      "(FNCKPT_REQUEST_RETRIES / FNCKPT_REQUEST_MAX_DELAY) bound how long it keeps trying."
+    )
   return ""
 
 
@@ -211,7 +258,7 @@ def redact(text: str) -> str:
 
 
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)
-_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')   # a quoted path or URL (may hold any word)
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')  # a quoted path or URL (may hold any word)
 
 
 def error_text(e: BaseException) -> str:
@@ -248,8 +295,9 @@ def read_failure(e: BaseException) -> str:
     return "checksum"
   if "invalid bool value" in words:  # a bool byte other than 0/1 (checksums cannot tell)
     return "corrupt"
-  return {"NOT_FOUND": "missing", "DATA_LOSS": "corrupt",
-          "FAILED_PRECONDITION": "metadata"}.get(code, "")
+  return {"NOT_FOUND": "missing", "DATA_LOSS": "corrupt", "FAILED_PRECONDITION": "metadata"}.get(
+    code, ""
+  )
 
 
 def io_error(e: BaseException, path: str, doing: str) -> CheckpointError:
@@ -268,10 +316,11 @@ def io_error(e: BaseException, path: str, doing: str) -> CheckpointError:
   if len(text) > 600:
     text = text[:600] + " ..."
   if not hint:
-    return CheckpointError(f"Cannot access {display(path)!r} ({doing}): "
-                           f"{type(e).__name__}: {text}")
-  return CheckpointError(f"Cannot access {display(path)!r} ({doing}): {hint[1].lower()}"
-                         f"{hint[2:-1]}. [{type(e).__name__}: {text}]")
+    return CheckpointError(f"Cannot access {display(path)!r} ({doing}): {type(e).__name__}: {text}")
+  return CheckpointError(
+    f"Cannot access {display(path)!r} ({doing}): {hint[1].lower()}"
+    f"{hint[2:-1]}. [{type(e).__name__}: {text}]"
+  )
 
 
 def location_of(kv: ts.KvStore) -> str:
@@ -291,9 +340,10 @@ def location_of(kv: ts.KvStore) -> str:
 
 class Opened(NamedTuple):
   """A location opened for one operation (:func:`resolve`)."""
-  spec: dict[str, Any]   # the directory's kvstore spec, without context resources
-  context: ts.Context    # fresh, holding them
-  kv: ts.KvStore         # the opened directory
+
+  spec: dict[str, Any]  # the directory's kvstore spec, without context resources
+  context: ts.Context  # fresh, holding them
+  kv: ts.KvStore  # the opened directory
 
 
 def resolve(where: Location | str, options: Mapping[str, Any] | None = None) -> Opened:
@@ -305,6 +355,7 @@ def resolve(where: Location | str, options: Mapping[str, Any] | None = None) -> 
   resources: dict[str, Any] = {}
   if spec["driver"] in ("s3", "gcs"):
     from . import object_stores as _object_stores
+
     spec, resources = _object_stores.split_context_resources(spec)
   ctx = context(resources=resources)
   try:  # no I/O, except an S3 bucket's region lookup when no region is given
@@ -313,8 +364,7 @@ def resolve(where: Location | str, options: Mapping[str, Any] | None = None) -> 
     raise io_error(e, where.path, "opening the location") from e
 
 
-def open_kvstore(where: Location | str, options: Mapping[str, Any] | None = None
-                 ) -> ts.KvStore:
+def open_kvstore(where: Location | str, options: Mapping[str, Any] | None = None) -> ts.KvStore:
   """Open the directory ``where`` as a :class:`tensorstore.KvStore` (no I/O on local files)."""
   return resolve(where, options)[2]
 
@@ -345,8 +395,9 @@ def clear(kv: ts.KvStore, first: tuple[str, ...] = ()) -> None:
   kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def delete_prefix(where: Location | str, options: Mapping[str, Any] | None = None,
-                  first: tuple[str, ...] = ()) -> None:
+def delete_prefix(
+  where: Location | str, options: Mapping[str, Any] | None = None, first: tuple[str, ...] = ()
+) -> None:
   """Delete the directory ``where`` and everything under it, on any backend. The keys in
   ``first`` (e.g. a commit marker) are deleted before the rest, so a reader never sees them
   beside a partly deleted directory. On local files the emptied directory is removed too

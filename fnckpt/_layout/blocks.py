@@ -18,8 +18,9 @@ from .chunks import Index
 __all__ = ["blocks", "start", "grid"]
 
 
-def blocks(shape: Sequence[int], itemsize: int, limit: int,
-           align: Sequence[int] | None = None) -> Iterator[Index]:
+def blocks(
+  shape: Sequence[int], itemsize: int, limit: int, align: Sequence[int] | None = None
+) -> Iterator[Index]:
   """The C-order contiguous blocks of an array, each at most ``limit`` bytes (one element at
   least): whole rows of the first dimension that fits, the leading indices one by one. With
   ``align`` (the inner chunk shape), blocks along that dimension start at multiples of it
@@ -36,15 +37,16 @@ def blocks(shape: Sequence[int], itemsize: int, limit: int,
   if not shape:
     yield ()
     return
-  k = next((d for d in range(len(shape)) if math.prod(shape[d + 1:]) * itemsize <= limit),
-           len(shape) - 1)
-  row = math.prod(shape[k + 1:]) * itemsize
+  k = next(
+    (d for d in range(len(shape)) if math.prod(shape[d + 1 :]) * itemsize <= limit), len(shape) - 1
+  )
+  row = math.prod(shape[k + 1 :]) * itemsize
   step = max(1, min(shape[k], limit // row))
   if align is not None and 1 < align[k] <= step:
     step -= step % align[k]
   for lead in itertools.product(*(range(n) for n in shape[:k])):
     head = tuple((i, i + 1) for i in lead)
-    tail = tuple((0, n) for n in shape[k + 1:])
+    tail = tuple((0, n) for n in shape[k + 1 :])
     for a in range(0, shape[k], step):
       yield head + ((a, min(a + step, shape[k])),) + tail
 
@@ -55,7 +57,7 @@ def start(index: Index, shape: Sequence[int]) -> int:
   >>> start(((1, 2), (2, 4)), (2, 5))
   7
   """
-  return sum(a * math.prod(shape[d + 1:]) for d, (a, _) in enumerate(index))
+  return sum(a * math.prod(shape[d + 1 :]) for d, (a, _) in enumerate(index))
 
 
 def grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Index]:

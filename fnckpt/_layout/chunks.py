@@ -38,12 +38,32 @@ import numpy as np
 from .. import _state
 from .._errors import CheckpointError
 
-__all__ = ["Index", "WriteUnit", "ShardingInfo", "LocalShard", "WriteLayout",
-           "normalize_index", "chunk_shape", "inner_chunk_shape", "nbytes",
-           "shard_shape_of", "shard_index", "replica_id", "local_shards", "write_layout",
-           "generic_write_layout", "local_writes", "local_reads", "sharding_info",
-           "plan_write", "plan_read", "clear_plan_caches", "write_plan", "read_plan",
-           "replica_count"]
+__all__ = [
+  "Index",
+  "WriteUnit",
+  "ShardingInfo",
+  "LocalShard",
+  "WriteLayout",
+  "normalize_index",
+  "chunk_shape",
+  "inner_chunk_shape",
+  "nbytes",
+  "shard_shape_of",
+  "shard_index",
+  "replica_id",
+  "local_shards",
+  "write_layout",
+  "generic_write_layout",
+  "local_writes",
+  "local_reads",
+  "sharding_info",
+  "plan_write",
+  "plan_read",
+  "clear_plan_caches",
+  "write_plan",
+  "read_plan",
+  "replica_count",
+]
 
 Index = tuple[tuple[int, int], ...]
 
@@ -65,6 +85,7 @@ LEAF_PLAN_CACHE_SIZE = 4096
 class WriteUnit:
   """One chunk to write: its global index, the device that holds it, and where the chunk
   sits inside that device's shard (``local``, relative to the shard)."""
+
   index: Index
   device: Hashable
   local: Index
@@ -85,6 +106,7 @@ class ShardingInfo:
   >>> info.replicas  # the unused axis of size 4
   4
   """
+
   axis_sizes: tuple[int, ...]
   dim_axes: tuple[tuple[int, ...], ...]
   devices: tuple[Hashable, ...] = ()
@@ -93,13 +115,15 @@ class ShardingInfo:
   def __post_init__(self) -> None:
     used = [a for axes in self.dim_axes for a in axes]
     if len(set(used)) != len(used) or not all(0 <= a < len(self.axis_sizes) for a in used):
-      raise ValueError(f"mesh axes {self.dim_axes} must be distinct positions in "
-                       f"{self.axis_sizes}")
+      raise ValueError(f"mesh axes {self.dim_axes} must be distinct positions in {self.axis_sizes}")
     if len(self.devices) != len(self.coords) or not all(
-        len(c) == len(self.axis_sizes) and all(0 <= x < n for x, n in zip(c, self.axis_sizes))
-        for c in self.coords):
-      raise ValueError(f"coords {self.coords} do not place {len(self.devices)} devices in a "
-                       f"mesh of shape {self.axis_sizes}")
+      len(c) == len(self.axis_sizes) and all(0 <= x < n for x, n in zip(c, self.axis_sizes))
+      for c in self.coords
+    ):
+      raise ValueError(
+        f"coords {self.coords} do not place {len(self.devices)} devices in a "
+        f"mesh of shape {self.axis_sizes}"
+      )
 
   @property
   def unused_axes(self) -> tuple[int, ...]:
@@ -117,6 +141,7 @@ class ShardingInfo:
 class LocalShard:
   """One device of this process and the shard it holds. ``replica`` (``0 .. replicas - 1``)
   numbers the devices holding that same shard, alike in every process."""
+
   device: Hashable
   index: Index
   replica: int
@@ -127,6 +152,7 @@ class LocalShard:
 class WriteLayout:
   """What a leaf's write depends on besides its salt: the array shape, the write chunk, and
   this process's shards (each device once)."""
+
   shape: tuple[int, ...]
   chunk: tuple[int, ...]
   shards: tuple[LocalShard, ...]
@@ -162,9 +188,13 @@ def _largest_divisor_at_most(n: int, k: int) -> int:
   return next(d for d in range(min(n, k), 0, -1) if n % d == 0)
 
 
-def chunk_shape(shard_shape: Sequence[int], replicas: int, itemsize: int,
-                split_bytes: int = SPLIT_REPLICATED_BYTES,
-                min_bytes: int = MIN_SPLIT_CHUNK_BYTES) -> tuple[int, ...]:
+def chunk_shape(
+  shard_shape: Sequence[int],
+  replicas: int,
+  itemsize: int,
+  split_bytes: int = SPLIT_REPLICATED_BYTES,
+  min_bytes: int = MIN_SPLIT_CHUNK_BYTES,
+) -> tuple[int, ...]:
   """The write chunk: the shard, or, when the shard is replicated and at least
   ``split_bytes``, a piece of it, so that up to ``replicas`` replicas write one piece each.
   Pieces are never smaller than ``min_bytes``. The split takes the first dimension that
@@ -197,8 +227,9 @@ def chunk_shape(shard_shape: Sequence[int], replicas: int, itemsize: int,
   return tuple(chunk)
 
 
-def inner_chunk_shape(chunk: Sequence[int], itemsize: int,
-                      target_bytes: int = INNER_CHUNK_BYTES) -> tuple[int, ...]:
+def inner_chunk_shape(
+  chunk: Sequence[int], itemsize: int, target_bytes: int = INNER_CHUNK_BYTES
+) -> tuple[int, ...]:
   """Divide the chunk (each inner dimension divides the chunk's) until an inner chunk holds at
   most ``target_bytes``, always halving (or dividing by the smallest factor of) the largest
   dimension, so inner chunks stay close to square and a resharded read that slices any
@@ -231,6 +262,7 @@ def _chunks_of(index: Index, chunk: Sequence[int]) -> list[Index]:
 
 # --- the structural planner: a NamedSharding's local shards from mesh coordinates ----------
 
+
 def shard_shape_of(info: ShardingInfo, shape: Sequence[int]) -> tuple[int, ...]:
   """Every device's shard shape under ``info``. Like JAX, refuses a dimension the sharding
   does not divide evenly, and a spec longer than the array's rank.
@@ -240,17 +272,18 @@ def shard_shape_of(info: ShardingInfo, shape: Sequence[int]) -> tuple[int, ...]:
   """
   if len(info.dim_axes) > len(shape):
     raise CheckpointError(
-        f"A PartitionSpec of {len(info.dim_axes)} entries cannot shard an array of shape "
-        f"{tuple(shape)} (rank {len(shape)}); use a spec with at most {len(shape)} entries.")
+      f"A PartitionSpec of {len(info.dim_axes)} entries cannot shard an array of shape "
+      f"{tuple(shape)} (rank {len(shape)}); use a spec with at most {len(shape)} entries."
+    )
   out = []
   for d, n in enumerate(shape):
-    parts = math.prod(info.axis_sizes[a] for a in info.dim_axes[d]) if d < len(
-        info.dim_axes) else 1
+    parts = math.prod(info.axis_sizes[a] for a in info.dim_axes[d]) if d < len(info.dim_axes) else 1
     if n % parts:
       raise CheckpointError(
-          f"The sharding splits dimension {d} of shape {tuple(shape)} into {parts} parts, "
-          f"which do not divide {n}; JAX needs even shards: choose a PartitionSpec whose mesh "
-          "axes divide every sharded dimension.")
+        f"The sharding splits dimension {d} of shape {tuple(shape)} into {parts} parts, "
+        f"which do not divide {n}; JAX needs even shards: choose a PartitionSpec whose mesh "
+        "axes divide every sharded dimension."
+      )
     out.append(n // parts)
   return tuple(out)
 
@@ -273,8 +306,7 @@ def shard_index(info: ShardingInfo, coord: Sequence[int], shard_shape: Sequence[
   """
   out = []
   for d, s in enumerate(shard_shape):
-    block = _mixed_radix(coord, info.dim_axes[d], info.axis_sizes) if d < len(
-        info.dim_axes) else 0
+    block = _mixed_radix(coord, info.dim_axes[d], info.axis_sizes) if d < len(info.dim_axes) else 0
     out.append((block * s, block * s + s))
   return tuple(out)
 
@@ -298,26 +330,38 @@ def local_shards(info: ShardingInfo, shape: Sequence[int]) -> tuple[LocalShard, 
   """
   shard = shard_shape_of(info, shape)
   replicas = info.replicas
-  return tuple(LocalShard(d, shard_index(info, c, shard), replica_id(info, c), replicas)
-               for d, c in zip(info.devices, info.coords))
+  return tuple(
+    LocalShard(d, shard_index(info, c, shard), replica_id(info, c), replicas)
+    for d, c in zip(info.devices, info.coords)
+  )
 
 
-def _write_chunk(shard_shape: Sequence[int], replicas: int, itemsize: int,
-                 shape: Sequence[int], split: tuple[int, int]) -> tuple[int, ...]:
+def _write_chunk(
+  shard_shape: Sequence[int],
+  replicas: int,
+  itemsize: int,
+  shape: Sequence[int],
+  split: tuple[int, int],
+) -> tuple[int, ...]:
   # an empty array is never split (there is nothing to write), whatever its replication
   return chunk_shape(shard_shape, replicas if math.prod(shape) else 1, itemsize, *split)
 
 
 @_state.memo(PLAN_CACHE_SIZE)
-def _cached_write_layout(info: ShardingInfo, shape: tuple[int, ...], itemsize: int,
-                         split: tuple[int, int]) -> WriteLayout:
+def _cached_write_layout(
+  info: ShardingInfo, shape: tuple[int, ...], itemsize: int, split: tuple[int, int]
+) -> WriteLayout:
   chunk = _write_chunk(shard_shape_of(info, shape), info.replicas, itemsize, shape, split)
   return WriteLayout(shape, chunk, local_shards(info, shape))
 
 
-def write_layout(info: ShardingInfo, shape: Sequence[int], itemsize: int,
-                 split_bytes: int = SPLIT_REPLICATED_BYTES,
-                 min_bytes: int = MIN_SPLIT_CHUNK_BYTES) -> WriteLayout:
+def write_layout(
+  info: ShardingInfo,
+  shape: Sequence[int],
+  itemsize: int,
+  split_bytes: int = SPLIT_REPLICATED_BYTES,
+  min_bytes: int = MIN_SPLIT_CHUNK_BYTES,
+) -> WriteLayout:
   """The write chunk (:func:`chunk_shape` with ``split_bytes`` and ``min_bytes``) and this
   process's shards, in O(local devices); cached (bounded LRU) per argument values.
 
@@ -326,11 +370,13 @@ def write_layout(info: ShardingInfo, shape: Sequence[int], itemsize: int,
   >>> layout.chunk, layout.shards[0].replicas
   ((256, 8192), 4)
   """
-  return _cached_write_layout(info, tuple(int(n) for n in shape), int(itemsize),
-                              (int(split_bytes), int(min_bytes)))
+  return _cached_write_layout(
+    info, tuple(int(n) for n in shape), int(itemsize), (int(split_bytes), int(min_bytes))
+  )
 
 
 # --- the generic planner: any sharding, from the map of every device to its shard ---------
+
 
 def replica_count(shards: Mapping[Hashable, Index]) -> int:
   """How many devices hold each distinct shard (the smallest count, to be safe)."""
@@ -340,22 +386,32 @@ def replica_count(shards: Mapping[Hashable, Index]) -> int:
   return min(counts.values()) if counts else 1
 
 
-def _generic_local_shards(shards: Mapping[Hashable, Index], local_devices: Iterable[Hashable]
-                          ) -> tuple[LocalShard, ...]:
+def _generic_local_shards(
+  shards: Mapping[Hashable, Index], local_devices: Iterable[Hashable]
+) -> tuple[LocalShard, ...]:
   """Replica ``r`` of a shard is the r-th device holding it in the map's order (which every
   process sees alike). O(all devices)."""
   local = set(local_devices)
   by_index: dict[Index, list[Hashable]] = {}
   for device, index in shards.items():
     by_index.setdefault(index, []).append(device)
-  return tuple(LocalShard(d, index, r, len(devices)) for index, devices in by_index.items()
-               for r, d in enumerate(devices) if d in local)
+  return tuple(
+    LocalShard(d, index, r, len(devices))
+    for index, devices in by_index.items()
+    for r, d in enumerate(devices)
+    if d in local
+  )
 
 
-def generic_write_layout(shards: Mapping[Hashable, Index], local_devices: Iterable[Hashable],
-                         shape: Sequence[int], shard_shape: Sequence[int], itemsize: int,
-                         split_bytes: int = SPLIT_REPLICATED_BYTES,
-                         min_bytes: int = MIN_SPLIT_CHUNK_BYTES) -> WriteLayout:
+def generic_write_layout(
+  shards: Mapping[Hashable, Index],
+  local_devices: Iterable[Hashable],
+  shape: Sequence[int],
+  shard_shape: Sequence[int],
+  itemsize: int,
+  split_bytes: int = SPLIT_REPLICATED_BYTES,
+  min_bytes: int = MIN_SPLIT_CHUNK_BYTES,
+) -> WriteLayout:
   """As :func:`write_layout`, for any sharding, from ``shards``: the map of *every* device
   (across all processes) to its shard index, in the sharding's device order.
 
@@ -365,12 +421,14 @@ def generic_write_layout(shards: Mapping[Hashable, Index], local_devices: Iterab
   ((4,), (LocalShard(device='d1', index=((0, 4),), replica=1, replicas=2),))
   """
   shape = tuple(int(n) for n in shape)
-  chunk = _write_chunk(shard_shape, replica_count(shards), itemsize, shape,
-                       (split_bytes, min_bytes))
+  chunk = _write_chunk(
+    shard_shape, replica_count(shards), itemsize, shape, (split_bytes, min_bytes)
+  )
   return WriteLayout(shape, chunk, _generic_local_shards(shards, local_devices))
 
 
 # --- who writes which chunk ---------------------------------------------------------------
+
 
 def _spread(salt: int) -> int:
   """A fixed integer hash (Fibonacci hashing): alike in every process, unlike ``hash()``."""
@@ -416,8 +474,12 @@ def local_writes(layout: WriteLayout, salt: int = 0) -> list[WriteUnit]:
   return units
 
 
-def write_plan(shards: Mapping[Hashable, Index], local_devices: Iterable[Hashable],
-               chunk: Sequence[int], salt: int = 0) -> list[WriteUnit]:
+def write_plan(
+  shards: Mapping[Hashable, Index],
+  local_devices: Iterable[Hashable],
+  chunk: Sequence[int],
+  salt: int = 0,
+) -> list[WriteUnit]:
   """Which chunks this process writes, and from which of its devices, given ``shards``: the
   map of every device holding the array (across all processes) to its shard index. The
   generic, O(all devices) form of :func:`plan_write` with a given chunk (see
@@ -434,6 +496,7 @@ def write_plan(shards: Mapping[Hashable, Index], local_devices: Iterable[Hashabl
 
 
 # --- the read plan ------------------------------------------------------------------------
+
 
 def read_plan(wanted: Mapping[Hashable, Index]) -> dict[Index, list[Hashable]]:
   """Group this process's devices by the slice each needs: every distinct slice is read once.
@@ -461,6 +524,7 @@ def local_reads(info: ShardingInfo, shape: Sequence[int]) -> dict[Index, list[Ha
 
 # --- the adapter from JAX shardings (the only code here that looks at JAX objects) ---------
 
+
 @_state.memo(16)
 def _local_positions(mesh: Any) -> tuple[tuple[Hashable, ...], tuple[tuple[int, ...], ...]]:
   """This process's devices of ``mesh`` and their coordinates, in mesh order (once per mesh:
@@ -478,8 +542,11 @@ def _named_info(sharding: Any) -> ShardingInfo | None:
   if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
     return None
   spec = sharding.spec
-  if (getattr(sharding, "_logical_device_ids", None) is not None
-      or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)):
+  if (
+    getattr(sharding, "_logical_device_ids", None) is not None
+    or getattr(spec, "unreduced", None)
+    or getattr(spec, "reduced", None)
+  ):
     return None
   names = list(sharding.mesh.axis_names)
   dim_axes = []
@@ -513,26 +580,33 @@ def _about(sharding: Any, shape: tuple[int, ...], e: CheckpointError) -> Checkpo
 
 @_state.memo(PLAN_CACHE_SIZE)
 def _generic_layout(sharding: Any, shape: tuple[int, ...], itemsize: int) -> WriteLayout:
-  shards = {d: normalize_index(idx, shape)
-            for d, idx in sharding.devices_indices_map(shape).items()}
-  return generic_write_layout(shards, sharding.addressable_devices, shape,
-                              sharding.shard_shape(shape), itemsize)
+  shards = {
+    d: normalize_index(idx, shape) for d, idx in sharding.devices_indices_map(shape).items()
+  }
+  return generic_write_layout(
+    shards, sharding.addressable_devices, shape, sharding.shard_shape(shape), itemsize
+  )
 
 
 @_state.memo(LEAF_PLAN_CACHE_SIZE)
-def _cached_plan_write(sharding: Any, shape: tuple[int, ...], itemsize: int, salt: int
-                       ) -> tuple[tuple[int, ...], tuple[WriteUnit, ...]]:
+def _cached_plan_write(
+  sharding: Any, shape: tuple[int, ...], itemsize: int, salt: int
+) -> tuple[tuple[int, ...], tuple[WriteUnit, ...]]:
   info = sharding_info(sharding)
   try:
-    layout = (write_layout(info, shape, itemsize) if info is not None
-              else _generic_layout(sharding, shape, itemsize))
+    layout = (
+      write_layout(info, shape, itemsize)
+      if info is not None
+      else _generic_layout(sharding, shape, itemsize)
+    )
   except CheckpointError as e:
     raise _about(sharding, shape, e) from None
   return layout.chunk, tuple(local_writes(layout, salt))
 
 
-def plan_write(sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
-               ) -> tuple[tuple[int, ...], list[WriteUnit]]:
+def plan_write(
+  sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
+) -> tuple[tuple[int, ...], list[WriteUnit]]:
   """The write chunk of an array with this sharding (JAX's, or a :class:`ShardingInfo`),
   shape and item size, and the chunks this process writes (see :func:`local_writes`;
   ``salt``: the leaf's index in the tree). O(local devices) for a ``NamedSharding``; cached
@@ -546,19 +620,28 @@ def plan_write(sharding: Any, shape: Sequence[int], itemsize: int, salt: int = 0
   >>> chunk, [u.index for u in units]
   ((8, 2), [((0, 8), (0, 2))])
   """
-  chunk, units = _cached_plan_write(sharding, tuple(int(n) for n in shape), int(itemsize),
-                                    int(salt))
+  chunk, units = _cached_plan_write(
+    sharding, tuple(int(n) for n in shape), int(itemsize), int(salt)
+  )
   return chunk, list(units)
 
 
 @_state.memo(PLAN_CACHE_SIZE)
-def _read_groups(sharding: Any, shape: tuple[int, ...]
-                 ) -> tuple[tuple[Index, tuple[Hashable, ...]], ...]:
+def _read_groups(
+  sharding: Any, shape: tuple[int, ...]
+) -> tuple[tuple[Index, tuple[Hashable, ...]], ...]:
   info = sharding_info(sharding)
   try:
-    plan = local_reads(info, shape) if info is not None else read_plan(
-        {d: normalize_index(idx, shape)
-         for d, idx in sharding.addressable_devices_indices_map(shape).items()})
+    plan = (
+      local_reads(info, shape)
+      if info is not None
+      else read_plan(
+        {
+          d: normalize_index(idx, shape)
+          for d, idx in sharding.addressable_devices_indices_map(shape).items()
+        }
+      )
+    )
   except CheckpointError as e:
     raise _about(sharding, shape, e) from None
   return tuple((index, tuple(devices)) for index, devices in plan.items())
@@ -576,13 +659,20 @@ def plan_read(sharding: Any, shape: Sequence[int]) -> dict[Index, list[Hashable]
   >>> list(plan_read(s, (4, 2)))
   [((0, 4), (0, 2))]
   """
-  return {index: list(devices)
-          for index, devices in _read_groups(sharding, tuple(int(n) for n in shape))}
+  return {
+    index: list(devices) for index, devices in _read_groups(sharding, tuple(int(n) for n in shape))
+  }
 
 
 def clear_plan_caches() -> None:
   """Empty every plan cache of this module (they are bounded; this is for benchmarks and
   tests that measure a first save)."""
-  for cache in (_local_positions, _named_info, _cached_write_layout, _generic_layout,
-                _cached_plan_write, _read_groups):
+  for cache in (
+    _local_positions,
+    _named_info,
+    _cached_write_layout,
+    _generic_layout,
+    _cached_plan_write,
+    _read_groups,
+  ):
     cache.cache_clear()  # type: ignore[attr-defined]  # (each an lru_cache)

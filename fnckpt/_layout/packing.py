@@ -12,8 +12,14 @@ import dataclasses
 import heapq
 from typing import Mapping, Sequence
 
-__all__ = ["PackItem", "PackPlan", "assign", "PACK_LEAF_BYTES", "PACK_INNER_BYTES",
-           "PACK_CHUNK_BYTES"]
+__all__ = [
+  "PackItem",
+  "PackPlan",
+  "assign",
+  "PACK_LEAF_BYTES",
+  "PACK_INNER_BYTES",
+  "PACK_CHUNK_BYTES",
+]
 
 # Arrays up to this size (that some process can see whole) are packed.
 PACK_LEAF_BYTES = 4 << 20
@@ -27,6 +33,7 @@ PACK_CHUNK_BYTES = 64 << 20
 class PackItem:
   """A leaf to pack: its ``leaf`` index, size, and the process that must write it (``None``:
   any process can, the leaf is replicated on all)."""
+
   leaf: int
   nbytes: int
   writer: int | None
@@ -36,14 +43,19 @@ class PackItem:
 class PackPlan:
   """Per leaf: (process, offset) in that process's pack; per process: the pack's size (padded
   to whole inner chunks), chunk size (a multiple of the inner size) and inner chunk size."""
+
   where: dict[int, tuple[int, int]]
   sizes: dict[int, tuple[int, int, int]]
   pieces: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> region start
 
 
-def assign(items: Sequence[PackItem], processes: int, inner_bytes: int = PACK_INNER_BYTES,
-           chunk_bytes: int = PACK_CHUNK_BYTES, extra: Mapping[int, int] | None = None
-           ) -> PackPlan:
+def assign(
+  items: Sequence[PackItem],
+  processes: int,
+  inner_bytes: int = PACK_INNER_BYTES,
+  chunk_bytes: int = PACK_CHUNK_BYTES,
+  extra: Mapping[int, int] | None = None,
+) -> PackPlan:
   """Place each item in a pack: fixed writers first, then replicated items largest first on
   the process with the fewest bytes so far (ties: the lowest index; ``extra``, each process's
   pieces region bytes, counts as load), so bytes stay balanced. Within a pack, leaves lie in

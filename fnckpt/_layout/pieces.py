@@ -30,8 +30,7 @@ import numpy as np
 from .. import _state
 from .chunks import _spread
 
-__all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of",
-           "MAX_PIECE_WORK"]
+__all__ = ["PIECE_BYTES", "PieceLeaf", "Layout", "build", "writers", "shift_of", "MAX_PIECE_WORK"]
 
 # Device shards up to this size are stored as pieces: a pack's inner chunk (1 MiB), the unit
 # storage is read and checked in. A piece no larger is fetched whole by any read of part of it
@@ -55,6 +54,7 @@ class PieceLeaf:
   meshes), the mesh ``axis_sizes``, ``dim_axes`` (per array dimension, the mesh axes that
   split it, major first), ``shift`` (``spread(index) % replicas``) and the ``chunk`` (shard)
   shape and its byte size."""
+
   index: int
   mesh: int
   axis_sizes: tuple[int, ...]
@@ -84,8 +84,9 @@ def shift_of(index: int, axis_sizes: Sequence[int], dim_axes: Sequence[Sequence[
   return _spread(index) % replicas
 
 
-def writers(procs: np.ndarray, axis_sizes: Sequence[int], dim_axes: Sequence[Sequence[int]],
-            shift: int) -> np.ndarray:
+def writers(
+  procs: np.ndarray, axis_sizes: Sequence[int], dim_axes: Sequence[Sequence[int]], shift: int
+) -> np.ndarray:
   """The process writing each chunk (C order over the grid), from ``procs``: the process of
   every mesh position (C order). O(chunks), numpy.
 
@@ -112,9 +113,9 @@ def writers(procs: np.ndarray, axis_sizes: Sequence[int], dim_axes: Sequence[Seq
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Group:
-  writers: np.ndarray   # process of each chunk
-  rank: np.ndarray      # each chunk's number among its writer's chunks of the leaf
-  counts: np.ndarray    # chunks per process
+  writers: np.ndarray  # process of each chunk
+  rank: np.ndarray  # each chunk's number among its writer's chunks of the leaf
+  counts: np.ndarray  # chunks per process
 
 
 def _group(procs: np.ndarray, leaf: PieceLeaf, processes: int) -> _Group:
@@ -131,13 +132,14 @@ def _group(procs: np.ndarray, leaf: PieceLeaf, processes: int) -> _Group:
 class Layout:
   """Where every chunk of every pieced leaf is. ``region[p]``: bytes of process ``p``'s
   pieces region. Build with :func:`build`."""
+
   leaves: tuple[PieceLeaf, ...]
   processes: int
   groups: tuple[_Group, ...]
-  group_of: tuple[int, ...]         # per leaf
-  before: tuple                     # per leaf: ((group, bytes per chunk of earlier leaves), ...)
+  group_of: tuple[int, ...]  # per leaf
+  before: tuple  # per leaf: ((group, bytes per chunk of earlier leaves), ...)
   region: np.ndarray
-  position: dict                    # leaf index -> position in ``leaves``
+  position: dict  # leaf index -> position in ``leaves``
   _mine: dict = dataclasses.field(default_factory=dict)  # (group, process) -> its chunks
 
   def leaf(self, index: int) -> PieceLeaf:
@@ -176,8 +178,7 @@ class Layout:
     return self._mine[key], start
 
 
-def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
-          ) -> Layout:
+def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int) -> Layout:
   """The layout of ``leaves`` (in leaf order) over ``meshes`` (each: the process of every
   mesh position, C order). Raises ``ValueError`` if a region would exceed 2^62 bytes or the
   work bound.
@@ -190,14 +191,13 @@ def build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: 
   key = (tuple(leaves), tuple(m.tobytes() for m in meshes), processes)
   last = _state.pieces.last  # (key, layout) of the latest build (a training loop's saves): one
   if last is not None and last[0] == key:  # tuple, read and replaced whole: concurrent saves
-    return last[1]                         # and restores never see another key's layout
+    return last[1]  # and restores never see another key's layout
   layout = _build(meshes, leaves, processes)
   _state.pieces.last = (key, layout)
   return layout
 
 
-def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int
-           ) -> Layout:
+def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes: int) -> Layout:
   keys: dict[tuple, int] = {}
   groups: list[_Group] = []
   group_of = []
@@ -219,10 +219,18 @@ def _build(meshes: Sequence[np.ndarray], leaves: Sequence[PieceLeaf], processes:
   region = np.zeros(processes, np.int64)
   limit = 1 << 62
   for group, t in zip(groups, total):
-    if int(group.counts.max(initial=0)) * t > limit or int(region.max(initial=0)) + int(
-        group.counts.max(initial=0)) * t > limit:
+    if (
+      int(group.counts.max(initial=0)) * t > limit
+      or int(region.max(initial=0)) + int(group.counts.max(initial=0)) * t > limit
+    ):
       raise ValueError("a pieces region would exceed 2^62 bytes")
     region += group.counts * t
-  return Layout(leaves=tuple(leaves), processes=processes, groups=tuple(groups),
-                group_of=tuple(group_of), before=tuple(before), region=region,
-                position={leaf.index: k for k, leaf in enumerate(leaves)})
+  return Layout(
+    leaves=tuple(leaves),
+    processes=processes,
+    groups=tuple(groups),
+    group_of=tuple(group_of),
+    before=tuple(before),
+    region=region,
+    position={leaf.index: k for k, leaf in enumerate(leaves)},
+  )

@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["ShardImage", "CRC_BYTES", "MISSING"]
 
 CRC_BYTES = 4
-MISSING = (1 << 64) - 1     # an index entry's offset and length for an inner chunk not stored
+MISSING = (1 << 64) - 1  # an index entry's offset and length for an inner chunk not stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ShardImage:
   >>> s.place(2, 4)   # chunk bytes [2, 6) cross an inner chunk's end
   [(2, 0, 2), (8, 2, 2)]
   """
+
   nbytes: int
   chunk: int
   inner: int
@@ -100,6 +101,6 @@ class ShardImage:
     """
     out = np.full((self.entries, 2), MISSING, "<u8")
     k = np.arange(self.stored, dtype=np.uint64)
-    out[:self.stored, 0] = k * np.uint64(self.inner + CRC_BYTES)
-    out[:self.stored, 1] = self.inner + CRC_BYTES
+    out[: self.stored, 0] = k * np.uint64(self.inner + CRC_BYTES)
+    out[: self.stored, 1] = self.inner + CRC_BYTES
     return out

@@ -33,16 +33,26 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Grid", "Spec", "crossing_axes", "reader_spec", "fetched", "replica_groups",
-           "bytes_per_process", "contiguous_blocks", "waves"]
+__all__ = [
+  "Grid",
+  "Spec",
+  "crossing_axes",
+  "reader_spec",
+  "fetched",
+  "replica_groups",
+  "bytes_per_process",
+  "contiguous_blocks",
+  "waves",
+]
 
-Spec = tuple[tuple[str, ...], ...]   # per dimension: the mesh axes it is split over, major first
+Spec = tuple[tuple[str, ...], ...]  # per dimension: the mesh axes it is split over, major first
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Grid:
   """A mesh as planning sees it: ``processes[pos]`` is the process holding the device at mesh
   position ``pos`` (an int array of shape ``sizes``)."""
+
   names: tuple[str, ...]
   sizes: tuple[int, ...]
   processes: np.ndarray
@@ -55,12 +65,16 @@ def crossing_axes(grid: Grid) -> tuple[str, ...]:
   """The mesh axes along which the process changes somewhere (in mesh order): replication
   over them is replication across processes."""
   p = grid.processes
-  return tuple(name for k, name in enumerate(grid.names)
-               if grid.sizes[k] > 1 and bool((p != np.take(p, [0], axis=k)).any()))
+  return tuple(
+    name
+    for k, name in enumerate(grid.names)
+    if grid.sizes[k] > 1 and bool((p != np.take(p, [0], axis=k)).any())
+  )
 
 
-def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int],
-                align: Sequence[int] | None = None) -> tuple[Spec, int]:
+def reader_spec(
+  grid: Grid, spec: Spec, shape: Sequence[int], align: Sequence[int] | None = None
+) -> tuple[Spec, int]:
   """The reader layout of an array of ``shape`` placed with ``spec``: every axis that
   replicates it across processes appended (minor) to the partitioning of one dimension it
   divides evenly, and the factor by which the copies each process reads shrink (1: no axis
@@ -95,9 +109,11 @@ def reader_spec(grid: Grid, spec: Spec, shape: Sequence[int],
     if not fits:
       continue
     now = fetched(shape, [parts(d) for d in range(len(shape))], align)
-    cost = {d: fetched(shape, [parts(e, n if e == d else 1) for e in range(len(shape))], align)
-            for d in fits}
-    d = min(fits, key=lambda d: cost[d])   # (the first of equals)
+    cost = {
+      d: fetched(shape, [parts(e, n if e == d else 1) for e in range(len(shape))], align)
+      for d in fits
+    }
+    d = min(fits, key=lambda d: cost[d])  # (the first of equals)
     if align is None or cost[d] < now:
       entries[d] += (axis,)
       factor *= n
@@ -144,19 +160,18 @@ def _blocks(grid: Grid, spec: Spec, ndim: int) -> np.ndarray:
   return flat
 
 
-def bytes_per_process(grid: Grid, spec: Spec, shape: Sequence[int], itemsize: int
-                      ) -> np.ndarray:
+def bytes_per_process(grid: Grid, spec: Spec, shape: Sequence[int], itemsize: int) -> np.ndarray:
   """Bytes each process reads from storage for an array placed with ``spec``: each distinct
   block its devices hold, once (shapes dividing evenly: the reader layouts of
   :func:`reader_spec` do)."""
   ndim = len(shape)
-  parts = [math.prod(grid.size(a) for a in (spec[d] if d < len(spec) else ()))
-           for d in range(ndim)]
+  parts = [math.prod(grid.size(a) for a in (spec[d] if d < len(spec) else ())) for d in range(ndim)]
   block_bytes = math.prod(-(-n // p) for n, p in zip(shape, parts)) * itemsize
   nprocs = int(grid.processes.max()) + 1
   nblocks = math.prod(parts)
-  keys = np.unique(grid.processes.astype(np.int64).ravel() * nblocks
-                   + _blocks(grid, spec, ndim).ravel())
+  keys = np.unique(
+    grid.processes.astype(np.int64).ravel() * nblocks + _blocks(grid, spec, ndim).ravel()
+  )
   return np.bincount(keys // nblocks, minlength=nprocs) * block_bytes
 
 
@@ -169,8 +184,10 @@ def contiguous_blocks(grid: Grid, spec: Spec, shape: Sequence[int]) -> bool:
   >>> contiguous_blocks(g, (("x",), ()), (4, 3)), contiguous_blocks(g, ((), ("x",)), (4, 4))
   (True, False)
   """
-  extent = [n // math.prod(grid.size(a) for a in (spec[d] if d < len(spec) else ()))
-            for d, n in enumerate(shape)]
+  extent = [
+    n // math.prod(grid.size(a) for a in (spec[d] if d < len(spec) else ()))
+    for d, n in enumerate(shape)
+  ]
   d = 0
   while d < len(shape) and extent[d] == 1:
     d += 1

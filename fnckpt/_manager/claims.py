@@ -27,7 +27,7 @@ class StepClaims:
 
   def __init__(self) -> None:
     self._cond = threading.Condition()
-    self._saving: dict[int, Any] = {}   # step -> SaveHandle (None while staging)
+    self._saving: dict[int, Any] = {}  # step -> SaveHandle (None while staging)
     self._deleting: set[int] = set()
     self._reading: collections.Counter[int] = collections.Counter()
 
@@ -64,8 +64,9 @@ class StepClaims:
   def wait_saved(self, step: int | None = None) -> None:
     """Wait until the save of ``step`` (default: every save) is no longer in flight."""
     with self._cond:
-      self._cond.wait_for(lambda: (step not in self._saving) if step is not None
-                          else not self._saving)
+      self._cond.wait_for(
+        lambda: (step not in self._saving) if step is not None else not self._saving
+      )
 
   @contextlib.contextmanager
   def reading(self, step: int) -> Iterator[None]:
@@ -85,8 +86,11 @@ class StepClaims:
   def claim_delete(self, step: int) -> None:
     """Wait until nothing else holds ``step``, then claim it for deletion."""
     with self._cond:
-      self._cond.wait_for(lambda: step not in self._saving and step not in self._deleting
-                          and step not in self._reading)
+      self._cond.wait_for(
+        lambda: (
+          step not in self._saving and step not in self._deleting and step not in self._reading
+        )
+      )
       self._deleting.add(step)
 
   def claim_unprotected(self, choose: Callable[[set[int]], list[int]]) -> list[int]:

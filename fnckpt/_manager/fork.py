@@ -19,17 +19,39 @@ from typing import Any
 import msgpack
 import tensorstore as ts
 
-from .._format import (manifest as _manifest, parse as _parse, perprocess as _perprocess,
-                       records as _records, refs as _refs)
-from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError
+from .._format import (
+  manifest as _manifest,
+)
+from .._format import (
+  parse as _parse,
+)
+from .._format import (
+  perprocess as _perprocess,
+)
+from .._format import (
+  records as _records,
+)
+from .._format import (
+  refs as _refs,
+)
+from .._io import commit as _commit
+from .._io import paths as _paths
 
-__all__ = ["REFERENCED", "FORKS", "LINEAGE", "lineage", "References", "delete_step", "collect",
-           "fork_step"]
+__all__ = [
+  "REFERENCED",
+  "FORKS",
+  "LINEAGE",
+  "lineage",
+  "References",
+  "delete_step",
+  "collect",
+  "fork_step",
+]
 
 REFERENCED = "REFERENCED"
 FORKS = "forks"
-LINEAGE = "LINEAGE"     # in a fork's run directory: {"run": parent (relative), "step"}
+LINEAGE = "LINEAGE"  # in a fork's run directory: {"run": parent (relative), "step"}
 
 
 class References:
@@ -70,8 +92,9 @@ class References:
           out.add((int(step), data))
       except Exception as e:
         raise CheckpointError(
-            f"The fork record {self.run.path}/{FORKS}/{key.decode()} is damaged ({e}); retention "
-            "stops rather than delete data a fork may need. Fix or remove that file.") from e
+          f"The fork record {self.run.path}/{FORKS}/{key.decode()} is damaged ({e}); retention "
+          "stops rather than delete data a fork may need. Fix or remove that file."
+        ) from e
     return out
 
   def kept(self, listing: Any, doomed: set[int]) -> dict[int, set[str]]:
@@ -88,8 +111,9 @@ class References:
         try:
           pairs |= self.of_step(step, stamp)
         except CheckpointError:
-          if step in listing.damaged or not _commit.is_committed(_paths.open_kvstore(
-              self.run.join(str(step)))):
+          if step in listing.damaged or not _commit.is_committed(
+            _paths.open_kvstore(self.run.join(str(step)))
+          ):
             continue  # deleted meanwhile, or a marked step that cannot be read: unrestorable
           raise
     out: dict[int, set[str]] = {}
@@ -98,11 +122,9 @@ class References:
     return out
 
 
-def _siblings(manifest: _records.Manifest, run: _refs.Location, step: int
-              ) -> set[tuple[int, str]]:
+def _siblings(manifest: _records.Manifest, run: _refs.Location, step: int) -> set[tuple[int, str]]:
   """PURE: (step, data) pairs of the run at ``run`` that its ``step``'s manifest refers to."""
-  step_loc = _refs.Location(run.store, posixpath.join(run.path, str(step)), run.absolute,
-                            run.spec)
+  step_loc = _refs.Location(run.store, posixpath.join(run.path, str(step)), run.absolute, run.spec)
   out = set()
   for b in manifest.bases:
     where = _refs.resolve(step_loc, b.dir, str(step))
@@ -126,8 +148,9 @@ def write_referenced(kv: ts.KvStore, data: set[str]) -> None:
     old = set(_manifest.unpack(bytes(got.value))["data"]) if got.state == "value" else set()
   except Exception:  # undecodable: only informative (retention reads the manifests)
     old = set()
-  kv.write(REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME,
-                                      "data": sorted(old | set(data))})).result()
+  kv.write(
+    REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME, "data": sorted(old | set(data))})
+  ).result()
 
 
 def delete_step(run: _paths.Location, step: int, keep: set[str]) -> None:
@@ -164,8 +187,9 @@ def delete_step(run: _paths.Location, step: int, keep: set[str]) -> None:
 
 
 def _write_referenced(kv: ts.KvStore, keep: set[str]) -> None:
-  kv.write(REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME,
-                                      "data": sorted(keep)})).result()
+  kv.write(
+    REFERENCED, msgpack.packb({"format": _manifest.FORMAT_NAME, "data": sorted(keep)})
+  ).result()
 
 
 def collect(run: _paths.Location, held: list[int], kept: dict[int, set[str]]) -> None:
@@ -191,17 +215,22 @@ def fork_step(run: _paths.Location, step: int, directory: str) -> str:
   manifest, _, commit = _commit.read_header(kv, src_path)
   if manifest.version < 2:  # its d/ is no data-<hex> directory a Base can name
     raise CheckpointError(
-        f"Cannot fork {src_path!r}: it is a format-1 checkpoint (fnckpt 0.1), whose data no "
-        "other checkpoint can refer to. Restore it and save it again with this fnckpt (e.g. "
-        f"mgr.save({step}, mgr.restore({step}), force=True)), then fork it.")
+      f"Cannot fork {src_path!r}: it is a format-1 checkpoint (fnckpt 0.1), whose data no "
+      "other checkpoint can refer to. Restore it and save it again with this fnckpt (e.g. "
+      f"mgr.save({step}, mgr.restore({step}), force=True)), then fork it."
+    )
   src_loc, dst_loc, run_loc = (_refs.locate(where.spec()) for where in (src, dst, run))
   fork_run = posixpath.dirname(dst_loc.path)
   if src_loc.store != dst_loc.store:
-    raise CheckpointError(f"Cannot fork {src_path!r} into {directory!r}: a fork must be on "
-                          "the same storage (scheme, bucket, options) as its parent.")
+    raise CheckpointError(
+      f"Cannot fork {src_path!r} into {directory!r}: a fork must be on "
+      "the same storage (scheme, bucket, options) as its parent."
+    )
   if fork_run == run_loc.path or fork_run.startswith(run_loc.path + "/"):
-    raise CheckpointError(f"Cannot fork into {directory!r}: it is (inside) the run "
-                          f"{root!r} itself. Fork into a directory beside it.")
+    raise CheckpointError(
+      f"Cannot fork into {directory!r}: it is (inside) the run "
+      f"{root!r} itself. Fork into a directory beside it."
+    )
   new_bases = _rebase(manifest, src_loc, dst_loc)
   packs, leaves = manifest.packs, manifest.leaves
   if _owns_data(manifest):  # (the parent step's own data, if it has any)
@@ -210,21 +239,36 @@ def fork_step(run: _paths.Location, step: int, directory: str) -> str:
     packs, leaves = _point_at(manifest, len(new_bases) - 1)
   fork = _records.Fork(_refs.relative(run_loc.path, fork_run), step)
   forked = dataclasses.replace(
-      manifest, bases=tuple(new_bases), fork=fork, packs=packs, leaves=leaves,
-      data=f"{_manifest.DATA_PREFIX}{secrets.token_hex(16)}")
+    manifest,
+    bases=tuple(new_bases),
+    fork=fork,
+    packs=packs,
+    leaves=leaves,
+    data=f"{_manifest.DATA_PREFIX}{secrets.token_hex(16)}",
+  )
   body = _manifest.encode(forked)
   _manifest.decode(body, dst_path)  # what we write must read back (checked before writing)
-  data = sorted({f"{posixpath.basename(_refs.resolve(dst_loc, b.dir, dst_path))}/{b.data}"
-                 for b in new_bases if posixpath.dirname(_refs.resolve(dst_loc, b.dir, dst_path))
-                 == run_loc.path})
-  record = msgpack.packb({"format": _manifest.FORMAT_NAME,
-                          "run": _refs.relative(fork_run, run_loc.path), "step": step,
-                          "data": data})
+  data = sorted(
+    {
+      f"{posixpath.basename(_refs.resolve(dst_loc, b.dir, dst_path))}/{b.data}"
+      for b in new_bases
+      if posixpath.dirname(_refs.resolve(dst_loc, b.dir, dst_path)) == run_loc.path
+    }
+  )
+  record = msgpack.packb(
+    {
+      "format": _manifest.FORMAT_NAME,
+      "run": _refs.relative(fork_run, run_loc.path),
+      "step": step,
+      "data": data,
+    }
+  )
   name = secrets.token_hex(16)
   forks = _paths.open_kvstore(run.join(FORKS))
   forks.write(name, record).result()
-  _paths.open_kvstore(fork_dir).write(LINEAGE, msgpack.packb(
-      {"format": _manifest.FORMAT_NAME, "run": fork.run, "step": fork.step})).result()
+  _paths.open_kvstore(fork_dir).write(
+    LINEAGE, msgpack.packb({"format": _manifest.FORMAT_NAME, "run": fork.run, "step": fork.step})
+  ).result()
   out = _paths.open_kvstore(dst)
   assert forked.data is not None
   _copy_per_process(kv, out, manifest, forked.data)
@@ -234,50 +278,60 @@ def fork_step(run: _paths.Location, step: int, directory: str) -> str:
   return name
 
 
-def _check_parent_unchanged(kv: ts.KvStore, src_path: str, commit: bytes, forks: ts.KvStore,
-                            name: str) -> None:
+def _check_parent_unchanged(
+  kv: ts.KvStore, src_path: str, commit: bytes, forks: ts.KvStore, name: str
+) -> None:
   """After the fork record is written: the parent step must still be the one forked (a
   deletion by another job that missed the record would have removed its marker first)."""
   if _commit.unchanged(kv, commit):
     return
   forks.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
   raise CheckpointError(
-      f"Cannot fork {src_path!r}: it was deleted or replaced (by another job) while the fork "
-      "was being written, so the fork is not committed. Fork a step that is kept (see "
-      "manager.all_steps()).")
+    f"Cannot fork {src_path!r}: it was deleted or replaced (by another job) while the fork "
+    "was being written, so the fork is not committed. Fork a step that is kept (see "
+    "manager.all_steps())."
+  )
 
 
-def _rebase(manifest: _records.Manifest, src_loc: _refs.Location,
-            dst_loc: _refs.Location) -> list[_records.Base]:
+def _rebase(
+  manifest: _records.Manifest, src_loc: _refs.Location, dst_loc: _refs.Location
+) -> list[_records.Base]:
   """The parent's bases, as references from the fork's step directory."""
   start = posixpath.dirname(dst_loc.path)
-  return [_records.Base(_refs.relative(_refs.resolve(src_loc, b.dir, "fork"), start), b.data)
-          for b in manifest.bases]
+  return [
+    _records.Base(_refs.relative(_refs.resolve(src_loc, b.dir, "fork"), start), b.data)
+    for b in manifest.bases
+  ]
 
 
 def _owns_data(manifest: _records.Manifest) -> bool:
   return any(p.base is None for p in manifest.packs) or any(
-      l.stored is not None and l.stored.base is None for l in manifest.leaves)
+    l.stored is not None and l.stored.base is None for l in manifest.leaves
+  )
 
 
-def _point_at(manifest: _records.Manifest, k: int
-              ) -> tuple[tuple[_records.Pack, ...], tuple[_records.Leaf, ...]]:
+def _point_at(
+  manifest: _records.Manifest, k: int
+) -> tuple[tuple[_records.Pack, ...], tuple[_records.Leaf, ...]]:
   """The parent's packs and leaf records, those of its own data referring to base ``k`` (the
   parent step) instead."""
-  packs = tuple(p if p.base is not None else dataclasses.replace(p, base=k)
-                for p in manifest.packs)
-  leaves = tuple(l if l.stored is None or l.stored.base is not None else
-                 dataclasses.replace(l, stored=dataclasses.replace(l.stored, base=k))
-                 for l in manifest.leaves)
+  packs = tuple(p if p.base is not None else dataclasses.replace(p, base=k) for p in manifest.packs)
+  leaves = tuple(
+    l
+    if l.stored is None or l.stored.base is not None
+    else dataclasses.replace(l, stored=dataclasses.replace(l.stored, base=k))
+    for l in manifest.leaves
+  )
   return packs, leaves
 
 
-def _copy_per_process(src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manifest,
-                      data: str) -> None:
+def _copy_per_process(
+  src: ts.KvStore, dst: ts.KvStore, manifest: _records.Manifest, data: str
+) -> None:
   """PerProcess values live under a checkpoint's own data: copy them (small)."""
   if not any(l.kind == "perprocess" for l in manifest.leaves):
     return
-  assert manifest.data is not None   # (format 2 on: per-process values live under it)
+  assert manifest.data is not None  # (format 2 on: per-process values live under it)
   for p in range(manifest.process_count):
     got = src.read(_perprocess.values_key(manifest.data, p)).result()
     if got.state == "value":

@@ -23,12 +23,21 @@ from typing import Any, Callable
 
 import msgpack
 
-from .._format import manifest as _manifest
-from .._io import coordination as _coordination, paths as _paths
 from .._errors import CheckpointError, DamagedError
+from .._format import manifest as _manifest
+from .._io import coordination as _coordination
+from .._io import paths as _paths
 
-__all__ = ["MARK_DIR", "mark_key", "mark_of", "mark_step", "marks_in_force",
-           "refuse_marked", "restore_newest_valid", "Outcome"]
+__all__ = [
+  "MARK_DIR",
+  "mark_key",
+  "mark_of",
+  "mark_step",
+  "marks_in_force",
+  "refuse_marked",
+  "restore_newest_valid",
+  "Outcome",
+]
 
 # Marks live in a directory of their own, after every step name in any listing order (an
 # object store that lists "6/..." before "6.x" cannot hide them from a range listing).
@@ -61,8 +70,13 @@ def mark_step(run: _paths.Location | str, step: int, damage: str) -> None:
   commit = kv.read(f"{step}/{_manifest.COMMIT}").result()
   if commit.state != "value":
     return  # deleted meanwhile: nothing to mark
-  mark = {"format": "fnckpt-damage", "step": step, "commit_sha256": _sha(bytes(commit.value)),
-          "damage": damage[:2000], "marked": time.time()}
+  mark = {
+    "format": "fnckpt-damage",
+    "step": step,
+    "commit_sha256": _sha(bytes(commit.value)),
+    "damage": damage[:2000],
+    "marked": time.time(),
+  }
   kv.write(mark_key(step), msgpack.packb(mark)).result()
 
 
@@ -77,8 +91,11 @@ def marks_in_force(kv: Any, steps: list[int]) -> dict[int, str]:
       continue
     try:
       m = msgpack.unpackb(bytes(mark.value), raw=False)
-      ok = (isinstance(m, dict) and m.get("format") == "fnckpt-damage"
-            and m.get("commit_sha256") == _sha(bytes(commit.value)))
+      ok = (
+        isinstance(m, dict)
+        and m.get("format") == "fnckpt-damage"
+        and m.get("commit_sha256") == _sha(bytes(commit.value))
+      )
       damage = m.get("damage") if ok else None
     except Exception:  # an undecodable mark marks nothing
       continue
@@ -93,15 +110,17 @@ def refuse_marked(index: Any, step: int) -> None:
   damage = index.damage_of(step)
   if damage is not None:
     raise CheckpointError(
-        f"Step {step} of {index.display!r} is marked damaged ({damage}). Restore another step "
-        f"(manager.restore() picks the newest valid one), or inspect it with fnckpt verify "
-        f"{index.path(step)}; saving step {step} again replaces it.")
+      f"Step {step} of {index.display!r} is marked damaged ({damage}). Restore another step "
+      f"(manager.restore() picks the newest valid one), or inspect it with fnckpt verify "
+      f"{index.path(step)}; saving step {step} again replaces it."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
   """One process's result of trying to restore a step: ``"ok"``, ``"damaged"`` or
   ``"error"`` (anything else), with the error's text."""
+
   kind: str
   text: str = ""
 
@@ -115,9 +134,13 @@ def _try(restore: Callable[[int], Any], step: int) -> tuple[Any, Outcome, BaseEx
     return None, Outcome("error", f"{type(e).__name__}: {e}"), e
 
 
-def restore_newest_valid(root: str, choose: Callable[[set[int]], int | None],
-                         restore: Callable[[int], Any], mark: Callable[[int, str], None],
-                         timeout_s: float) -> tuple[Any, int | None]:
+def restore_newest_valid(
+  root: str,
+  choose: Callable[[set[int]], int | None],
+  restore: Callable[[int], Any],
+  mark: Callable[[int, str], None],
+  timeout_s: float,
+) -> tuple[Any, int | None]:
   """Restore the newest step that no process finds damaged; ``(value, step)``, or
   ``(None, None)`` when there is no step. Collective with several processes.
 
@@ -133,8 +156,12 @@ def restore_newest_valid(root: str, choose: Callable[[set[int]], int | None],
     if step is None:
       return None, None
     value, mine, error = _try(restore, step)
-    outcomes = [Outcome(**o) for o in _coordination.all_gather(
-        root, f"restore-{step}", dataclasses.asdict(mine), timeout_s)]
+    outcomes = [
+      Outcome(**o)
+      for o in _coordination.all_gather(
+        root, f"restore-{step}", dataclasses.asdict(mine), timeout_s
+      )
+    ]
     damaged = [(p, o.text) for p, o in enumerate(outcomes) if o.kind == "damaged"]
     if damaged:
       _fall_back(root, step, damaged, mark)
@@ -145,16 +172,22 @@ def restore_newest_valid(root: str, choose: Callable[[set[int]], int | None],
       raise error
     if failed:
       p, text = failed[0]
-      raise CheckpointError(f"Restoring step {step} of {_paths.display(root)!r} failed on "
-                            f"process {p}: {text}")
+      raise CheckpointError(
+        f"Restoring step {step} of {_paths.display(root)!r} failed on process {p}: {text}"
+      )
     return value, step
 
 
-def _fall_back(root: str, step: int, damaged: list[tuple[int, str]],
-               mark: Callable[[int, str], None]) -> None:
+def _fall_back(
+  root: str, step: int, damaged: list[tuple[int, str]], mark: Callable[[int, str], None]
+) -> None:
   import jax
-  where = "" if len(damaged) == 1 and not _coordination.multi() else (
-      f" (found by process {', '.join(str(p) for p, _ in damaged)})")
+
+  where = (
+    ""
+    if len(damaged) == 1 and not _coordination.multi()
+    else (f" (found by process {', '.join(str(p) for p, _ in damaged)})")
+  )
   damage = damaged[0][1]
   note = ""
   if jax.process_index() == 0:
@@ -163,7 +196,9 @@ def _fall_back(root: str, step: int, damaged: list[tuple[int, str]],
     except Exception as e:  # the fallback goes on; the mark is only a memo
       note = f" It could not be marked ({type(e).__name__}: {e}); it will be tried again."
   warnings.warn(
-      f"Step {step} of {_paths.display(root)!r} is damaged{where}: {damage} Restoring the "
-      f"newest older valid step instead; step {step} is marked damaged (not deleted: "
-      f"inspect it with fnckpt verify, remove it with manager.delete({step})).{note}",
-      RuntimeWarning, stacklevel=4)
+    f"Step {step} of {_paths.display(root)!r} is damaged{where}: {damage} Restoring the "
+    f"newest older valid step instead; step {step} is marked damaged (not deleted: "
+    f"inspect it with fnckpt verify, remove it with manager.delete({step})).{note}",
+    RuntimeWarning,
+    stacklevel=4,
+  )

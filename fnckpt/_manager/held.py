@@ -31,11 +31,27 @@ import numpy as np
 
 from .._save import copies as _copies
 
-__all__ = ["LeafLayout", "HeldRecord", "HeldReport", "Choice", "layouts_of", "choose",
-           "holders", "stage", "norm_index", "host_value", "make_record", "Staged", "covered",
-           "digest", "record_key", "piece_key", "HOST_MAX_BYTES"]
+__all__ = [
+  "LeafLayout",
+  "HeldRecord",
+  "HeldReport",
+  "Choice",
+  "layouts_of",
+  "choose",
+  "holders",
+  "stage",
+  "norm_index",
+  "host_value",
+  "make_record",
+  "Staged",
+  "covered",
+  "digest",
+  "record_key",
+  "piece_key",
+  "HOST_MAX_BYTES",
+]
 
-HOST_MAX_BYTES = 1 << 20   # host leaves travel through the coordination service
+HOST_MAX_BYTES = 1 << 20  # host leaves travel through the coordination service
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -44,6 +60,7 @@ class LeafLayout:
   """One leaf: ``key`` (its key path), ``shape``, ``dtype`` (``"host"`` for a host leaf),
   ``indices`` (each distinct shard: ``((start, stop), ...)`` per dimension, sorted) and
   ``owners`` (for each index, the processes whose devices hold it)."""
+
   key: str
   shape: tuple[int, ...]
   dtype: str
@@ -51,8 +68,13 @@ class LeafLayout:
   owners: tuple[tuple[int, ...], ...]
 
   def as_json(self) -> list:
-    return [self.key, list(self.shape), self.dtype, [list(map(list, i)) for i in self.indices],
-            [list(o) for o in self.owners]]
+    return [
+      self.key,
+      list(self.shape),
+      self.dtype,
+      [list(map(list, i)) for i in self.indices],
+      [list(o) for o in self.owners],
+    ]
 
 
 def digest(layouts: Sequence[LeafLayout]) -> str:
@@ -66,6 +88,7 @@ class HeldRecord:
   """``held/<p>.json``: process ``process`` of ``count`` (on ``host``) holds, for step
   ``step`` of layouts ``layout`` (:func:`digest`), the shard positions ``held[i]`` of leaf
   ``i`` (host leaves: ``[0]``), each piece's length and crc32 in ``sizes``/``crcs``."""
+
   step: int
   process: int
   count: int
@@ -82,30 +105,42 @@ class HeldRecord:
   @staticmethod
   def decode(raw: bytes) -> HeldRecord:
     d = json.loads(raw)
-    return HeldRecord(int(d["step"]), int(d["process"]), int(d["count"]), str(d["host"]),
-                      str(d["layout"]), tuple(d["counts"]), *(
-                          tuple(tuple(int(x) for x in row) for row in d[k])
-                          for k in ("held", "sizes", "crcs")))
+    return HeldRecord(
+      int(d["step"]),
+      int(d["process"]),
+      int(d["count"]),
+      str(d["host"]),
+      str(d["layout"]),
+      tuple(d["counts"]),
+      *(tuple(tuple(int(x) for x in row) for row in d[k]) for k in ("held", "sizes", "crcs")),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class HeldReport:
   """What one process tells the others at recovery: its host and, per step whose record it
   holds intact, ``(layout digest, counts, held positions)``."""
+
   process: int
   host: str
   steps: dict[int, tuple[str, tuple[int, ...], tuple[tuple[int, ...], ...]]]
 
   def as_json(self) -> dict:
-    return {"process": self.process, "host": self.host,
-            "steps": {str(s): [d, list(c), [list(h) for h in held]]
-                      for s, (d, c, held) in self.steps.items()}}
+    return {
+      "process": self.process,
+      "host": self.host,
+      "steps": {
+        str(s): [d, list(c), [list(h) for h in held]] for s, (d, c, held) in self.steps.items()
+      },
+    }
 
   @staticmethod
   def from_json(d: dict) -> HeldReport:
-    return HeldReport(int(d["process"]), str(d["host"]), {
-        int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2]))
-        for s, v in d["steps"].items()})
+    return HeldReport(
+      int(d["process"]),
+      str(d["host"]),
+      {int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2])) for s, v in d["steps"].items()},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +148,7 @@ class Choice:
   """Process 0's recovery decision: ``step`` (None: nothing), ``source`` ("local": every
   process's own complete copy; "peers": the held shards over the interconnect; "durable"),
   ``warning`` (a newer local step skipped, naming the processes lacking shards of it)."""
+
   step: int | None
   source: str
   warning: str | None = None
@@ -137,28 +173,33 @@ def norm_index(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...
 def _array_layout(key: str, leaf: Any) -> LeafLayout | None:
   """The layout of a ``jax.Array`` or ``ShapeDtypeStruct`` with a NamedSharding, or None."""
   import jax
+
   sharding = getattr(leaf, "sharding", None)
   dtype = np.dtype(leaf.dtype)
-  if (not isinstance(sharding, jax.sharding.NamedSharding) or dtype.kind == "c"
-      or dtype.itemsize not in (1, 2, 4, 8)):
+  if (
+    not isinstance(sharding, jax.sharding.NamedSharding)
+    or dtype.kind == "c"
+    or dtype.itemsize not in (1, 2, 4, 8)
+  ):
     return None
   shape = tuple(int(n) for n in leaf.shape)
   owners: dict[tuple, set[int]] = {}
   for device, index in sharding.devices_indices_map(shape).items():
-    owners.setdefault(norm_index(index, shape), set()).add(
-        device.process_index)  # type: ignore[attr-defined]  # (jaxlib's Device)
+    owners.setdefault(norm_index(index, shape), set()).add(device.process_index)  # type: ignore[attr-defined]  # (jaxlib's Device)
   sizes = {tuple(b - a for a, b in i) for i in owners}
-  if len(sizes) != 1:   # uneven shards: not supported
+  if len(sizes) != 1:  # uneven shards: not supported
     return None
   indices = tuple(sorted(owners))
-  return LeafLayout(key, shape, dtype.name, indices,
-                    tuple(tuple(sorted(owners[i])) for i in indices))
+  return LeafLayout(
+    key, shape, dtype.name, indices, tuple(tuple(sorted(owners[i])) for i in indices)
+  )
 
 
 def layouts_of(tree: Any) -> list[LeafLayout] | None:
   """The layouts of every leaf of ``tree`` (a state or a restore target), or None when a
   leaf is not supported (see the module docstring)."""
   import jax
+
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     key = jax.tree_util.keystr(path)
@@ -192,8 +233,7 @@ def covered(reports: Sequence[HeldReport], step: int, layout: str | None) -> boo
   if not entries:
     return False
   counts = entries[0][1]
-  return all(set(range(n)) <= {p for e in entries for p in e[2][i]}
-             for i, n in enumerate(counts))
+  return all(set(range(n)) <= {p for e in entries for p in e[2][i]} for i, n in enumerate(counts))
 
 
 def holders(reports: Sequence[HeldReport], step: int, layout: str) -> list[list[int]]:
@@ -204,8 +244,9 @@ def holders(reports: Sequence[HeldReport], step: int, layout: str) -> list[list[
   >>> holders([r(0, (0, 1)), r(1, (1,))], 5, "L")
   [[0, 0]]
   """
-  entries = sorted((r.process, r.steps[step]) for r in reports
-                   if step in r.steps and r.steps[step][0] == layout)
+  entries = sorted(
+    (r.process, r.steps[step]) for r in reports if step in r.steps and r.steps[step][0] == layout
+  )
   counts = entries[0][1][1] if entries else ()
   out = [[-1] * n for n in counts]
   for p, (_, _, held) in reversed(entries):
@@ -215,8 +256,13 @@ def holders(reports: Sequence[HeldReport], step: int, layout: str) -> list[list[
   return out
 
 
-def choose(reports: Sequence[HeldReport], local_common: Sequence[int],
-           durable: Sequence[int], skipped: set[int], layout: str | None) -> Choice:
+def choose(
+  reports: Sequence[HeldReport],
+  local_common: Sequence[int],
+  durable: Sequence[int],
+  skipped: set[int],
+  layout: str | None,
+) -> Choice:
   """PURE: the newest step every process can restore, and from where: its own complete
   local copy on every process (``local_common``), the processes' held shards together
   (``layout``: the target's digest, None: any), or the durable tier; not in ``skipped``.
@@ -230,20 +276,23 @@ def choose(reports: Sequence[HeldReport], local_common: Sequence[int],
   (20, 'durable', True)
   """
   local, durable_steps = set(local_common) - skipped, set(durable) - skipped
-  peers = {s for r in reports for s in r.steps
-           if s not in skipped and covered(reports, s, layout)}
+  peers = {s for r in reports for s in r.steps if s not in skipped and covered(reports, s, layout)}
   step = max(local | peers | durable_steps, default=None)
-  source = ("local" if step in local else "peers" if step in peers else "durable")
+  source = "local" if step in local else "peers" if step in peers else "durable"
   newest = max({s for r in reports for s in r.steps} - skipped, default=None)
   warning = None
   if newest is not None and (step is None or newest > step):
     lacking = [f"{r.process} (host {r.host})" for r in reports if newest not in r.steps]
-    why = ("process(es) " + ", ".join(lacking) + " hold no copy of it" if lacking else
-           "its records do not match the target's shardings")
-    warning = (f"Step {newest} is held in the fast tier of some processes but not every "
-               f"shard of it is held by some process ({why}); step {newest} is skipped and "
-               f"step {step} is restored" + (" from the durable tier." if source == "durable"
-                                             else "."))
+    why = (
+      "process(es) " + ", ".join(lacking) + " hold no copy of it"
+      if lacking
+      else "its records do not match the target's shardings"
+    )
+    warning = (
+      f"Step {newest} is held in the fast tier of some processes but not every "
+      f"shard of it is held by some process ({why}); step {newest} is skipped and "
+      f"step {step} is restored" + (" from the durable tier." if source == "durable" else ".")
+    )
   return Choice(step, source, warning)
 
 
@@ -254,6 +303,7 @@ class Staged:
   save stages (``fnckpt._save.copies``: a view of the CPU buffer, or a copy in host memory
   the save owns on accelerators); :func:`materialize` turns them into bytes, in the
   background. Plus the record fields."""
+
   layout: str
   counts: tuple[int, ...]
   held: tuple[tuple[int, ...], ...]
@@ -262,8 +312,10 @@ class Staged:
 
 def materialize(staged: Staged) -> Staged:
   """``staged`` with every piece as bytes (C-order; a copy made now, off the caller's path)."""
-  pieces = {k: v if isinstance(v, bytes) else
-            np.ascontiguousarray(_copies.to_host(v)).tobytes() for k, v in staged.pieces.items()}
+  pieces = {
+    k: v if isinstance(v, bytes) else np.ascontiguousarray(_copies.to_host(v)).tobytes()
+    for k, v in staged.pieces.items()
+  }
   return dataclasses.replace(staged, pieces=pieces)
 
 
@@ -287,6 +339,7 @@ def stage(tree: Any, process: int) -> Staged | None:
   """Host copies of every distinct shard this process's devices hold (and of the host
   leaves), or None when the tree has a leaf recovery from peers does not support."""
   import jax
+
   layouts = layouts_of(tree)
   if layouts is None:
     return None
@@ -307,14 +360,24 @@ def stage(tree: Any, process: int) -> Staged | None:
       if (i, j) not in pieces:  # (no host copy cached on the caller's array; no memcpy now)
         pieces[(i, j)] = copies.get(shard.data)
     held.append(tuple(sorted(j for (k, j) in pieces if k == i)))
-  copies.wait()   # (owned copies: landed before the caller may donate the arrays)
+  copies.wait()  # (owned copies: landed before the caller may donate the arrays)
   return Staged(digest(layouts), tuple(len(l.indices) for l in layouts), tuple(held), pieces)
 
 
 def make_record(staged: Staged, step: int, process: int, count: int) -> HeldRecord:
   """The record of ``staged`` (written after its pieces)."""
   sizes = tuple(tuple(len(staged.pieces[(i, j)]) for j in h) for i, h in enumerate(staged.held))
-  crcs = tuple(tuple(zlib.crc32(staged.pieces[(i, j)]) for j in h)
-               for i, h in enumerate(staged.held))
-  return HeldRecord(step=step, process=process, count=count, host=socket.gethostname(), layout=staged.layout, counts=staged.counts,
-                    held=staged.held, sizes=sizes, crcs=crcs)
+  crcs = tuple(
+    tuple(zlib.crc32(staged.pieces[(i, j)]) for j in h) for i, h in enumerate(staged.held)
+  )
+  return HeldRecord(
+    step=step,
+    process=process,
+    count=count,
+    host=socket.gethostname(),
+    layout=staged.layout,
+    counts=staged.counts,
+    held=staged.held,
+    sizes=sizes,
+    crcs=crcs,
+  )

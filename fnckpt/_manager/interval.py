@@ -91,6 +91,7 @@ class Schedule:
   local tier to finish before starting a durable save (one process with a local tier:
   back-pressure, so copies never pile up).
   """
+
   interval_steps: int
   auto: bool
   interval_s: float | None
@@ -126,20 +127,23 @@ class Cadence:
   (False, True)
   """
 
-  def __init__(self, interval_steps: int | None, mtbf_s: float | None = None,
-               mtbf_source: str | None = None):
+  def __init__(
+    self, interval_steps: int | None, mtbf_s: float | None = None, mtbf_source: str | None = None
+  ):
     self.auto = interval_steps is None
     self.mtbf_s = None if mtbf_s is None else _positive("mtbf_s", mtbf_s)
     self.mtbf_source = mtbf_source if mtbf_s is not None else None
     if self.auto and self.mtbf_s is None:
-      raise ValueError("save_interval_steps='auto' needs a mean time between failures: pass "
-                       "mtbf_s=<seconds>. Each 'auto' manager that starts records its start in "
-                       "the run directory; once two are recorded the MTBF is measured from them "
-                       "and mtbf_s may be left out.")
+      raise ValueError(
+        "save_interval_steps='auto' needs a mean time between failures: pass "
+        "mtbf_s=<seconds>. Each 'auto' manager that starts records its start in "
+        "the run directory; once two are recorded the MTBF is measured from them "
+        "and mtbf_s may be left out."
+      )
     self._lock = threading.Lock()
     self._interval = 1 if self.auto else int(cast(int, interval_steps))
     self._costs: list[float] = []
-    self._first: tuple[int, float] | None = None   # (step, time) of the first step seen
+    self._first: tuple[int, float] | None = None  # (step, time) of the first step seen
     self._last: tuple[int, float] | None = None
     self._last_save: int | None = None
     self._saves = self._skipped = 0
@@ -189,25 +193,41 @@ class Cadence:
   def _measured(self) -> tuple[float | None, float | None]:
     with self._lock:
       costs, first, last = list(self._costs), self._first, self._last
-    step_s = ((last[1] - first[1]) / (last[0] - first[0])
-              if first and last and last[0] > first[0] and last[1] > first[1] else None)
+    step_s = (
+      (last[1] - first[1]) / (last[0] - first[0])
+      if first and last and last[0] > first[0] and last[1] > first[1]
+      else None
+    )
     return (sum(costs) / len(costs) if costs else None), step_s
 
   def _proposal(self) -> int:
     cost, step_s = self._measured()
     if not self.auto or cost is None or step_s is None:
       return self._interval
-    assert self.mtbf_s is not None   # ('auto' needs it: __init__)
+    assert self.mtbf_s is not None  # ('auto' needs it: __init__)
     return max(1, round(optimal_interval_s(max(cost, 1e-6), self.mtbf_s) / step_s))
 
   def schedule(self) -> Schedule:
     """What is in use and measured now."""
     cost, step_s = self._measured()
     with self._lock:
-      steps, saves, skipped, waited = (self._interval, self._saves, self._skipped,
-                                       self._waited)
-    t = (optimal_interval_s(max(cost, 1e-6), self.mtbf_s)
-         if cost is not None and self.mtbf_s is not None else None)
+      steps, saves, skipped, waited = (self._interval, self._saves, self._skipped, self._waited)
+    t = (
+      optimal_interval_s(max(cost, 1e-6), self.mtbf_s)
+      if cost is not None and self.mtbf_s is not None
+      else None
+    )
     lost = steps * step_s / 2 + cost if step_s is not None and cost is not None else None
-    return Schedule(interval_steps=steps, auto=self.auto, interval_s=t, save_cost_s=cost, mtbf_s=self.mtbf_s, mtbf_source=self.mtbf_source, step_time_s=step_s, expected_lost_s=lost,
-                    saves=saves, skipped=skipped, copy_wait_s=waited)
+    return Schedule(
+      interval_steps=steps,
+      auto=self.auto,
+      interval_s=t,
+      save_cost_s=cost,
+      mtbf_s=self.mtbf_s,
+      mtbf_source=self.mtbf_source,
+      step_time_s=step_s,
+      expected_lost_s=lost,
+      saves=saves,
+      skipped=skipped,
+      copy_wait_s=waited,
+    )

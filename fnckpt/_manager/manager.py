@@ -61,19 +61,35 @@ import jax
 import msgpack
 import numpy as np
 
-from .._io import coordination as _coordination, paths as _paths
-from .._save import options as _save_options
-from . import (interval as _interval, lineage as _lineage, retention as _retention,
-               starts as _starts, steps as _steps, tiers as _tiers)
-from .claims import StepClaims
-from .recovery import Recovery
-from .saver import Saver
 from .._errors import CheckpointError
+from .._io import coordination as _coordination
+from .._io import paths as _paths
+from .._save import options as _save_options
+from . import (
+  interval as _interval,
+)
+from . import (
+  lineage as _lineage,
+)
+from . import (
+  retention as _retention,
+)
+from . import (
+  starts as _starts,
+)
+from . import (
+  steps as _steps,
+)
+from . import (
+  tiers as _tiers,
+)
+from .claims import StepClaims
 from .preemption import Preemption
+from .recovery import Recovery
 from .retention_runner import Background, RetentionRunner, collect_held, delete_referenced
+from .saver import Saver
 
 __all__ = ["CheckpointManager"]
-
 
 
 class CheckpointManager:
@@ -122,22 +138,36 @@ class CheckpointManager:
   [3, 4] 4
   """
 
-  def __init__(self, directory: str, *, max_to_keep: int | None = None,
-               keep_every: int | None = None, best_n: int | None = None,
-               best_metric: str | None = None, best_mode: str = "min",
-               save_interval_steps: int | str = 1, handle_preemption: bool = False,
-               storage_options: dict[str, Any] | None = None,
-               save_options: Mapping[str, Any] | None = None, mtbf_s: float | None = None,
-               keep_durable: int | None = None, local_directory: str | None = None,
-               local_save_interval_steps: int = 1, local_max_to_keep: int = 2,
-               local_storage_options: dict[str, Any] | None = None, incremental: bool = False,
-               full_every: int | None = None):
-    self._options = {k: v for k, v in locals().items()  # a fork's manager: the same options
-                     if k not in ("self", "directory", "handle_preemption", "local_directory")}
+  def __init__(
+    self,
+    directory: str,
+    *,
+    max_to_keep: int | None = None,
+    keep_every: int | None = None,
+    best_n: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    save_interval_steps: int | str = 1,
+    handle_preemption: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    save_options: Mapping[str, Any] | None = None,
+    mtbf_s: float | None = None,
+    keep_durable: int | None = None,
+    local_directory: str | None = None,
+    local_save_interval_steps: int = 1,
+    local_max_to_keep: int = 2,
+    local_storage_options: dict[str, Any] | None = None,
+    incremental: bool = False,
+    full_every: int | None = None,
+  ):
+    self._options = {
+      k: v
+      for k, v in locals().items()  # a fork's manager: the same options
+      if k not in ("self", "directory", "handle_preemption", "local_directory")
+    }
     policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
     lineage = _lineage.Incremental(incremental, full_every)
-    self._save_options = _checked_options(best_n, best_metric, save_interval_steps,
-                                          save_options)
+    self._save_options = _checked_options(best_n, best_metric, save_interval_steps, save_options)
     self.directory = _paths.display(directory)
     self.best_metric = best_metric
     self.save_interval_steps = save_interval_steps
@@ -149,17 +179,31 @@ class CheckpointManager:
     self._background = Background()
     self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
     self._preemption = Preemption(self.directory)
-    self._local = None if local_directory is None else _tiers.LocalTier(
+    self._local = (
+      None
+      if local_directory is None
+      else _tiers.LocalTier(
         _paths.Location.of(str(local_directory), local_storage_options),
-        _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep), self._run)
-    self._cadence = _cadence(save_interval_steps, mtbf_s, self._run,
-                             self._timeout)  # the last check; records this start ("auto")
+        _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
+        self._run,
+      )
+    )
+    self._cadence = _cadence(
+      save_interval_steps, mtbf_s, self._run, self._timeout
+    )  # the last check; records this start ("auto")
     self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
-    self._saver = Saver(index=self._index, local=self._local, claims=self._claims,
-                        cadence=self._cadence, preemption=self._preemption,
-                        background=self._background, retention=self._retention,
-                        save_options=self._save_options, timeout_s=self._timeout,
-                        incremental=lineage)
+    self._saver = Saver(
+      index=self._index,
+      local=self._local,
+      claims=self._claims,
+      cadence=self._cadence,
+      preemption=self._preemption,
+      background=self._background,
+      retention=self._retention,
+      save_options=self._save_options,
+      timeout_s=self._timeout,
+      incremental=lineage,
+    )
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -225,8 +269,15 @@ class CheckpointManager:
     :class:`fnckpt._manager.interval.Schedule`)."""
     return self._cadence.schedule()
 
-  def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
-           metadata: Any = None, force: bool = False) -> Any:
+  def save(
+    self,
+    step: int,
+    tree: Any,
+    *,
+    metrics: Mapping[str, Any] | None = None,
+    metadata: Any = None,
+    force: bool = False,
+  ) -> Any:
     """Save ``tree`` as ``step``; return its :class:`fnckpt.SaveHandle` once its arrays are off
     the devices (the write, the commit and then retention go on in the background).
 
@@ -247,8 +298,7 @@ class CheckpointManager:
       _raise_first(self._background.take())
     step = _steps.as_step(step)
     self._cadence.note_step(step, time.monotonic())
-    return self._saver.save(step, tree, lambda: _user_metadata(step, metrics, metadata),
-                            force)
+    return self._saver.save(step, tree, lambda: _user_metadata(step, metrics, metadata), force)
 
   def wait(self) -> None:
     """Block until every save of this manager has committed and retention has run; raise the
@@ -268,8 +318,9 @@ class CheckpointManager:
   def cleanup(self) -> list[int]:
     """Delete the uncommitted leftovers of interrupted saves; return their steps. This
     manager's saves in flight are spared (another job's are not: do not run it then)."""
-    return _coordination.from_process_0(self._root, "cleanup", lambda: _cleanup(self),
-                                        self._timeout)
+    return _coordination.from_process_0(
+      self._root, "cleanup", lambda: _cleanup(self), self._timeout
+    )
 
   # --- restoring ----------------------------------------------------------------------------
 
@@ -306,12 +357,14 @@ class CheckpointManager:
     step = _steps.as_step(step)
     self._claims.wait_saved(step)
     with self._claims.reading(step):
-      _coordination.from_process_0(self._root, "fork", lambda: _lineage.fork(
-          self._index, step, directory), self._timeout)
+      _coordination.from_process_0(
+        self._root, "fork", lambda: _lineage.fork(self._index, step, directory), self._timeout
+      )
     return CheckpointManager(directory, **self._options)
 
-  def restore_or_init(self, init: Callable[[], Any] | Any, target: Any = None,
-                      **kwargs: Any) -> tuple[Any, int | None]:
+  def restore_or_init(
+    self, init: Callable[[], Any] | Any, target: Any = None, **kwargs: Any
+  ) -> tuple[Any, int | None]:
     """``(state, step)``: the newest committed step restored, or ``(init(), None)`` when the
     directory has none. ``init`` is a function making the initial state or the state itself.
 
@@ -356,9 +409,11 @@ class CheckpointManager:
       return False
     if self._saver.last_saved != self._preemption.step:
       warnings.warn(
-          f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
-          f"saved (call manager.save when manager.should_save(step) is true); the newest "
-          f"checkpoint in {self.directory!r} is older.", stacklevel=2)
+        f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
+        f"saved (call manager.save when manager.should_save(step) is true); the newest "
+        f"checkpoint in {self.directory!r} is older.",
+        stacklevel=2,
+      )
     self.wait()
     return True
 
@@ -398,19 +453,26 @@ class CheckpointManager:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _checked_options(best_n: int | None, best_metric: str | None,
-                     save_interval_steps: int | str,
-                     save_options: Mapping[str, Any] | None) -> _save_options.SaveOptions:
+def _checked_options(
+  best_n: int | None,
+  best_metric: str | None,
+  save_interval_steps: int | str,
+  save_options: Mapping[str, Any] | None,
+) -> _save_options.SaveOptions:
   """The constructor's checks (the retention policy checks its own arguments); the options
   of every save (which replaces a leftover of its step: ``overwrite``)."""
   if best_n and not isinstance(best_metric, str):
-    raise ValueError("best_n needs best_metric: the name of a metric passed to "
-                     "save(..., metrics={name: value}).")
+    raise ValueError(
+      "best_n needs best_metric: the name of a metric passed to save(..., metrics={name: value})."
+    )
   if save_interval_steps != "auto" and (
-      not isinstance(save_interval_steps, int) or isinstance(save_interval_steps, bool)
-      or save_interval_steps < 1):
-    raise ValueError(f"save_interval_steps must be an int >= 1 or 'auto', got "
-                     f"{save_interval_steps!r}.")
+    not isinstance(save_interval_steps, int)
+    or isinstance(save_interval_steps, bool)
+    or save_interval_steps < 1
+  ):
+    raise ValueError(
+      f"save_interval_steps must be an int >= 1 or 'auto', got {save_interval_steps!r}."
+    )
   options = dict(save_options or {})
   for bad in ("overwrite", "metadata", "storage_options"):
     if bad in options:
@@ -421,9 +483,11 @@ def _checked_options(best_n: int | None, best_metric: str | None,
 def _warn_leftovers(leftovers: list[int], directory: str) -> None:
   if leftovers:
     warnings.warn(
-        f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
-        "They are ignored; manager.cleanup() removes them, and saving one of these steps "
-        "replaces it.", stacklevel=3)
+      f"{directory!r} holds uncommitted steps {leftovers} (saves interrupted by a crash). "
+      "They are ignored; manager.cleanup() removes them, and saving one of these steps "
+      "replaces it.",
+      stacklevel=3,
+    )
 
 
 def _delete(mgr: CheckpointManager, step: int) -> None:
@@ -431,8 +495,9 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
   indexes = [mgr._index] + ([mgr._local.index] if mgr._local else [])
   mgr._claims.claim_delete(step)
   try:
-    _coordination.from_process_0(mgr._root, "delete", lambda: _remove(
-        indexes, step, mgr.directory, mgr._claims), mgr._timeout)
+    _coordination.from_process_0(
+      mgr._root, "delete", lambda: _remove(indexes, step, mgr.directory, mgr._claims), mgr._timeout
+    )
   finally:
     mgr._claims.release_delete([step])
   for index in indexes:
@@ -442,15 +507,15 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
 def _cleanup(mgr: CheckpointManager) -> list[int]:
   """cleanup(), on process 0: the leftovers, never data that steps or forks refer to."""
   leftovers = mgr.uncommitted_steps()
-  deleted, failed = delete_referenced(mgr._index, mgr._claims,
-                                      lambda busy: [s for s in leftovers if s not in busy])
+  deleted, failed = delete_referenced(
+    mgr._index, mgr._claims, lambda busy: [s for s in leftovers if s not in busy]
+  )
   if failed:
     raise failed[0][1]
   return deleted
 
 
-def _remove(indexes: list[_steps.StepIndex], step: int, directory: str,
-            claims: StepClaims) -> None:
+def _remove(indexes: list[_steps.StepIndex], step: int, directory: str, claims: StepClaims) -> None:
   """delete(step), on process 0: every tier holding ``step``; then the data of deleted steps
   that only ``step`` referred to goes."""
   there = [index for index in indexes if index.exists(step)]
@@ -461,21 +526,28 @@ def _remove(indexes: list[_steps.StepIndex], step: int, directory: str,
     collect_held(index, claims)
 
 
-def _policy(max_to_keep: int | None, keep_every: int | None, best_n: int | None,
-            best_mode: str, keep_durable: int | None) -> _retention.Policy:
+def _policy(
+  max_to_keep: int | None,
+  keep_every: int | None,
+  best_n: int | None,
+  best_mode: str,
+  keep_durable: int | None,
+) -> _retention.Policy:
   """The retention policy; ``keep_durable=r`` raises ``max_to_keep`` to at least ``r`` when
   some rule deletes (with no rule every step is kept anyway)."""
   base = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
-  if keep_durable is not None and (not isinstance(keep_durable, int)
-                                   or isinstance(keep_durable, bool) or keep_durable < 1):
+  if keep_durable is not None and (
+    not isinstance(keep_durable, int) or isinstance(keep_durable, bool) or keep_durable < 1
+  ):
     raise ValueError(f"keep_durable must be None or an int >= 1, got {keep_durable!r}.")
   if keep_durable is None or base.keeps_all:
     return base
   return _retention.Policy(max(max_to_keep or 0, keep_durable), keep_every, best_n, best_mode)
 
 
-def _cadence(save_interval_steps: int | str, mtbf_s: float | None, run: _paths.Location,
-             timeout_s: float) -> _interval.Cadence:
+def _cadence(
+  save_interval_steps: int | str, mtbf_s: float | None, run: _paths.Location, timeout_s: float
+) -> _interval.Cadence:
   """When to save. ``"auto"``: the MTBF is ``mtbf_s``, else measured from the run's recorded
   starts (:mod:`fnckpt._manager.starts`); process 0 records this start once that is settled (call
   last in the constructor: a construction that fails records nothing)."""
@@ -500,8 +572,9 @@ def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) 
   out: dict[str, Any] = {"step": step}
   if metrics is not None:
     if not isinstance(metrics, Mapping):
-      raise CheckpointError(f"metrics must be a dict of name -> value, got "
-                            f"{type(metrics).__name__}.")
+      raise CheckpointError(
+        f"metrics must be a dict of name -> value, got {type(metrics).__name__}."
+      )
     plain = {}
     for name, value in metrics.items():
       if not isinstance(name, str):
@@ -512,8 +585,10 @@ def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) 
     try:
       msgpack.packb(plain)
     except (TypeError, ValueError, OverflowError) as e:
-      raise CheckpointError(f"save(metrics=...) must be msgpack data (numbers, str, lists, "
-                            f"dicts): {e}. Convert the values, e.g. float(loss).") from None
+      raise CheckpointError(
+        f"save(metrics=...) must be msgpack data (numbers, str, lists, "
+        f"dicts): {e}. Convert the values, e.g. float(loss)."
+      ) from None
     out["metrics"] = plain
   if metadata is not None:
     out["user"] = metadata  # checked by fnckpt.save
@@ -524,23 +599,30 @@ def _check_placed(target: Any, directory: str) -> None:
   """restore_or_init: a ``ShapeDtypeStruct`` target leaf without a sharding would land on one
   device. An error with several processes, a warning with one."""
   flat = jax.tree_util.tree_flatten_with_path(target)[0]
-  unplaced = [jax.tree_util.keystr(path) for path, leaf in flat
-              if isinstance(leaf, jax.ShapeDtypeStruct) and _no_sharding(leaf)]
+  unplaced = [
+    jax.tree_util.keystr(path)
+    for path, leaf in flat
+    if isinstance(leaf, jax.ShapeDtypeStruct) and _no_sharding(leaf)
+  ]
   if not unplaced:
     return
-  where = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5
-                                     else "")
-  fix = ("Add shardings, e.g. target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "
-         "x.dtype, sharding=NamedSharding(mesh, P())), jax.eval_shape(init)) with each array's "
-         "PartitionSpec, pass the initialized state, or make init a jax.jit with out_shardings.")
+  where = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
+  fix = (
+    "Add shardings, e.g. target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "
+    "x.dtype, sharding=NamedSharding(mesh, P())), jax.eval_shape(init)) with each array's "
+    "PartitionSpec, pass the initialized state, or make init a jax.jit with out_shardings."
+  )
   if jax.process_count() > 1:
     raise CheckpointError(
-        f"restore_or_init({directory!r}): the target has no sharding at {where}, so with "
-        f"{jax.process_count()} processes these arrays cannot be placed on the job's devices. "
-        f"{fix}")
+      f"restore_or_init({directory!r}): the target has no sharding at {where}, so with "
+      f"{jax.process_count()} processes these arrays cannot be placed on the job's devices. "
+      f"{fix}"
+    )
   warnings.warn(
-      f"restore_or_init({directory!r}): the target has no sharding at {where}; these arrays "
-      f"are restored onto one device ({jax.devices()[0]}). {fix}", stacklevel=3)
+    f"restore_or_init({directory!r}): the target has no sharding at {where}; these arrays "
+    f"are restored onto one device ({jax.devices()[0]}). {fix}",
+    stacklevel=3,
+  )
 
 
 def _no_sharding(leaf: jax.ShapeDtypeStruct) -> bool:

@@ -25,7 +25,9 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError
-from .._io import commit as _commit, coordination as _coordination, paths as _paths
+from .._io import commit as _commit
+from .._io import coordination as _coordination
+from .._io import paths as _paths
 from . import held as _held
 
 __all__ = ["write", "report", "restore"]
@@ -33,15 +35,17 @@ __all__ = ["write", "report", "restore"]
 POLL_S = 0.05
 
 
-def write(where: _paths.Location, staged: _held.Staged, step: int, process: int,
-          count: int) -> None:
+def write(
+  where: _paths.Location, staged: _held.Staged, step: int, process: int, count: int
+) -> None:
   """Write this process's held pieces of ``step`` under ``where`` (its local step
   directory), then their record (last: a record names only pieces already there)."""
   staged = _held.materialize(staged)
   kv = _paths.open_kvstore(where)
   kv.delete_range(_prefix(f"held/{process}/")).result()
-  futures = [kv.write(_held.piece_key(process, i, j), data)
-             for (i, j), data in staged.pieces.items()]
+  futures = [
+    kv.write(_held.piece_key(process, i, j), data) for (i, j), data in staged.pieces.items()
+  ]
   for f in futures:
     f.result()
   record = _held.make_record(staged, step, process, count)
@@ -56,6 +60,7 @@ def forget(where: _paths.Location, process: int) -> None:
 
 def _prefix(name: str) -> Any:
   import tensorstore as ts
+
   return ts.KvStore.KeyRange(name, name + "\xff")
 
 
@@ -71,8 +76,10 @@ def _record(kv: Any, process: int, count: int, step: int) -> _held.HeldRecord | 
     return None
   if (rec.process, rec.count, rec.step) != (process, count, step):
     return None
-  have = {k.decode("utf-8", "surrogateescape")
-          for k in kv.list(range=_prefix(f"held/{process}/")).result()}
+  have = {
+    k.decode("utf-8", "surrogateescape")
+    for k in kv.list(range=_prefix(f"held/{process}/")).result()
+  }
   want = {_held.piece_key(process, i, j) for i, h in enumerate(rec.held) for j in h}
   return rec if want <= have else None
 
@@ -80,6 +87,7 @@ def _record(kv: Any, process: int, count: int, step: int) -> _held.HeldRecord | 
 def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
   """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of."""
   import socket
+
   p, n = jax.process_index(), jax.process_count()
   listing = local_index.list(in_flight=saving)
   steps = {}
@@ -87,43 +95,53 @@ def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
     kv = _paths.open_kvstore(local_index.at(step))
     try:
       rec = _record(kv, p, n, step)
-    except Exception:   # an unreadable fast tier holds nothing
+    except Exception:  # an unreadable fast tier holds nothing
       rec = None
     if rec is not None:
       steps[step] = (rec.layout, rec.counts, rec.held)
   return _held.HeldReport(p, socket.gethostname(), steps)
 
 
-def _read_mine(where: _paths.Location, readers: list[list[int]],
-               process: int, count: int, step: int) -> dict[tuple[int, int], bytes]:
+def _read_mine(
+  where: _paths.Location, readers: list[list[int]], process: int, count: int, step: int
+) -> dict[tuple[int, int], bytes]:
   """The pieces this process is the reader of, checked against its record's crc32."""
   want = [(i, j) for i, row in enumerate(readers) for j, p in enumerate(row) if p == process]
-  if not want:   # a process that holds nothing reads nothing
+  if not want:  # a process that holds nothing reads nothing
     return {}
   kv = _paths.open_kvstore(where)
   step_path = where.path
   rec = _record(kv, process, count, step)
   if rec is None:
-    raise CheckpointError(f"the record of step {step} in {_paths.display(step_path)!r} "
-                          "vanished or changed")
+    raise CheckpointError(
+      f"the record of step {step} in {_paths.display(step_path)!r} vanished or changed"
+    )
   reads = {(i, j): kv.read(_held.piece_key(process, i, j)) for i, j in want}
   out = {}
   for (i, j), f in reads.items():
     got = f.result()
     k = rec.held[i].index(j)
     if got.state != "value" or zlib.crc32(bytes(got.value)) != rec.crcs[i][k]:
-      raise CheckpointError(f"piece {j} of leaf {i} of step {step} in "
-                            f"{_paths.display(step_path)!r} is missing or damaged")
+      raise CheckpointError(
+        f"piece {j} of leaf {i} of step {step} in "
+        f"{_paths.display(step_path)!r} is missing or damaged"
+      )
     out[(i, j)] = bytes(got.value)
   return out
 
 
-def restore(location: str, where: _paths.Location, step: int,
-            reports: Sequence[_held.HeldReport], target: Any, timeout_s: float) -> Any:
+def restore(
+  location: str,
+  where: _paths.Location,
+  step: int,
+  reports: Sequence[_held.HeldReport],
+  target: Any,
+  timeout_s: float,
+) -> Any:
   """Collective: ``step`` restored into ``target`` from the processes' held shards, or None
   on every process (with a warning) when some process could not read its pieces."""
   layouts = _held.layouts_of(target)
-  assert layouts is not None   # (peers are chosen only for a target they can restore)
+  assert layouts is not None  # (peers are chosen only for a target they can restore)
   layout = _held.digest(layouts)
   readers = _held.holders(reports, step, layout)
   p, n = jax.process_index(), jax.process_count()
@@ -131,34 +149,51 @@ def restore(location: str, where: _paths.Location, step: int,
     mine, error = _read_mine(where, readers, p, n, step), None
   except Exception as e:
     mine, error = {}, f"process {p}: {type(e).__name__}: {_paths.error_text(e)}"
-  hosts = {f"{i}": base64.b64encode(mine[(i, 0)]).decode() for i, l in enumerate(layouts)
-           if l.dtype == "host" and readers[i][0] == p and (i, 0) in mine}
-  outcome = _coordination.all_gather(location, f"peers-read-{step}",
-                                     {"error": error, "host": hosts}, timeout_s)
+  hosts = {
+    f"{i}": base64.b64encode(mine[(i, 0)]).decode()
+    for i, l in enumerate(layouts)
+    if l.dtype == "host" and readers[i][0] == p and (i, 0) in mine
+  }
+  outcome = _coordination.all_gather(
+    location, f"peers-read-{step}", {"error": error, "host": hosts}, timeout_s
+  )
   errors = [o["error"] for o in outcome if o["error"]]
   if errors:
-    warnings.warn(f"Restoring step {step} from the processes' fast tiers failed ("
-                  f"{'; '.join(errors)}); falling back to the durable tier.", RuntimeWarning,
-                  stacklevel=4)
+    warnings.warn(
+      f"Restoring step {step} from the processes' fast tiers failed ("
+      f"{'; '.join(errors)}); falling back to the durable tier.",
+      RuntimeWarning,
+      stacklevel=4,
+    )
     return None
-  host = {int(i): _held.host_value(base64.b64decode(v)) for o in outcome
-          for i, v in o["host"].items()}
+  host = {
+    int(i): _held.host_value(base64.b64decode(v)) for o in outcome for i, v in o["host"].items()
+  }
   leaves, treedef = jax.tree_util.tree_flatten(target)
-  arrays = {i: _assemble(leaf, layouts[i], readers[i], mine, i, p)
-            for i, leaf in enumerate(leaves) if layouts[i].dtype != "host"}
+  arrays = {
+    i: _assemble(leaf, layouts[i], readers[i], mine, i, p)
+    for i, leaf in enumerate(leaves)
+    if layouts[i].dtype != "host"
+  }
   moved = _spread(location, step, list(arrays.values()), timeout_s)
   out = dict(zip(arrays, moved))
   return jax.tree_util.tree_unflatten(
-      treedef, [host[i] if i in host else out[i] for i in range(len(leaves))])
+    treedef, [host[i] if i in host else out[i] for i in range(len(leaves))]
+  )
 
 
 def _uint(dtype: np.dtype) -> np.dtype:
   return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
 
 
-def _assemble(leaf: Any, layout: _held.LeafLayout, readers: list[int],
-              mine: dict[tuple[int, int], bytes], i: int, process: int
-              ) -> tuple[jax.Array, np.dtype]:
+def _assemble(
+  leaf: Any,
+  layout: _held.LeafLayout,
+  readers: list[int],
+  mine: dict[tuple[int, int], bytes],
+  i: int,
+  process: int,
+) -> tuple[jax.Array, np.dtype]:
   """The global array (unsigned view) on ``leaf``'s sharding: on each replica group, the
   reader's first device with the shard holds its bytes, every other device zeros."""
   sharding, dtype = leaf.sharding, np.dtype(leaf.dtype)
@@ -176,8 +211,9 @@ def _assemble(leaf: Any, layout: _held.LeafLayout, readers: list[int],
   return jax.make_array_from_single_device_arrays(layout.shape, sharding, bufs), dtype
 
 
-def _spread(location: str, step: int, arrays: list[tuple[jax.Array, np.dtype]],
-            timeout_s: float) -> list[jax.Array]:
+def _spread(
+  location: str, step: int, arrays: list[tuple[jax.Array, np.dtype]], timeout_s: float
+) -> list[jax.Array]:
   """Every array summed over its replica axes (one jitted computation), bitcast back to
   its dtype; collective, behind a barrier, with a deadline."""
   phase = f"peers-{step}"
@@ -194,9 +230,11 @@ def _spread(location: str, step: int, arrays: list[tuple[jax.Array, np.dtype]],
         time.sleep(POLL_S)
       x.block_until_ready()
   except Exception as e:
-    raise CheckpointError(f"Restoring step {step} of {_paths.display(location)!r} from the "
-                          f"processes' fast tiers failed in the collective on process "
-                          f"{jax.process_index()}: {type(e).__name__}: {e}") from None
+    raise CheckpointError(
+      f"Restoring step {step} of {_paths.display(location)!r} from the "
+      f"processes' fast tiers failed in the collective on process "
+      f"{jax.process_index()}: {type(e).__name__}: {e}"
+    ) from None
   finally:
     _commit.forget(location)
   for x, _ in arrays:

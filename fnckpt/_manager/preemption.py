@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from .._io import coordination as _coordination
 from .._errors import CheckpointError
+from .._io import coordination as _coordination
 
 __all__ = ["Preemption"]
 
@@ -33,24 +33,27 @@ class Preemption:
 
   def __init__(self, directory: str):
     self.directory = directory
-    self.step: int | None = None       # the step to save; fixed at the first check after notice
+    self.step: int | None = None  # the step to save; fixed at the first check after notice
     self._flag = threading.Event()
     self._previous: dict[int, Any] = {}
-    self._sync_point = False           # several processes: ask JAX's sync point
+    self._sync_point = False  # several processes: ask JAX's sync point
 
   def install(self, signals: tuple[int, ...]) -> None:
     """One process: ``signals`` only set a flag. Several: use JAX's preemption service."""
     if jax.process_count() > 1:
       if _coordination.preemption_sync_manager() is None:
         raise CheckpointError(
-            "handle_preemption with several processes uses JAX's preemption service, which "
-            "is off. Call jax.config.update('jax_enable_preemption_service', True) before "
-            "jax.distributed.initialize().")
+          "handle_preemption with several processes uses JAX's preemption service, which "
+          "is off. Call jax.config.update('jax_enable_preemption_service', True) before "
+          "jax.distributed.initialize()."
+        )
       self._sync_point = True
       return
     if threading.current_thread() is not threading.main_thread():
-      raise CheckpointError("install_preemption_handler() must be called from the main thread "
-                            "(Python installs signal handlers there only).")
+      raise CheckpointError(
+        "install_preemption_handler() must be called from the main thread "
+        "(Python installs signal handlers there only)."
+      )
     for sig in signals:
       if sig not in self._previous:
         self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -58,8 +61,12 @@ class Preemption:
   def _on_signal(self, signum: int, frame: Any) -> None:
     del frame
     if not self._flag.is_set():
-      print(f"fnckpt: received {signal.Signals(signum).name}; saving {self.directory} at the "
-            "next step boundary.", file=sys.stderr, flush=True)
+      print(
+        f"fnckpt: received {signal.Signals(signum).name}; saving {self.directory} at the "
+        "next step boundary.",
+        file=sys.stderr,
+        flush=True,
+      )
     self._flag.set()
 
   def check(self, step: int) -> bool:
@@ -68,6 +75,7 @@ class Preemption:
     if self.step is None:
       if self._sync_point:
         from jax.experimental import multihost_utils
+
         if multihost_utils.reached_preemption_sync_point(step):
           self.step = step
       elif self._flag.is_set():

@@ -14,11 +14,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .._errors import DamagedError
 from .._io import coordination as _coordination
 from .._restore import restore as _restore
-from . import health as _health, held as _held, peers as _peers, tiers as _tiers
+from . import health as _health
+from . import held as _held
+from . import peers as _peers
+from . import tiers as _tiers
 from .claims import StepClaims
-from .._errors import DamagedError
 from .steps import StepIndex
 
 __all__ = ["Recovery"]
@@ -29,8 +32,9 @@ class Recovery:
   :class:`fnckpt._manager.tiers.LocalTier` or ``None``), ``claims`` (steps being saved or read),
   the manager's barrier deadline."""
 
-  def __init__(self, index: StepIndex, local: _tiers.LocalTier | None, claims: StepClaims,
-               timeout_s: float):
+  def __init__(
+    self, index: StepIndex, local: _tiers.LocalTier | None, claims: StepClaims, timeout_s: float
+  ):
     self.index, self.local, self.claims, self.timeout_s = index, local, claims, timeout_s
 
   def steps(self) -> list[int]:
@@ -59,20 +63,26 @@ class Recovery:
     if self.local is None or not _coordination.multi():
       return []
     mine = _peers.report(self.local.index, self.claims.saving())
-    return [_held.HeldReport.from_json(r) for r in _coordination.all_gather(
-        self.index.root, "held", mine.as_json(), self.timeout_s)]
+    return [
+      _held.HeldReport.from_json(r)
+      for r in _coordination.all_gather(self.index.root, "held", mine.as_json(), self.timeout_s)
+    ]
 
-  def _choice(self, local_steps: list[list[int]], reports: list[_held.HeldReport],
-              layout: str | None) -> _held.Choice:
+  def _choice(
+    self, local_steps: list[list[int]], reports: list[_held.HeldReport], layout: str | None
+  ) -> _held.Choice:
     """Process 0's :func:`fnckpt._manager.held.choose`, on every process (collective)."""
+
     def decide() -> list:
       self.claims.wait_saved()
       durable = self.index.list(in_flight=self.claims.saving()).steps
-      common = (_tiers.choose(local_steps, [], set()) if local_steps else None)
+      common = _tiers.choose(local_steps, [], set()) if local_steps else None
       c = _held.choose(reports, [] if common is None else [common], durable, set(), layout)
       return [c.step, c.source, c.warning]
-    return _held.Choice(*_coordination.from_process_0(self.index.root, "held-choice", decide,
-                                                      self.timeout_s))
+
+    return _held.Choice(
+      *_coordination.from_process_0(self.index.root, "held-choice", decide, self.timeout_s)
+    )
 
   def _from_peers(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None] | None:
     """Several processes with fast tiers: when process 0 picks a step only the processes'
@@ -88,11 +98,17 @@ class Recovery:
       warnings.warn(choice.warning, RuntimeWarning, stacklevel=4)
     if choice.source != "peers":
       return None
-    assert choice.step is not None and self.local is not None   # (peers: a local tier's step)
+    assert choice.step is not None and self.local is not None  # (peers: a local tier's step)
     self.claims.wait_saved(choice.step)
     with self.claims.reading(choice.step):
-      value = _peers.restore(self.index.root, self.local.index.at(choice.step), choice.step,
-                             reports, target, self.timeout_s)
+      value = _peers.restore(
+        self.index.root,
+        self.local.index.at(choice.step),
+        choice.step,
+        reports,
+        target,
+        self.timeout_s,
+      )
     return None if value is None else (value, choice.step)
 
   def _newest(self, local_steps: list[list[int]], skipped: set[int]) -> int | None:
@@ -105,8 +121,9 @@ class Recovery:
     local_steps, reports = self._local_steps(), self._reports()
     if reports:
       return self._choice(local_steps, reports, None).step
-    return _coordination.from_process_0(self.index.root, "latest",
-                                        lambda: self._newest(local_steps, set()), self.timeout_s)
+    return _coordination.from_process_0(
+      self.index.root, "latest", lambda: self._newest(local_steps, set()), self.timeout_s
+    )
 
   def restore_latest(self, target: Any, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
     """``(value, step)`` of the newest step no process finds damaged (collective): from the
@@ -116,8 +133,12 @@ class Recovery:
       return peers
     local_steps = self._local_steps()
     return _health.restore_newest_valid(
-        self.index.root, lambda skipped: self._newest(local_steps, skipped),
-        lambda step: self.restore(step, target, kwargs), self._mark, self.timeout_s)
+      self.index.root,
+      lambda skipped: self._newest(local_steps, skipped),
+      lambda step: self.restore(step, target, kwargs),
+      self._mark,
+      self.timeout_s,
+    )
 
   def _mark(self, step: int, damage: str) -> None:
     for index in (self.index, self.local.index if self.local else None):
@@ -125,8 +146,7 @@ class Recovery:
         _health.mark_step(index.location, step, damage)
         index.forget(step)
 
-  def restore(self, step: int, target: Any, kwargs: dict[str, Any],
-              explicit: bool = False) -> Any:
+  def restore(self, step: int, target: Any, kwargs: dict[str, Any], explicit: bool = False) -> Any:
     """Restore ``step`` on this process: the local copy if it has one (unmarked), else the
     durable one; a damaged local copy is marked, with a warning, and the durable one read."""
     self.claims.wait_saved(step)
@@ -149,9 +169,13 @@ class Recovery:
       self.local.index.forget(step)
     except Exception:  # only a memo: the durable copy is read regardless
       pass
-    warnings.warn(f"The local copy of step {step} in {self.local.index.display!r} is damaged: "
-                  f"{error} Reading the durable copy in {self.index.display!r} instead; the "
-                  f"local copy is marked damaged.", RuntimeWarning, stacklevel=5)
+    warnings.warn(
+      f"The local copy of step {step} in {self.local.index.display!r} is damaged: "
+      f"{error} Reading the durable copy in {self.index.display!r} instead; the "
+      f"local copy is marked damaged.",
+      RuntimeWarning,
+      stacklevel=5,
+    )
 
 
 def _restore_at(index: StepIndex, step: int, target: Any, kwargs: dict[str, Any]) -> Any:

@@ -28,6 +28,7 @@ class Policy:
   >>> Policy(max_to_keep=2, keep_every=10)
   Policy(max_to_keep=2, keep_every=10, best_n=None, best_mode='min')
   """
+
   max_to_keep: int | None = None
   keep_every: int | None = None
   best_n: int | None = None
@@ -53,8 +54,12 @@ def _number(value: Any) -> float | None:
   return None if math.isnan(value) else value
 
 
-def keep(steps: Iterable[int], policy: Policy, metrics: Mapping[int, Any] | None = None,
-         protect: Iterable[int] = ()) -> set[int]:
+def keep(
+  steps: Iterable[int],
+  policy: Policy,
+  metrics: Mapping[int, Any] | None = None,
+  protect: Iterable[int] = (),
+) -> set[int]:
   """The steps of ``steps`` that ``policy`` keeps (plus ``protect``, even if not in ``steps``).
 
   ``metrics[step]`` is the value the ``best_n`` rule ranks (a number; anything else, or a
@@ -75,7 +80,7 @@ def keep(steps: Iterable[int], policy: Policy, metrics: Mapping[int, Any] | None
     return kept | set(steps)
   kept.add(steps[-1])
   if policy.max_to_keep:
-    kept.update(steps[-policy.max_to_keep:])
+    kept.update(steps[-policy.max_to_keep :])
   if policy.keep_every:
     kept.update(s for s in steps if s % policy.keep_every == 0)
   if policy.best_n:
@@ -83,12 +88,16 @@ def keep(steps: Iterable[int], policy: Policy, metrics: Mapping[int, Any] | None
     ranked = [(v, s) for s in steps if (v := _number(metrics.get(s))) is not None]
     sign = 1.0 if policy.best_mode == "min" else -1.0
     ranked.sort(key=lambda vs: (sign * vs[0], -vs[1]))  # best first; ties: newer first
-    kept.update(s for _, s in ranked[:policy.best_n])
+    kept.update(s for _, s in ranked[: policy.best_n])
   return kept
 
 
-def to_delete(steps: Iterable[int], policy: Policy, metrics: Mapping[int, Any] | None = None,
-              protect: Iterable[int] = ()) -> list[int]:
+def to_delete(
+  steps: Iterable[int],
+  policy: Policy,
+  metrics: Mapping[int, Any] | None = None,
+  protect: Iterable[int] = (),
+) -> list[int]:
   """The steps of ``steps`` that ``policy`` does not keep, oldest first.
 
   >>> to_delete([10, 20, 30, 40], Policy(max_to_keep=2))

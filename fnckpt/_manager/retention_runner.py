@@ -15,14 +15,21 @@ from typing import Any, Callable
 
 import jax
 
-from .._io import coordination as _coordination
-from . import fork as _fork, retention as _retention
-from .claims import StepClaims
 from .._errors import CheckpointError
+from .._io import coordination as _coordination
+from . import fork as _fork
+from . import retention as _retention
+from .claims import StepClaims
 from .steps import StepIndex
 
-__all__ = ["Background", "RetentionRunner", "RetentionError", "delete_unclaimed",
-           "delete_referenced", "collect_held"]
+__all__ = [
+  "Background",
+  "RetentionRunner",
+  "RetentionError",
+  "delete_unclaimed",
+  "delete_referenced",
+  "collect_held",
+]
 
 
 class RetentionError(CheckpointError):
@@ -44,6 +51,7 @@ class Background:
         fn(*args, **kwargs)
       except BaseException as e:  # kept for wait(); nothing may die silently in a thread
         self.record(e)
+
     thread = threading.Thread(target=run, name=name)  # the interpreter waits for it at exit
     with self._lock:
       self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -74,17 +82,19 @@ class Background:
     self.join()
     errors = self.take()
     shared = _coordination.from_process_0(
-        location, "wait", lambda: [str(e) for e in errors if isinstance(e, RetentionError)],
-        timeout_s)
+      location, "wait", lambda: [str(e) for e in errors if isinstance(e, RetentionError)], timeout_s
+    )
     if jax.process_index() != 0:
       errors += [RetentionError(f"On process 0: {text}") for text in shared]
     return errors
 
 
-def delete_unclaimed(index: StepIndex, claims: StepClaims,
-                     choose: Callable[[set[int]], list[int]],
-                     keep: Callable[[set[int]], dict[int, set[str]]] | None = None
-                     ) -> tuple[list[int], list[tuple[int, BaseException]]]:
+def delete_unclaimed(
+  index: StepIndex,
+  claims: StepClaims,
+  choose: Callable[[set[int]], list[int]],
+  keep: Callable[[set[int]], dict[int, set[str]]] | None = None,
+) -> tuple[list[int], list[tuple[int, BaseException]]]:
   """Claim and delete the steps ``choose(claimed steps)`` names (never a claimed one); return
   (deleted steps, [(step, error)] for those that could not be deleted). ``keep(doomed)``: per
   step, its data directories that the steps left (or forks) refer to, which stay."""
@@ -104,15 +114,19 @@ def delete_unclaimed(index: StepIndex, claims: StepClaims,
   return sorted(deleted), failed
 
 
-def delete_referenced(index: StepIndex, claims: StepClaims,
-                      choose: Callable[[set[int]], list[int]]
-                      ) -> tuple[list[int], list[tuple[int, BaseException]]]:
+def delete_referenced(
+  index: StepIndex, claims: StepClaims, choose: Callable[[set[int]], list[int]]
+) -> tuple[list[int], list[tuple[int, BaseException]]]:
   """:func:`delete_unclaimed` keeping the data that the steps left (damaged ones too) or
   forks refer to (``REFERENCED``, :mod:`fnckpt._manager.fork`), read from a listing taken once the
   doomed steps are claimed (a step committed after ``choose``'s listing may refer to them);
   then :func:`collect_held`."""
-  deleted, failed = delete_unclaimed(index, claims, choose, lambda doomed: index.refs.kept(
-      index.list(in_flight=claims.saving()), doomed))
+  deleted, failed = delete_unclaimed(
+    index,
+    claims,
+    choose,
+    lambda doomed: index.refs.kept(index.list(in_flight=claims.saving()), doomed),
+  )
   collect_held(index, claims)
   return deleted, failed
 
@@ -125,13 +139,13 @@ def collect_held(index: StepIndex, claims: StepClaims) -> None:
   listing = index.list(in_flight=claims.saving())
   if not listing.held:
     return
-  held = claims.claim_unprotected(lambda protect: [s for s in listing.held
-                                                   if s not in protect])
+  held = claims.claim_unprotected(lambda protect: [s for s in listing.held if s not in protect])
   try:
     if held:
       fresh = index.list(in_flight=claims.saving())
-      _fork.collect(index.location, [s for s in held if s in fresh.held],
-                    index.refs.kept(fresh, set()))
+      _fork.collect(
+        index.location, [s for s in held if s in fresh.held], index.refs.kept(fresh, set())
+      )
   finally:
     claims.release_delete(held)
 
@@ -140,8 +154,9 @@ class RetentionRunner:
   """Applies ``policy`` to the committed steps of ``index``, sparing the steps in ``claims``,
   the newest committed step, and (through the policy) whatever it keeps."""
 
-  def __init__(self, index: StepIndex, claims: StepClaims, policy: _retention.Policy,
-               best_metric: str | None):
+  def __init__(
+    self, index: StepIndex, claims: StepClaims, policy: _retention.Policy, best_metric: str | None
+  ):
     self.index = index
     self.claims = claims
     self.policy = policy
@@ -159,20 +174,28 @@ class RetentionRunner:
       collect_held(self.index, self.claims)
       return
     listing = self.index.list(in_flight=self.claims.saving())
-    metrics = (self.index.metric_values(listing, self.best_metric)
-               if self.policy.best_n and self.best_metric else {})
-    _, failed = delete_referenced(self.index, self.claims, lambda protect: (
-        _retention.to_delete(listing.steps, self.policy, metrics, protect)))
+    metrics = (
+      self.index.metric_values(listing, self.best_metric)
+      if self.policy.best_n and self.best_metric
+      else {}
+    )
+    _, failed = delete_referenced(
+      self.index,
+      self.claims,
+      lambda protect: _retention.to_delete(listing.steps, self.policy, metrics, protect),
+    )
     if failed:
       raise self._error(failed)
 
   def _error(self, failed: list[tuple[int, BaseException]]) -> RetentionError:
     steps = ", ".join(str(s) for s, _ in failed)
-    causes = "; ".join(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-                       for _, e in failed)
+    causes = "; ".join(
+      str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}" for _, e in failed
+    )
     error = RetentionError(
-        f"Retention could not delete step {steps} of {self.index.display!r}: "
-        f"{causes.rstrip('.')}. The newer checkpoints are committed. Fix the cause, then call "
-        f"manager.delete(step) for step {steps} (or let the next retention pass retry).")
+      f"Retention could not delete step {steps} of {self.index.display!r}: "
+      f"{causes.rstrip('.')}. The newer checkpoints are committed. Fix the cause, then call "
+      f"manager.delete(step) for step {steps} (or let the next retention pass retry)."
+    )
     warnings.warn(str(error), RuntimeWarning, stacklevel=1)
     return error

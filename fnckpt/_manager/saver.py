@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 
-from .._io import commit as _commit, coordination as _coordination, paths as _paths
-from .._save import pending as _pending, save as _save
-from .._save.options import SaveOptions
-from . import held as _held, interval as _interval, lineage as _lineage, peers as _peers
-from . import steps as _steps, tiers as _tiers
-from .claims import StepClaims
 from .._errors import CheckpointError, DamagedError
+from .._io import commit as _commit
+from .._io import coordination as _coordination
+from .._io import paths as _paths
+from .._save import pending as _pending
+from .._save import save as _save
+from .._save.options import SaveOptions
+from . import held as _held
+from . import interval as _interval
+from . import lineage as _lineage
+from . import peers as _peers
+from . import steps as _steps
+from . import tiers as _tiers
+from .claims import StepClaims
 from .preemption import Preemption
 from .retention_runner import Background, RetentionError, RetentionRunner
 
@@ -39,18 +46,26 @@ __all__ = ["Saver"]
 class Saver:
   """Starts a manager's saves and their background work (see the module docstring)."""
 
-  def __init__(self, index: _steps.StepIndex, local: _tiers.LocalTier | None,
-               claims: StepClaims, cadence: _interval.Cadence, preemption: Preemption,
-               background: Background, retention: RetentionRunner,
-               save_options: SaveOptions, timeout_s: float,
-               incremental: _lineage.Incremental | None = None):
+  def __init__(
+    self,
+    index: _steps.StepIndex,
+    local: _tiers.LocalTier | None,
+    claims: StepClaims,
+    cadence: _interval.Cadence,
+    preemption: Preemption,
+    background: Background,
+    retention: RetentionRunner,
+    save_options: SaveOptions,
+    timeout_s: float,
+    incremental: _lineage.Incremental | None = None,
+  ):
     self.index, self.local, self.claims, self.cadence = index, local, claims, cadence
     self.incremental = incremental or _lineage.Incremental(False, None)
     self.preemption, self.background, self.retention = preemption, background, retention
     self.save_options, self.timeout_s = save_options, timeout_s
     self.last_saved: int | None = None
-    self._warned_tiers = False   # (incremental with local tiers on several processes)
-    self._recent: dict[int, Any] = {}   # step -> handle of the latest saves (their bases)
+    self._warned_tiers = False  # (incremental with local tiers on several processes)
+    self._recent: dict[int, Any] = {}  # step -> handle of the latest saves (their bases)
 
   def due(self, step: int) -> bool:
     """Whether ``step`` is on an interval (durable or local)."""
@@ -68,16 +83,22 @@ class Saver:
     def decide() -> dict[str, Any]:
       for index in [self.index] + ([self.local.index] if self.local else []):
         _check_may_save(self.claims, index, step, force)  # both tiers: a wiped one hides none
-        _lineage.check_replace(index, self.claims, step,  # (do other steps refer to it?)
-                               self.incremental)
-      busy = (self.local.pending if self.local is not None and self._copies() else
-              self.claims.saving())
+        _lineage.check_replace(
+          index,
+          self.claims,
+          step,  # (do other steps refer to it?)
+          self.incremental,
+        )
+      busy = (
+        self.local.pending if self.local is not None and self._copies() else self.claims.saving()
+      )
       return self.cadence.decide(busy=bool(busy)) if durable else {}
 
     # Decided on process 0 for all: every process calls the collective save, or none does.
     # Keyed on the durable location (local path strings may differ between hosts).
-    decision = _coordination.from_process_0(self.index.path(step), "may-save", decide,
-                                            self.timeout_s)
+    decision = _coordination.from_process_0(
+      self.index.path(step), "may-save", decide, self.timeout_s
+    )
     if durable:
       self.cadence.apply(step, {**decision, "save": decision["save"] or urgent})
       durable = decision["save"] or urgent  # "auto": skipped while the previous one writes
@@ -101,29 +122,41 @@ class Saver:
       return self.local.index
     return self.index
 
-  def _start(self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any,
-             durable: bool) -> Any:
+  def _start(
+    self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any, durable: bool
+  ) -> Any:
     inc = self.incremental  # the base: the newest committed step where this save goes
     # (claimed till committed); not with local tiers of several processes (each host's
     # local directory may hold only its own chunks: see fnckpt._manager.tiers)
-    base = (inc.choose(index, self.claims, step, self.timeout_s)
-            if not (self.local and jax.process_count() > 1) else None)
+    base = (
+      inc.choose(index, self.claims, step, self.timeout_s)
+      if not (self.local and jax.process_count() > 1)
+      else None
+    )
     if inc.enabled and self.local and jax.process_count() > 1 and not self._warned_tiers:
       self._warned_tiers = True
       warnings.warn(
-          "CheckpointManager(incremental=True, local_directory=...) with several processes: "
-          "every save is written in full (hashes recorded), because a per-host fast-tier "
-          "directory may hold only its host's chunks, so no base there is readable by every "
-          "process. Use incremental=True without local_directory to write only what changed.",
-          RuntimeWarning, stacklevel=4)
+        "CheckpointManager(incremental=True, local_directory=...) with several processes: "
+        "every save is written in full (hashes recorded), because a per-host fast-tier "
+        "directory may hold only its host's chunks, so no base there is readable by every "
+        "process. Use incremental=True without local_directory to write only what changed.",
+        RuntimeWarning,
+        stacklevel=4,
+      )
     staged = self._stage_held(step, tree, index)
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
       key = None if index is self.index else _paths.join(self.index.path(step), "(local-tier)")
-      handle = _save.start(tree, index.at(step), self.save_options, metadata=metadata,
-                           base=index.path(base.step) if base else None,
-                           barrier_location=key, base_state=self._base_state(base))
+      handle = _save.start(
+        tree,
+        index.at(step),
+        self.save_options,
+        metadata=metadata,
+        base=index.path(base.step) if base else None,
+        barrier_location=key,
+        base_state=self._base_state(base),
+      )
     except BaseException:
       self.claims.release_save(step)
       inc.release(base)
@@ -135,9 +168,16 @@ class Saver:
     self._recent = dict(list(self._recent.items())[-4:])
     if self.local and durable and index is not self.index:
       self.local.begin(step)
-    self.background.spawn(f"fnckpt-manager:{self.index.display}/{step}", self._after_commit,
-                          step=step, handle=handle, durable=durable, index=index, base=base,
-                          staged=staged)
+    self.background.spawn(
+      f"fnckpt-manager:{self.index.display}/{step}",
+      self._after_commit,
+      step=step,
+      handle=handle,
+      durable=durable,
+      index=index,
+      base=base,
+      staged=staged,
+    )
     return handle
 
   def _stage_held(self, step: int, tree: Any, index: _steps.StepIndex) -> Any:
@@ -154,12 +194,15 @@ class Saver:
     """Write the held pieces and record of a committed local save (a failure only warns:
     recovery then reads a complete local copy or the durable tier)."""
     try:
-      _peers.write(index.at(step), staged, step,
-                   jax.process_index(), jax.process_count())
+      _peers.write(index.at(step), staged, step, jax.process_index(), jax.process_count())
     except Exception as e:
-      warnings.warn(f"Could not write what process {jax.process_index()} holds of local step "
-                    f"{step} in {index.display!r}: {e}. Recovery from peers will not use this "
-                    "process's copy of it.", RuntimeWarning, stacklevel=1)
+      warnings.warn(
+        f"Could not write what process {jax.process_index()} holds of local step "
+        f"{step} in {index.display!r}: {e}. Recovery from peers will not use this "
+        "process's copy of it.",
+        RuntimeWarning,
+        stacklevel=1,
+      )
 
   def _base_state(self, base: Any) -> _pending.BaseState:
     """``start(base_state=)``: the base is committed, or (process 0 chose a step in flight)
@@ -177,8 +220,15 @@ class Saver:
       warnings.warn(str(error), RuntimeWarning, stacklevel=1)
       raise error from e
 
-  def _after_commit(self, step: int, handle: Any, durable: bool,
-                    index: _steps.StepIndex, base: Any = None, staged: Any = None) -> None:
+  def _after_commit(
+    self,
+    step: int,
+    handle: Any,
+    durable: bool,
+    index: _steps.StepIndex,
+    base: Any = None,
+    staged: Any = None,
+  ) -> None:
     """Background: wait for the save's commit (the step's claim ends there); copy it to the
     durable tier if it was saved to the local one for that (one process; with the data of
     other steps it refers to); then retention (never while a copy runs: it may be bringing
@@ -222,18 +272,21 @@ def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> Ret
       kept = step in local.index.list().steps
     except Exception:  # the local tier itself is unreadable
       pass
-  where = (f"Step {step} is committed on the local tier only; the next durable save is copied "
-           f"as usual (or save it again with force=True)." if kept else
-           f"The local copy of step {step} is gone, damaged or incomplete, so step {step} is "
-           "restorable from neither tier (nothing was committed in the durable one; its older "
-           "steps are unaffected): save a new step, or this one again with force=True.")
+  where = (
+    f"Step {step} is committed on the local tier only; the next durable save is copied "
+    f"as usual (or save it again with force=True)."
+    if kept
+    else f"The local copy of step {step} is gone, damaged or incomplete, so step {step} is "
+    "restorable from neither tier (nothing was committed in the durable one; its older "
+    "steps are unaffected): save a new step, or this one again with force=True."
+  )
   return RetentionError(
-      f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
-      f"{local.durable.display!r} failed: {error} {where}")
+    f"Copying step {step} from the local tier {local.index.display!r} to the durable tier "
+    f"{local.durable.display!r} failed: {error} {where}"
+  )
 
 
-def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,
-                    force: bool) -> None:
+def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int, force: bool) -> None:
   """save(): refuse an older step, one being saved, or one committed already (unless
   ``force``). Run on process 0 for every process (``_coordination.from_process_0``)."""
   if force:
@@ -242,14 +295,18 @@ def _check_may_save(claims: StepClaims, index: _steps.StepIndex, step: int,
   newest = max(claims.saving() | {index.newest_known() or -1})
   if newest > step:
     raise CheckpointError(
-        f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
-        "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True.")
+      f"Step {step} is older than step {newest}, already in {directory!r}. Steps must "
+      "increase; to go back, delete the newer steps (manager.delete(s)) or pass force=True."
+    )
   handle = claims.handle(step)
   if handle is not False and (handle is None or not handle.done()):
-    raise CheckpointError(f"Step {step} is being saved to {directory!r} already; pass "
-                          "force=True to replace it.")
-  if (_commit.is_committed(_paths.open_kvstore(index.at(step)))
-      and step not in index.list().damaged):  # a damaged step is replaced like a leftover
     raise CheckpointError(
-        f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
-        "or save a new step.")
+      f"Step {step} is being saved to {directory!r} already; pass force=True to replace it."
+    )
+  if (
+    _commit.is_committed(_paths.open_kvstore(index.at(step))) and step not in index.list().damaged
+  ):  # a damaged step is replaced like a leftover
+    raise CheckpointError(
+      f"Step {step} is already committed in {directory!r}. Pass force=True to replace it, "
+      "or save a new step."
+    )

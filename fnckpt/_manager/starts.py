@@ -22,8 +22,8 @@ from .._io import paths as _paths
 __all__ = ["STARTS", "FLOOR", "SLACK_S", "plausible", "read_starts", "write_starts"]
 
 STARTS = "fnckpt-starts"
-FLOOR = 1.5e9      # 2017-07-14: no fnckpt run started before
-SLACK_S = 3600.0   # clock skew between hosts tolerated for a recorded start
+FLOOR = 1.5e9  # 2017-07-14: no fnckpt run started before
+SLACK_S = 3600.0  # clock skew between hosts tolerated for a recorded start
 _KEEP = 1000
 
 
@@ -36,8 +36,11 @@ def plausible(starts: Any, now: float) -> list[float]:
   """
   if not isinstance(starts, (list, tuple)):
     return []
-  out = [float(t) for t in starts
-         if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)]
+  out = [
+    float(t)
+    for t in starts
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+  ]
   return sorted(t for t in out if FLOOR <= t <= now + SLACK_S)
 
 
@@ -59,5 +62,6 @@ def write_starts(root: _paths.Location | str, starts: Sequence[float]) -> None:
   try:
     _paths.open_kvstore(root).write(STARTS, msgpack.packb(log)).result()
   except Exception as e:
-    raise _paths.io_error(e, _paths.Location.of(root).join(STARTS).path,
-                          "recording this start") from e
+    raise _paths.io_error(
+      e, _paths.Location.of(root).join(STARTS).path, "recording this start"
+    ) from e

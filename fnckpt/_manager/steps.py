@@ -36,17 +36,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from .._errors import CheckpointError
 from .._io import paths as _paths
 from .._restore import restore as _restore
-from . import fork as _fork, health as _health
-from .._errors import CheckpointError
+from . import fork as _fork
+from . import health as _health
 
 __all__ = ["MARKER", "Listing", "StepIndex", "as_step", "scan"]
 
 # The commit marker's key in a checkpoint (docs/format.md; the same key that
 # fnckpt._io.commit.is_committed reads; tests/test_manager.py checks that a saved step has it).
 MARKER = "COMMIT"
-HELD = "REFERENCED"   # a deleted step whose data others still refer to (fnckpt._manager.fork)
+HELD = "REFERENCED"  # a deleted step whose data others still refer to (fnckpt._manager.fork)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 
 
@@ -72,6 +73,7 @@ class Listing:
   """One look at a run directory. ``committed``: step -> its marker's stamp (opaque; it
   changes whenever the step is committed again); ``uncommitted``: leftovers, sorted;
   ``damaged``: committed steps marked damaged (step -> the damage), not in ``committed``."""
+
   committed: dict[int, bytes]
   uncommitted: list[int]
   damaged: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -151,9 +153,9 @@ class StepIndex:
     self._local = spec["path"] if spec["driver"] == "file" else None
     self._kv = None if self._local else _paths.open_kvstore(self.location)
     self._lock = threading.Lock()
-    self._names: set[int] = set()       # step directories seen (object stores: where not to list)
-    self._committed: set[int] = set()   # committed at the last listing (newest_known)
-    self._noted: set[int] = set()       # committed by the caller since (note_committed)
+    self._names: set[int] = set()  # step directories seen (object stores: where not to list)
+    self._committed: set[int] = set()  # committed at the last listing (newest_known)
+    self._noted: set[int] = set()  # committed by the caller since (note_committed)
     self._metrics: dict[int, tuple[bytes, Any]] = {}  # step -> (marker stamp, metric value)
     self._refs: Any = None
 
@@ -180,8 +182,7 @@ class StepIndex:
     """The committed steps and leftovers now. ``in_flight``: steps the caller is writing (not
     probed for leftover data while their marker is missing)."""
     try:
-      committed, leftovers, marks = (self._list_local() if self._local
-                                     else self._list_kv(in_flight))
+      committed, leftovers, marks = self._list_local() if self._local else self._list_kv(in_flight)
       damaged = _health.marks_in_force(self._marks_kv(), sorted(marks & set(committed)))
       held = [s for s in leftovers if self._is_held(s)]
     except Exception as e:  # TensorStore raises ValueError & co.; OSError from local files
@@ -190,8 +191,7 @@ class StepIndex:
     committed = {s: v for s, v in committed.items() if s not in damaged}
     with self._lock:
       self._committed = set(committed)
-    return Listing(committed, sorted(set(leftovers) - set(held)), damaged, sorted(held),
-                   marked)
+    return Listing(committed, sorted(set(leftovers) - set(held)), damaged, sorted(held), marked)
 
   def _is_held(self, step: int) -> bool:
     if self._local:
@@ -225,13 +225,17 @@ class StepIndex:
       committed[int(entry.name)] = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
     return committed, leftovers, marks
 
-  def _list_kv(self, in_flight: frozenset[int] | set[int]
-               ) -> tuple[dict[int, bytes], builtins.list[int], set[int]]:
+  def _list_kv(
+    self, in_flight: frozenset[int] | set[int]
+  ) -> tuple[dict[int, bytes], builtins.list[int], set[int]]:
     assert self._kv is not None
     with self._lock:
       known = set(self._names)
-    gaps = [k.decode("utf-8", "surrogateescape") for f in
-            [self._kv.list(range=r) for r in _gaps(known)] for k in f.result()]
+    gaps = [
+      k.decode("utf-8", "surrogateescape")
+      for f in [self._kv.list(range=r) for r in _gaps(known)]
+      for k in f.result()
+    ]
     found = {s for s in map(_step_of, gaps) if s is not None}
     marks = {s for s in map(_health.mark_of, gaps) if s is not None}
     reads = {s: self._kv.read(f"{s}/{MARKER}") for s in known | found}

@@ -38,6 +38,7 @@ class Reader:
   resharded onto ``target``. ``groups``: processes holding each target shard; ``factor``: how
   many parts each shard is read in; ``cost``: the most bytes a process reads (the wave
   budget's unit, the same on every process)."""
+
   sharding: jax.sharding.NamedSharding
   target: jax.sharding.NamedSharding
   groups: int
@@ -67,39 +68,59 @@ def _spec(spec: jax.sharding.PartitionSpec, ndim: int) -> _spread.Spec | None:
   return tuple(out)
 
 
-def reader_of(sharding: Any, shape: Sequence[int], itemsize: int, *, packed: bool,
-              align: Sequence[int] | None = None) -> Reader | None:
+def reader_of(
+  sharding: Any,
+  shape: Sequence[int],
+  itemsize: int,
+  *,
+  packed: bool,
+  align: Sequence[int] | None = None,
+) -> Reader | None:
   """The read-once plan of an array of ``shape`` placed with ``sharding``; None when no
   process would read less (not a NamedSharding, no replication across processes, no
   dimension the replicas divide evenly, or a packed leaf whose parts would not be single
   byte ranges). ``align``: the stored chunk shape (reads fetch whole chunks). Cached per
   argument set (O(devices) each: a model has a few distinct ones)."""
-  if not isinstance(sharding, jax.sharding.NamedSharding) or \
-      isinstance(sharding.mesh, jax.sharding.AbstractMesh) or jax.process_count() == 1:
+  if (
+    not isinstance(sharding, jax.sharding.NamedSharding)
+    or isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+    or jax.process_count() == 1
+  ):
     return None
-  return _reader(sharding, tuple(int(n) for n in shape), itemsize, packed,
-                 None if align is None else tuple(align))
+  return _reader(
+    sharding,
+    tuple(int(n) for n in shape),
+    itemsize,
+    packed,
+    None if align is None else tuple(align),
+  )
 
 
 @_state.memo(1024)
-def _reader(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...], itemsize: int,
-            packed: bool, align: tuple[int, ...] | None) -> Reader | None:
+def _reader(
+  sharding: jax.sharding.NamedSharding,
+  shape: tuple[int, ...],
+  itemsize: int,
+  packed: bool,
+  align: tuple[int, ...] | None,
+) -> Reader | None:
   spec = _spec(sharding.spec, len(shape))
   if spec is None:
     return None
-  grid = grid_of(cast(jax.sharding.Mesh, sharding.mesh))   # (a concrete sharding's)
+  grid = grid_of(cast(jax.sharding.Mesh, sharding.mesh))  # (a concrete sharding's)
   rspec, factor = _spread.reader_spec(grid, spec, shape, align)
   if factor == 1 or (packed and not _spread.contiguous_blocks(grid, rspec, shape)):
     return None
   cost = int(_spread.bytes_per_process(grid, rspec, shape, itemsize).max())
   reader = jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*(a if a else None for a in rspec)),
-      memory_kind=sharding.memory_kind)
+    sharding.mesh,
+    jax.sharding.PartitionSpec(*(a if a else None for a in rspec)),
+    memory_kind=sharding.memory_kind,
+  )
   return Reader(reader, sharding, _spread.replica_groups(grid, spec), factor, cost)
 
 
-def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, remote: bool
-           ) -> bool:
+def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, remote: bool) -> bool:
   """Whether to read once and broadcast: as asked; by default (None) when several processes
   hold copies of some target array (``readers`` not empty) and the bytes would travel faster
   between devices than from storage: accelerators (ICI, NVLink, IB), or storage over a
@@ -114,9 +135,11 @@ def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, rem
   (False, True)
   """
   if broadcast is not None and not isinstance(broadcast, bool):
-    raise TypeError(f"broadcast={broadcast!r}: expected True, False or None (the default: "
-                    "on when the target replicates arrays across processes, on accelerators "
-                    "or from an object store).")
+    raise TypeError(
+      f"broadcast={broadcast!r}: expected True, False or None (the default: "
+      "on when the target replicates arrays across processes, on accelerators "
+      "or from an object store)."
+    )
   if broadcast is None:
     return bool(readers) and (remote or not cpu)
   return broadcast
@@ -126,5 +149,6 @@ def waves(readers: dict[int, Reader], budget: int) -> list[list[int]]:
   """The leaves of ``readers`` (in their order, the same on every process) in waves whose
   per-process reader bytes fit ``budget`` (a leaf larger than it alone)."""
   keys = list(readers)
-  return [[keys[k] for k in wave]
-          for wave in _spread.waves([readers[i].cost for i in keys], budget)]
+  return [
+    [keys[k] for k in wave] for wave in _spread.waves([readers[i].cost for i in keys], budget)
+  ]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._io import arrays as _arrays, commit as _commit
+from .._io import arrays as _arrays
+from .._io import commit as _commit
 from .._sources import source as _source
 
 __all__ = ["RestoreOptions"]
@@ -21,6 +22,7 @@ class RestoreOptions:
   >>> RestoreOptions(partial=True) == RestoreOptions(partial=True, cast=False)
   True
   """
+
   partial: bool = False
   cast: bool = False
   budget_bytes: int | None = None

@@ -26,31 +26,40 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError
-from .._layout import chunks as _chunks
 from .._format import leaves as _leaves
 from .._io import arrays as _arrays
+from .._layout import chunks as _chunks
 from .._sources import read as _read
 from .._sources.source import Source
 
-__all__ = ["Read", "read_arrays", "place", "place_all", "put_grouped", "convert", "check_fits",
-           "inline_hosts"]
+__all__ = [
+  "Read",
+  "read_arrays",
+  "place",
+  "place_all",
+  "put_grouped",
+  "convert",
+  "check_fits",
+  "inline_hosts",
+]
 
-WHOLE = "whole"   # a region's devices: the whole leaf, placed with its sharding
+WHOLE = "whole"  # a region's devices: the whole leaf, placed with its sharding
 FLUSH_PUTS = 256  # placements batched into one device_put at most
-RUN = "run"       # a region's tag: a run of whole packed leaves read as one byte range
-RUN_BYTES = 8 << 20   # a run's bytes at most (and an eighth of the budget)
+RUN = "run"  # a region's tag: a run of whole packed leaves read as one byte range
+RUN_BYTES = 8 << 20  # a run's bytes at most (and an eighth of the budget)
 
 
 @dataclasses.dataclass
 class Read:
   """One array leaf being read: where its slices go and what has arrived (``parts``: device
   -> its slice placed, or None -> the whole host array; ``placed``: the leaf placed whole)."""
-  want: Any                                    # restore's _Want: rec, dtype, host, ...
+
+  want: Any  # restore's _Want: rec, dtype, host, ...
   shape: tuple[int, ...]
-  sharding: jax.sharding.Sharding | None       # None: one host numpy array
+  sharding: jax.sharding.Sharding | None  # None: one host numpy array
   parts: dict[Any, Any] = dataclasses.field(default_factory=dict)
   placed: Any = None
-  sliced: bool = False                         # a packed leaf read in slices (broadcast)
+  sliced: bool = False  # a packed leaf read in slices (broadcast)
 
 
 def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
@@ -61,19 +70,19 @@ def read_arrays(src: Source, reads: dict[int, Read], budget: int) -> None:
   placer = _Placer(reads)
   window = placer.window = _read.Window(budget, drain=placer.flush, idle=placer.place_inline)
   try:
-    for got in _read.read_regions(_regions(_read.Opener(src), reads, budget), window,
-                                  release=False):
+    for got in _read.read_regions(
+      _regions(_read.Opener(src), reads, budget), window, release=False
+    ):
       placer.land(got)
     placer.place_inline()
     placer.flush()
   finally:
     window.drain = window.idle = None  # (a cycle through the placer would keep what was
-                                       # read, and the restored arrays, alive until a
-                                       # garbage collection)
+    # read, and the restored arrays, alive until a
+    # garbage collection)
 
 
-def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int
-             ) -> Iterator[_read.Region]:
+def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int) -> Iterator[_read.Region]:
   """Packed leaves whole (first: they share packs, in batches of half the budget; runs of
   leaves lying one after another in a pack read as one range, :func:`_packed_regions`), then
   the slices of stored, pieced and foreign leaves (and of packed ones read in parts:
@@ -93,8 +102,9 @@ def _regions(opener: _read.Opener, reads: dict[int, Read], limit: int
       yield _read.Region(leaf, index, leaf.cost(index), (i, devices))
 
 
-def _packed_regions(opener: _read.Opener, reads: dict[int, Read], limit: int
-                    ) -> Iterator[_read.Region]:
+def _packed_regions(
+  opener: _read.Opener, reads: dict[int, Read], limit: int
+) -> Iterator[_read.Region]:
   """The whole packed leaves: one read per run of them in a pack (:func:`_read.pack_runs`,
   at most :data:`RUN_BYTES` or an eighth of the budget), a leaf alone as before. 999 packed
   leaves of the bench's mixed state were 999 TensorStore reads; now 10."""
@@ -119,15 +129,15 @@ class _Placer:
   def __init__(self, reads: dict[int, Read]):
     self.reads = reads
     self.window: _read.Window | None = None
-    self.puts: list[tuple[int, Any, np.ndarray]] = []   # (leaf, device, host slice)
-    self.whole: list[tuple[int, np.ndarray]] = []        # (leaf, host array)
+    self.puts: list[tuple[int, Any, np.ndarray]] = []  # (leaf, device, host slice)
+    self.whole: list[tuple[int, np.ndarray]] = []  # (leaf, host array)
     self.held = 0
     self.inline_done = False
 
   def land(self, got: _read.Landed) -> None:
     """A landed read (one leaf's region, or a run of whole packed leaves) kept or queued."""
     tag = got.region.tag
-    assert got.data is not None and self.window is not None   # (read with errors raised)
+    assert got.data is not None and self.window is not None  # (read with errors raised)
     if tag[0] is RUN:  # views of one buffer: a host result gets its own copy
       for (i, devices), host in zip(tag[1], got.data):
         self._take(i, devices, np.array(host) if devices is None else host)
@@ -136,7 +146,8 @@ class _Placer:
       return
     self.held += got.region.cost
     if len(self.puts) + len(self.whole) >= FLUSH_PUTS or (
-        not got.next_landed and self.held >= self.window.limit // 8):
+      not got.next_landed and self.held >= self.window.limit // 8
+    ):
       self.flush()
 
   def _take(self, i: int, devices: Any, data: np.ndarray) -> bool:
@@ -165,8 +176,9 @@ class _Placer:
       return
     self.inline_done = True
     mine = [i for i, r in self.reads.items() if r.want.rec.inline is not None]
-    hosts = inline_hosts([self.reads[i].want.rec for i in mine],
-                         [self.reads[i].sharding for i in mine])
+    hosts = inline_hosts(
+      [self.reads[i].want.rec for i in mine], [self.reads[i].sharding for i in mine]
+    )
     for i, host in zip(mine, hosts):
       self.inline(i, host)
     self.flush()
@@ -192,7 +204,7 @@ class _Placer:
       self.puts.clear()
     if self.whole:
       rs = [self.reads[i] for i, _ in self.whole]
-      shardings = [cast(jax.sharding.Sharding, r.sharding) for r in rs]   # (WHOLE: sharded)
+      shardings = [cast(jax.sharding.Sharding, r.sharding) for r in rs]  # (WHOLE: sharded)
       for r, arr in zip(rs, place_all([h for _, h in self.whole], shardings)):
         r.placed = arr
       self.whole.clear()
@@ -223,22 +235,28 @@ def check_fits(host: np.ndarray, where: str) -> None:
 
   >>> check_fits(np.array([2**31 - 1]), "['step']")
   """
-  if (host.dtype.kind not in _X32 or host.dtype.itemsize != 8 or not host.size
-      or jax.config.jax_enable_x64):  # type: ignore[attr-defined]  # (jax's stubs)
+  if (
+    host.dtype.kind not in _X32
+    or host.dtype.itemsize != 8
+    or not host.size
+    or jax.config.jax_enable_x64  # type: ignore[attr-defined]  # (jax's stubs)
+  ):
     return
   lo, hi = _X32[host.dtype.kind]
   low, high = int(host.min()), int(host.max())
   if low < lo or high > hi:
     raise CheckpointError(
-        f"{where}: the checkpoint holds {host.dtype} values from {low} to {high}, beyond "
-        f"{host.dtype.name.replace('64', '32')}, and jax_enable_x64 is off, so JAX would "
-        "hold them as 32-bit integers and wrap them. Turn x64 on "
-        "(jax.config.update('jax_enable_x64', True)) before restoring, or restore this leaf "
-        "into a numpy array target.")
+      f"{where}: the checkpoint holds {host.dtype} values from {low} to {high}, beyond "
+      f"{host.dtype.name.replace('64', '32')}, and jax_enable_x64 is off, so JAX would "
+      "hold them as 32-bit integers and wrap them. Turn x64 on "
+      "(jax.config.update('jax_enable_x64', True)) before restoring, or restore this leaf "
+      "into a numpy array target."
+    )
 
 
-def inline_hosts(recs: list[Any], shardings: list[jax.sharding.Sharding | None]
-                 ) -> list[np.ndarray]:
+def inline_hosts(
+  recs: list[Any], shardings: list[jax.sharding.Sharding | None]
+) -> list[np.ndarray]:
   """Inline leaves' values (fresh copies, bools checked: ``_leaves.inline_array``). Those
   bound for two or more CPU devices are copied out of the manifest into aligned blocks of at
   most :data:`RUN_BYTES` shared by several leaves, each leaf at an aligned offset, which
@@ -254,15 +272,15 @@ def inline_hosts(recs: list[Any], shardings: list[jax.sharding.Sharding | None]
     else:
       out[k] = _leaves.inline_array(rec)
   for block in _blocks([len(recs[k].inline) for k in shared], RUN_BYTES):
-    buf = _arrays.aligned_empty((block[-1][1] + len(recs[shared[block[-1][0]]].inline),),
-                               np.uint8)
+    buf = _arrays.aligned_empty((block[-1][1] + len(recs[shared[block[-1][0]]].inline),), np.uint8)
     for j, offset in block:
       rec = recs[shared[j]]
       n = len(rec.inline)
-      view = buf[offset:offset + n]
+      view = buf[offset : offset + n]
       view[:] = np.frombuffer(rec.inline, np.uint8)
       out[shared[j]] = _leaves.checked_bools(
-          view.view(_leaves.dtype_of(rec.dtype)).reshape(rec.shape), rec)
+        view.view(_leaves.dtype_of(rec.dtype)).reshape(rec.shape), rec
+      )
   return out
 
 
@@ -307,8 +325,7 @@ def shared_on_cpu(host: np.ndarray, devices: Any) -> np.ndarray:
   return out
 
 
-def place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]
-              ) -> list[jax.Array]:
+def place_all(hosts: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> list[jax.Array]:
   """Whole host arrays placed with their shardings (:func:`place`, one by one)."""
   return [place(h, s) for h, s in zip(hosts, shardings)]
 
@@ -339,9 +356,12 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   off then becomes int32 without a warning, as ``jax.device_put`` did (its values checked
   to fit first: :func:`check_fits`)."""
   if not sharding.is_fully_addressable:
-    return jax.make_array_from_callback(host.shape, sharding,  # dtype: none may be on
-                                       lambda index: np.array(host[index]),  # this process
-                                       dtype=host.dtype)
-  if host.ndim == 0:   # (indexing a 0-d array gives a numpy scalar)
+    return jax.make_array_from_callback(
+      host.shape,
+      sharding,  # dtype: none may be on
+      lambda index: np.array(host[index]),  # this process
+      dtype=host.dtype,
+    )
+  if host.ndim == 0:  # (indexing a 0-d array gives a numpy scalar)
     return jax.make_array_from_callback((), sharding, lambda index: host)
   return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)

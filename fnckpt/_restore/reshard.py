@@ -27,13 +27,14 @@ from typing import Any, Sequence
 import jax
 
 from .._errors import CheckpointError, DamagedError
-from .._io import commit as _commit, paths as _paths
+from .._io import commit as _commit
+from .._io import paths as _paths
 
 __all__ = ["start", "reading", "failed", "reshard", "done", "FAILED_WAIT_S"]
 
-FAILED_WAIT_S = 5.0   # after a failed collective: how long the survivors wait for each other
-POLL_S = 0.05         # how often a wave's results are checked against the deadline
-ERRORS = "broadcast-error"   # where a process's read failure is published
+FAILED_WAIT_S = 5.0  # after a failed collective: how long the survivors wait for each other
+POLL_S = 0.05  # how often a wave's results are checked against the deadline
+ERRORS = "broadcast-error"  # where a process's read failure is published
 
 
 def _identity(*xs: Any) -> tuple[Any, ...]:
@@ -90,11 +91,12 @@ def _raise_published(location: str, phase: str, where: Sequence[str]) -> None:
   who = f"process {p}" if p >= 0 else "another process (unknown)"
   error = DamagedError if kind == "damaged" else CheckpointError
   raise error(
-      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
-      f"({_keys(where)}): {who} could not read its parts ({text}). This "
-      f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
-      f"another checkpoint (the manager's restore() falls back to an older step on every "
-      f"process when the data is damaged).")
+    f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
+    f"({_keys(where)}): {who} could not read its parts ({text}). This "
+    f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
+    f"another checkpoint (the manager's restore() falls back to an older step on every "
+    f"process when the data is damaged)."
+  )
 
 
 def _read_published(location: str) -> list[tuple[int, str]]:
@@ -114,15 +116,20 @@ def _keys(where: Sequence[str]) -> str:
   return ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
 
 
-def reshard(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding],
-            where: Sequence[str], location: str, wave: int, timeout_s: float
-            ) -> list[jax.Array]:
+def reshard(
+  arrays: Sequence[jax.Array],
+  shardings: Sequence[jax.sharding.Sharding],
+  where: Sequence[str],
+  location: str,
+  wave: int,
+  timeout_s: float,
+) -> list[jax.Array]:
   """``arrays`` (on their reader shardings) on ``shardings``, each input deleted once moved.
   Collective: every process calls it with the same wave, in the same order. ``where``: the
   key paths (for messages)."""
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: resharding")
-  _commit.barrier(location, phase, timeout_s)   # (names who did not come)
+  _commit.barrier(location, phase, timeout_s)  # (names who did not come)
   _raise_published(location, phase, where)
   deadline = time.monotonic() + timeout_s
   try:
@@ -143,11 +150,12 @@ def _wait(out: Sequence[jax.Array], deadline: float) -> None:
       if time.monotonic() > deadline:
         raise TimeoutError("the collective did not finish by the deadline")
       time.sleep(POLL_S)
-    x.block_until_ready()   # (raises the collective's error, if any)
+    x.block_until_ready()  # (raises the collective's error, if any)
 
 
-def _failure(location: str, phase: str, where: Sequence[str], e: BaseException,
-             timeout_s: float) -> CheckpointError:
+def _failure(
+  location: str, phase: str, where: Sequence[str], e: BaseException, timeout_s: float
+) -> CheckpointError:
   """The error every surviving process raises for a failed wave: who was lost (the
   absentees of a short barrier the survivors all reach), the key paths, the cause."""
   cause = f"{type(e).__name__}: {_paths.error_text(e)}".splitlines()[0][:400]
@@ -157,9 +165,10 @@ def _failure(location: str, phase: str, where: Sequence[str], e: BaseException,
   except CheckpointError as b:
     who = _lost(str(b))
   return CheckpointError(
-      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
-      f"({_keys(where)}) on process {jax.process_index()}: {who}. Restore again once every "
-      f"process is up (or pass broadcast=False to read without the interconnect). [{cause}]")
+    f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
+    f"({_keys(where)}) on process {jax.process_index()}: {who}. Restore again once every "
+    f"process is up (or pass broadcast=False to read without the interconnect). [{cause}]"
+  )
 
 
 def _lost(barrier_text: str) -> str:

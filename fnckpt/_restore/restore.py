@@ -13,17 +13,30 @@ from typing import Any, Callable, Sequence, cast
 import jax
 import numpy as np
 
-from .._layout import chunks as _chunks
-from .._format import (leaves as _leaves, perprocess as _perprocess, records as _records,
-                       tree as _tree)
-from .._io import commit as _commit, paths as _paths, arrays as _arrays
-from .._sources import source as _source
-from .._sources.source import Source
 from .. import _state
 from .._errors import CheckpointError, DamagedError
+from .._format import (
+  leaves as _leaves,
+)
+from .._format import (
+  perprocess as _perprocess,
+)
+from .._format import (
+  records as _records,
+)
+from .._format import (
+  tree as _tree,
+)
+from .._io import commit as _commit
+from .._io import paths as _paths
+from .._layout import chunks as _chunks
+from .._sources import source as _source
+from .._sources.source import Source
+from . import broadcast as _broadcast
+from . import place as _place
+from . import reshard as _reshard
+from . import shardings as _shardings
 from .options import RestoreOptions
-from . import broadcast as _broadcast, place as _place, reshard as _reshard, \
-    shardings as _shardings
 
 __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedSharding"]
 
@@ -32,6 +45,7 @@ __all__ = ["restore", "metadata", "CheckpointMetadata", "ArrayMetadata", "SavedS
 class SavedSharding:
   """How an array was sharded when saved: mesh axis names and sizes, and the PartitionSpec
   (``type`` is ``"named"``; ``"single"`` for one device; other JAX shardings by class name)."""
+
   type: str
   axes: tuple[str, ...] = ()
   sizes: tuple[int, ...] = ()
@@ -58,6 +72,7 @@ class ArrayMetadata:
 
   ``dtype`` is the stored dtype; for a typed PRNG key (``impl`` set) ``shape``/``dtype`` are
   those of its key data. ``stored`` is ``"inline"`` or the directory inside the checkpoint."""
+
   shape: tuple[int, ...]
   dtype: np.dtype
   sharding: SavedSharding | None
@@ -71,7 +86,7 @@ class ArrayMetadata:
     trailing dimensions of its key data (``shape`` (8, 2) -> ``key_shape`` (8,))."""
     if self.impl is None:
       return self.shape
-    return self.shape[:len(self.shape) - _key_data_ndim(self.impl)]
+    return self.shape[: len(self.shape) - _key_data_ndim(self.impl)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,7 @@ class CheckpointMetadata:
   ``"orbax"`` / ``"safetensors"`` for checkpoints of those libraries (their
   ``format_version``, ``created`` and ``process_count`` are 0: not recorded; an Orbax
   checkpoint's ``custom_metadata`` or a safetensors ``__metadata__`` is ``user_metadata``)."""
+
   location: str
   tree: Any
   user_metadata: Any
@@ -101,12 +117,17 @@ def _saved_sharding(rec: _records.Sharding | None) -> SavedSharding | None:
 
 
 def _array_metadata(rec: _records.Leaf) -> ArrayMetadata:
-  assert rec.dtype is not None and rec.shape is not None   # (an array leaf's)
+  assert rec.dtype is not None and rec.shape is not None  # (an array leaf's)
   dtype = _leaves.dtype_of(rec.dtype)
   shape = tuple(rec.shape)
-  return ArrayMetadata(shape, dtype, _saved_sharding(rec.sharding), rec.impl,
-                       _storage_of(rec),
-                       _chunks.nbytes(shape, dtype.itemsize))
+  return ArrayMetadata(
+    shape,
+    dtype,
+    _saved_sharding(rec.sharding),
+    rec.impl,
+    _storage_of(rec),
+    _chunks.nbytes(shape, dtype.itemsize),
+  )
 
 
 def _storage_of(rec: _records.Leaf) -> str:
@@ -141,32 +162,45 @@ def metadata_at(where: _paths.Location) -> CheckpointMetadata:
   return _describe(src.location, src.manifest, src.format)
 
 
-def _describe(location: str, manifest: _records.Manifest, format: str = "fnckpt"
-              ) -> CheckpointMetadata:
+def _describe(
+  location: str, manifest: _records.Manifest, format: str = "fnckpt"
+) -> CheckpointMetadata:
   leaves = manifest.leaves
-  values = [_array_metadata(r) if r.is_array else
-            _perprocess.PerProcess(None) if r.kind == "perprocess" else _leaves.decode_value(r)
-            for r in leaves]
+  values = [
+    _array_metadata(r)
+    if r.is_array
+    else _perprocess.PerProcess(None)
+    if r.kind == "perprocess"
+    else _leaves.decode_value(r)
+    for r in leaves
+  ]
   tree = _tree.unflatten_from_paths([r.path for r in leaves], values)
-  return CheckpointMetadata(location=location, tree=tree, user_metadata=manifest.metadata,
-                            format_version=manifest.version,
-                            versions=dict(manifest.versions), created=manifest.created,
-                            process_count=manifest.process_count, leaves=leaves,
-                            format=format)
+  return CheckpointMetadata(
+    location=location,
+    tree=tree,
+    user_metadata=manifest.metadata,
+    format_version=manifest.version,
+    versions=dict(manifest.versions),
+    created=manifest.created,
+    process_count=manifest.process_count,
+    leaves=leaves,
+    format=format,
+  )
 
 
 # --- what the target asks for, per leaf ----------------------------------------------------
 
+
 @dataclasses.dataclass
 class _Want:
   rec: _records.Leaf
-  host: bool = True                          # numpy result (no sharding)
+  host: bool = True  # numpy result (no sharding)
   sharding: jax.sharding.Sharding | None = None
-  final: Any = None                          # moved there once placed (_shardings.Placement)
+  final: Any = None  # moved there once placed (_shardings.Placement)
   dtype: np.dtype | None = None
-  value: Any = None                          # for non-array targets: the target leaf
+  value: Any = None  # for non-array targets: the target leaf
   array_target: bool = True
-  from_scalar: bool = False                  # a saved scalar into a 0-d array target
+  from_scalar: bool = False  # a saved scalar into a 0-d array target
 
 
 def _is_sharding_tree(target: Any) -> bool:
@@ -174,8 +208,9 @@ def _is_sharding_tree(target: Any) -> bool:
   return bool(leaves) and all(isinstance(l, jax.sharding.Sharding) for l in leaves)
 
 
-def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
-                      partial: bool) -> list[_Want]:
+def _prefix_shardings(
+  location: str, target: Any, records: list[_records.Leaf], partial: bool
+) -> list[_Want]:
   """A prefix tree of shardings: each array gets the sharding of its nearest prefix. Every
   prefix must lead to saved leaves (else a TreeMismatchError); with ``partial=True`` only the
   leaves under some prefix are restored."""
@@ -198,12 +233,19 @@ def _prefix_shardings(location: str, target: Any, records: list[_records.Leaf],
         placement = resolver.leaf(rec.where, by_prefix[found], _saved_shape(rec))
       except CheckpointError as e:
         problems.append(str(e))
-    wants.append(_Want(rec, host=placement.sharding is None, sharding=placement.sharding,
-                       final=placement.final))
+    wants.append(
+      _Want(
+        rec, host=placement.sharding is None, sharding=placement.sharding, final=placement.final
+      )
+    )
   missing = [names[k] for k in by_prefix if k not in used]
   if missing or problems:
-    raise _tree.mismatch_error(location, missing=missing, mismatched=problems,
-                               hint="fnckpt.metadata(path).tree shows what the checkpoint holds.")
+    raise _tree.mismatch_error(
+      location,
+      missing=missing,
+      mismatched=problems,
+      hint="fnckpt.metadata(path).tree shows what the checkpoint holds.",
+    )
   return wants
 
 
@@ -225,8 +267,7 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any]:
   return "value", None, None
 
 
-def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool,
-           cast: bool):
+def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool, cast: bool):
   pairs, treedef = _tree.flatten(target)
   rec_keys = [_tree.match_key(r.path) for r in records]
   pair_keys = [_tree.match_key(p) for p, _ in pairs]
@@ -251,16 +292,18 @@ def _match(location: str, records: list[_records.Leaf], target: Any, partial: bo
     wanted = set(pair_keys)
     unexpected = [_tree.keystr(r.path) for r, k in zip(records, rec_keys) if k not in wanted]
   if missing or unexpected or mismatched:
-    hint = ("To restore a subset of the checkpoint, pass partial=True."
-            if unexpected and not missing and not mismatched else
-            "fnckpt.metadata(path).tree shows what the checkpoint holds.")
-    raise _tree.mismatch_error(location, missing=missing, unexpected=unexpected,
-                               mismatched=mismatched, hint=hint)
+    hint = (
+      "To restore a subset of the checkpoint, pass partial=True."
+      if unexpected and not missing and not mismatched
+      else "fnckpt.metadata(path).tree shows what the checkpoint holds."
+    )
+    raise _tree.mismatch_error(
+      location, missing=missing, unexpected=unexpected, mismatched=mismatched, hint=hint
+    )
   return wants, treedef
 
 
-def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolver
-          ) -> _Want | str:
+def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolver) -> _Want | str:
   """What to read for one target leaf, or why the saved leaf cannot fill it (a target
   sharding that cannot be resolved raises a CheckpointError naming the key path)."""
   if isinstance(leaf, _perprocess.PerProcess) or rec.kind == "perprocess":
@@ -283,8 +326,14 @@ def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolv
     # jax.eval_shape(init) (or after a jitted step)
     problem = _scalar_problem(rec, dtype, cast)
     placed = _placement(resolver, rec, leaf, kind, ())
-    return problem or _Want(rec, host=kind == "host", sharding=placed.sharding,
-                            final=placed.final, dtype=dtype, from_scalar=True)
+    return problem or _Want(
+      rec,
+      host=kind == "host",
+      sharding=placed.sharding,
+      final=placed.final,
+      dtype=dtype,
+      from_scalar=True,
+    )
   if rec.kind != "array":
     return f"the target is an array, the checkpoint holds {_saved_desc(rec)}"
   assert rec.shape is not None and rec.dtype is not None
@@ -294,12 +343,12 @@ def _want(leaf: Any, rec: _records.Leaf, cast: bool, resolver: _shardings.Resolv
   if dtype is not None and dtype != saved_dtype and not cast:
     return f"dtype {saved_dtype} saved, {dtype} in the target (pass cast=True to convert)"
   placed = _placement(resolver, rec, leaf, kind, saved_shape)
-  return _Want(rec, host=kind == "host", sharding=placed.sharding, final=placed.final,
-               dtype=dtype)
+  return _Want(rec, host=kind == "host", sharding=placed.sharding, final=placed.final, dtype=dtype)
 
 
-def _placement(resolver: _shardings.Resolver, rec: _records.Leaf, leaf: Any, kind: str,
-               shape: tuple[int, ...]) -> _shardings.Placement:
+def _placement(
+  resolver: _shardings.Resolver, rec: _records.Leaf, leaf: Any, kind: str, shape: tuple[int, ...]
+) -> _shardings.Placement:
   if kind == "host":
     return _shardings.Placement(None)
   return resolver.leaf(rec.where, leaf, shape)
@@ -307,8 +356,10 @@ def _placement(resolver: _shardings.Resolver, rec: _records.Leaf, leaf: Any, kin
 
 def _per_process_problem(leaf: Any, rec: _records.Leaf) -> str:
   if not isinstance(leaf, _perprocess.PerProcess):
-    return ("the checkpoint holds per-process values (fnckpt.PerProcess) here; put "
-            "fnckpt.PerProcess(None) (or a template of the value) in the target")
+    return (
+      "the checkpoint holds per-process values (fnckpt.PerProcess) here; put "
+      "fnckpt.PerProcess(None) (or a template of the value) in the target"
+    )
   if rec.kind != "perprocess":
     return f"the target is fnckpt.PerProcess, the checkpoint holds {_saved_desc(rec)}"
   return ""
@@ -330,8 +381,9 @@ def _scalar_problem(rec: _records.Leaf, dtype: np.dtype | None, cast: bool) -> s
   if rec.kind == "scalar" and kind.get(saved.dtype.kind) == target_kind:
     if target_kind != "i" or np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
       return ""
-  return (f"{_saved_desc(rec)} {value!r} saved, a {dtype} array in the target (pass "
-          "cast=True to convert)")
+  return (
+    f"{_saved_desc(rec)} {value!r} saved, a {dtype} array in the target (pass cast=True to convert)"
+  )
 
 
 def _saved_desc(rec: _records.Leaf) -> str:
@@ -343,12 +395,16 @@ def _saved_desc(rec: _records.Leaf) -> str:
     return f"a{'n' if rec.type == 'int' else ''} {rec.type} value"
   if rec.kind == "empty":
     return "None" if rec.type == "none" else f"an empty {rec.type}"
-  return {"npgen": "a numpy Generator", "bigint": "an int value",
-          "perprocess": "per-process values (fnckpt.PerProcess)",
-          "npscalar": f"a numpy {rec.dtype} scalar"}[rec.kind]
+  return {
+    "npgen": "a numpy Generator",
+    "bigint": "an int value",
+    "perprocess": "per-process values (fnckpt.PerProcess)",
+    "npscalar": f"a numpy {rec.dtype} scalar",
+  }[rec.kind]
 
 
 # --- reading -----------------------------------------------------------------------------
+
 
 def _data_sharding(want: _Want, rec: _records.Leaf) -> jax.sharding.Sharding | None:
   """For a PRNG key: the sharding of its key data (trailing dimensions unsharded)."""
@@ -358,18 +414,32 @@ def _data_sharding(want: _Want, rec: _records.Leaf) -> jax.sharding.Sharding | N
   assert rec.shape is not None
   trailing = len(rec.shape) - len(_array_metadata(rec).key_shape)
   if isinstance(s, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(
-        *s.spec, *([None] * (len(rec.shape) - len(s.spec) - trailing)), *([None] * trailing)))
+    return jax.sharding.NamedSharding(
+      s.mesh,
+      jax.sharding.PartitionSpec(
+        *s.spec, *([None] * (len(rec.shape) - len(s.spec) - trailing)), *([None] * trailing)
+      ),
+    )
   if isinstance(s, jax.sharding.SingleDeviceSharding):
     return s
-  raise CheckpointError(f"PRNG key at {rec.where}: only NamedSharding or "
-                        "SingleDeviceSharding targets are supported for key arrays.")
+  raise CheckpointError(
+    f"PRNG key at {rec.where}: only NamedSharding or "
+    "SingleDeviceSharding targets are supported for key arrays."
+  )
 
 
-def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool = False,
-            budget_bytes: int | None = None, per_process_from: int | None = None,
-            storage_options: dict[str, Any] | None = None, broadcast: bool | None = None,
-            barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S) -> Any:
+def restore(
+  path: str,
+  target: Any = None,
+  *,
+  partial: bool = False,
+  cast: bool = False,
+  budget_bytes: int | None = None,
+  per_process_from: int | None = None,
+  storage_options: dict[str, Any] | None = None,
+  broadcast: bool | None = None,
+  barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S,
+) -> Any:
   """Restore a committed checkpoint.
 
   Args:
@@ -413,14 +483,20 @@ def restore(path: str, target: Any = None, *, partial: bool = False, cast: bool 
   Array(28., dtype=float32)
   """
   where = _paths.Location.of(path, storage_options)
-  options = RestoreOptions(partial=partial, cast=cast, budget_bytes=budget_bytes,
-                           per_process_from=per_process_from, broadcast=broadcast,
-                           barrier_timeout_s=barrier_timeout_s)
+  options = RestoreOptions(
+    partial=partial,
+    cast=cast,
+    budget_bytes=budget_bytes,
+    per_process_from=per_process_from,
+    broadcast=broadcast,
+    barrier_timeout_s=barrier_timeout_s,
+  )
   return restore_at(where, target, options)
 
 
-def restore_at(where: _paths.Location, target: Any = None,
-               options: RestoreOptions | None = None) -> Any:
+def restore_at(
+  where: _paths.Location, target: Any = None, options: RestoreOptions | None = None
+) -> Any:
   """:func:`restore` of the checkpoint at ``where`` as ``options`` ask (None: the
   defaults)."""
   options = options if options is not None else RestoreOptions()
@@ -439,16 +515,16 @@ def _restore(where: _paths.Location, target: Any, options: RestoreOptions) -> An
   else:
     wants, treedef = _match(location, records, target, options.partial, options.cast)
 
-  values = _read_all(src, wants, options.budget(), options.broadcast,
-                     options.barrier_timeout_s)
+  values = _read_all(src, wants, options.budget(), options.broadcast, options.barrier_timeout_s)
   _fill_per_process(src, wants, values, options.per_process_from)
   if treedef is None:
     return _tree.unflatten_from_paths([w.rec.path for w in wants], values)
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | None,
-              timeout_s: float) -> list[Any]:
+def _read_all(
+  src: Source, wants: list[_Want], budget: int, broadcast: bool | None, timeout_s: float
+) -> list[Any]:
   """Every wanted leaf's value: plain values decoded, arrays read (at most ``budget`` bytes
   held) and placed with their shardings (``_place``); with broadcast, the arrays replicated
   across processes read once and resharded in waves (:func:`_read_broadcast`). PerProcess
@@ -463,8 +539,12 @@ def _read_all(src: Source, wants: list[_Want], budget: int, broadcast: bool | No
     else:
       values[i] = _plain_value(w)
   readers = _readers(reads)
-  if not _broadcast.decide(broadcast, readers, cpu=jax.devices()[0].platform == "cpu",
-                           remote=src.location.startswith(("gs://", "s3://"))):
+  if not _broadcast.decide(
+    broadcast,
+    readers,
+    cpu=jax.devices()[0].platform == "cpu",
+    remote=src.location.startswith(("gs://", "s3://")),
+  ):
     readers = {}
   local = {i: r for i, r in reads.items() if i not in readers}
 
@@ -484,24 +564,40 @@ def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
   """The read-once plans of the leaves that have one (stored bytes, a target replicated
   across processes)."""
   out: dict[int, _broadcast.Reader] = {}
-  if jax.process_count() == 1:   # (reader_of: None for every leaf)
+  if jax.process_count() == 1:  # (reader_of: None for every leaf)
     return out
   for i, r in reads.items():
     rec = r.want.rec
     if r.sharding is None or rec.inline is not None:
       continue
-    align = rec.stored.inner if rec.stored is not None else \
-        rec.pieces.chunks if rec.pieces is not None else None
-    reader = _broadcast.reader_of(r.sharding, r.shape, _leaves.dtype_of(rec.dtype).itemsize,
-                                  packed=rec.packed is not None, align=align)
+    align = (
+      rec.stored.inner
+      if rec.stored is not None
+      else rec.pieces.chunks
+      if rec.pieces is not None
+      else None
+    )
+    reader = _broadcast.reader_of(
+      r.sharding,
+      r.shape,
+      _leaves.dtype_of(rec.dtype).itemsize,
+      packed=rec.packed is not None,
+      align=align,
+    )
     if reader is not None:
       out[i] = reader
   return out
 
 
-def _read_broadcast(src: Source, reads: dict[int, _place.Read],
-                    readers: dict[int, _broadcast.Reader], values: list[Any], budget: int,
-                    timeout_s: float, before: Callable[[], None]) -> None:
+def _read_broadcast(
+  src: Source,
+  reads: dict[int, _place.Read],
+  readers: dict[int, _broadcast.Reader],
+  values: list[Any],
+  budget: int,
+  timeout_s: float,
+  before: Callable[[], None],
+) -> None:
   """The leaves of ``readers``, wave by wave: each process reads its parts (onto the reader
   shardings), then one collective reshard per wave fills the replicas. A wave holds at most
   ``budget`` reader bytes per process (one larger leaf alone): the memory the reshard adds.
@@ -518,16 +614,23 @@ def _read_broadcast(src: Source, reads: dict[int, _place.Read],
         before()
       for i, value in finish:
         values[i] = _finish_leaf(reads[i].want, value)
-      parts = {i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True,
-                                   parts={})
-               for i in wave}
+      parts = {
+        i: dataclasses.replace(reads[i], sharding=readers[i].sharding, sliced=True, parts={})
+        for i in wave
+      }
       _place.read_arrays(src, parts, budget)
       assembled = [_assembled(parts[i]) for i in wave]
     except Exception as e:
       _reshard.failed(src.location, k, e, timeout_s)
       raise
-    moved = _reshard.reshard(assembled, [readers[i].target for i in wave],
-                             [reads[i].want.rec.where for i in wave], src.location, k, timeout_s)
+    moved = _reshard.reshard(
+      assembled,
+      [readers[i].target for i in wave],
+      [reads[i].want.rec.where for i in wave],
+      src.location,
+      k,
+      timeout_s,
+    )
     finish = list(zip(wave, moved))
   for i, value in finish:  # (past the last collective: a failure here waits for no one)
     values[i] = _finish_leaf(reads[i].want, value)
@@ -541,11 +644,14 @@ def _assembled(r: _place.Read) -> Any:
     return r.placed
   if None in r.parts:  # a host target
     return r.parts[None]
-  assert r.sharding is not None   # (a device target's)
+  assert r.sharding is not None  # (a device target's)
   parts = [r.parts[d] for d in r.sharding.addressable_devices]
   return jax.make_array_from_single_device_arrays(  # dtype: for none on this process
-      r.shape, r.sharding, parts,
-      dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype))
+    r.shape,
+    r.sharding,
+    parts,
+    dtype=parts[0].dtype if parts else r.want.dtype or _leaves.dtype_of(r.want.rec.dtype),
+  )
 
 
 def _plain_value(w: _Want) -> Any:
@@ -559,8 +665,9 @@ def _plain_value(w: _Want) -> Any:
   host = host if w.dtype is None else _leaves.cast(host, w.dtype, w.rec.where)
   if w.host:
     return host
-  value = _place.place(host, w.sharding
-                       or jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  value = _place.place(
+    host, w.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  )
   return value if w.final is None else _move(w, value)
 
 
@@ -572,8 +679,9 @@ def _start_read(w: _Want) -> _place.Read:
   return _place.Read(w, tuple(w.rec.shape), sharding)
 
 
-def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
-                      source: int | None) -> None:
+def _fill_per_process(
+  src: Source, wants: list[_Want], values: list[Any], source: int | None
+) -> None:
   """Each ``fnckpt.PerProcess`` leaf: this process's own saved value (or ``source``'s)."""
   mine = [i for i, w in enumerate(wants) if w.rec.kind == "perprocess"]
   if not mine:
@@ -582,14 +690,17 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
   if source is None:
     if saved != jax.process_count():
       raise CheckpointError(
-          f"{first} holds fnckpt.PerProcess values of {saved} processes, but this job has "
-          f"{jax.process_count()}. Pass restore(..., per_process_from=<a saved process index>) "
-          "to choose whose values each process takes.")
+        f"{first} holds fnckpt.PerProcess values of {saved} processes, but this job has "
+        f"{jax.process_count()}. Pass restore(..., per_process_from=<a saved process index>) "
+        "to choose whose values each process takes."
+      )
     source = jax.process_index()
   if not isinstance(source, int) or not 0 <= source < saved:
-    raise CheckpointError(f"per_process_from={source!r}: the checkpoint at {src.location!r} "
-                          f"was saved by processes 0..{saved - 1}.")
-  key = _perprocess.values_key(cast(str, src.manifest.data), source)   # (format 2 on)
+    raise CheckpointError(
+      f"per_process_from={source!r}: the checkpoint at {src.location!r} "
+      f"was saved by processes 0..{saved - 1}."
+    )
+  key = _perprocess.values_key(cast(str, src.manifest.data), source)  # (format 2 on)
   where = f"{src.location}/{key}"
   try:
     got = src.kv.read(key).result()
@@ -600,8 +711,10 @@ def _fill_per_process(src: Source, wants: list[_Want], values: list[Any],
     if not _commit.unchanged(src.kv, src.commit):
       raise _commit.changed_error(src.location)
     error = DamagedError if problem == "missing" else CheckpointError
-    raise error(f"The per-process values of process {source} ({where}) are {problem}: the "
-                "checkpoint is damaged. Restore an earlier one.")
+    raise error(
+      f"The per-process values of process {source} ({where}) are {problem}: the "
+      "checkpoint is damaged. Restore an earlier one."
+    )
   assert got is not None
   leaves = _perprocess.decode(got.value, where)
   for i in mine:
@@ -630,6 +743,8 @@ def _move(w: _Want, value: jax.Array) -> jax.Array:
   try:
     return jax.device_put(value, w.final)
   except Exception as e:
-    raise CheckpointError(f"{w.rec.where}: restored, but cannot be moved to the target's "
-                          f"{w.final} ({type(e).__name__}: {e}); give this key path a "
-                          "sharding of device memory.") from None
+    raise CheckpointError(
+      f"{w.rec.where}: restored, but cannot be moved to the target's "
+      f"{w.final} ({type(e).__name__}: {e}); give this key path a "
+      "sharding of device memory."
+    ) from None

@@ -32,15 +32,18 @@ from jax.experimental.layout import Format
 from .._errors import CheckpointError
 
 AbstractMesh = jax.sharding.AbstractMesh
-FIX = ("restore inside `with jax.set_mesh(mesh):` with the mesh the target was made for, or "
-       "give this key path a concrete sharding (jax.sharding.NamedSharding(mesh, spec) of a "
-       "jax.sharding.Mesh)")
+FIX = (
+  "restore inside `with jax.set_mesh(mesh):` with the mesh the target was made for, or "
+  "give this key path a concrete sharding (jax.sharding.NamedSharding(mesh, spec) of a "
+  "jax.sharding.Mesh)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where one target array goes: ``sharding`` to read and place onto (device memory), and
   ``final`` (a sharding of another memory kind, or a ``Format``) to move it to after, if any."""
+
   sharding: jax.sharding.Sharding | None
   final: Any = None
 
@@ -59,15 +62,18 @@ class Resolver:
     try:  # a ShapeDtypeStruct made with a bare PartitionSpec raises here without a mesh
       given = leaf if isinstance(leaf, jax.sharding.Sharding) else leaf.sharding
     except Exception as e:
-      raise CheckpointError(f"{where}: the target's sharding cannot be resolved ({e}); "
-                            f"{FIX}.") from None
+      raise CheckpointError(
+        f"{where}: the target's sharding cannot be resolved ({e}); {FIX}."
+      ) from None
     if given is None:
       return Placement(None)
     fmt = getattr(leaf, "format", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
     layout = getattr(fmt, "layout", None)
     if not isinstance(given, jax.sharding.Sharding):
-      raise CheckpointError(f"{where}: the target's sharding is {type(given).__name__} "
-                            f"{given!r}, not a jax.sharding.Sharding; {FIX}.")
+      raise CheckpointError(
+        f"{where}: the target's sharding is {type(given).__name__} "
+        f"{given!r}, not a jax.sharding.Sharding; {FIX}."
+      )
     placed = self._placed.get((given, shape))
     if placed is None:
       placed = self._placed[(given, shape)] = _device_memory(self._resolve(where, given, shape))
@@ -75,12 +81,14 @@ class Resolver:
       placed = Placement(placed.sharding, Format(layout, placed.final or placed.sharding))
     return placed
 
-  def _resolve(self, where: str, given: jax.sharding.Sharding, shape: tuple[int, ...] | None
-               ) -> jax.sharding.Sharding:
+  def _resolve(
+    self, where: str, given: jax.sharding.Sharding, shape: tuple[int, ...] | None
+  ) -> jax.sharding.Sharding:
     """``given`` as a sharding of this job's devices that can hold ``shape``."""
     if isinstance(given, jax.sharding.NamedSharding) and isinstance(given.mesh, AbstractMesh):
-      given = jax.sharding.NamedSharding(self._mesh(where, given.mesh), given.spec,
-                                         memory_kind=given.memory_kind)
+      given = jax.sharding.NamedSharding(
+        self._mesh(where, given.mesh), given.spec, memory_kind=given.memory_kind
+      )
     self._check_devices(where, given)
     if shape is not None:
       _check_fits(where, given, shape)
@@ -97,14 +105,17 @@ class Resolver:
     try:
       devices = sharding.device_set
     except Exception as e:
-      raise CheckpointError(f"{where}: the target's sharding {sharding} cannot be placed onto "
-                            f"({type(e).__name__}: {e}); {FIX}.") from None
+      raise CheckpointError(
+        f"{where}: the target's sharding {sharding} cannot be placed onto "
+        f"({type(e).__name__}: {e}); {FIX}."
+      ) from None
     foreign = [d for d in devices if d not in self._devices]
     if foreign:
       raise CheckpointError(
-          f"{where}: the target's sharding {sharding} uses devices that are not in this job "
-          f"({', '.join(map(str, foreign[:4]))}; the job has {len(self._devices)}: "
-          f"jax.devices()); give it a sharding of this job's devices.")
+        f"{where}: the target's sharding {sharding} uses devices that are not in this job "
+        f"({', '.join(map(str, foreign[:4]))}; the job has {len(self._devices)}: "
+        f"jax.devices()); give it a sharding of this job's devices."
+      )
 
 
 def _concrete(where: str, abstract: AbstractMesh) -> jax.sharding.Mesh:
@@ -116,35 +127,43 @@ def _concrete(where: str, abstract: AbstractMesh) -> jax.sharding.Mesh:
     have = (tuple(context.axis_names), tuple(context.axis_sizes))
     if have != (names, sizes):
       raise CheckpointError(
-          f"{where}: the target's sharding is on {given}, the mesh in context is "
-          f"{_shape_text(*have)}; {FIX}.")
+        f"{where}: the target's sharding is on {given}, the mesh in context is "
+        f"{_shape_text(*have)}; {FIX}."
+      )
     if tuple(context.axis_types) == tuple(abstract.axis_types):
       return context
     return jax.sharding.Mesh(context.devices, names, axis_types=tuple(abstract.axis_types))
   if math.prod(sizes) != jax.device_count():
     raise CheckpointError(
-        f"{where}: the target's sharding is on {given} of {math.prod(sizes)} devices, and no "
-        f"mesh is in context to place it on (this job has {jax.device_count()} devices); "
-        f"{FIX}.")
+      f"{where}: the target's sharding is on {given} of {math.prod(sizes)} devices, and no "
+      f"mesh is in context to place it on (this job has {jax.device_count()} devices); "
+      f"{FIX}."
+    )
   try:
     return jax.make_mesh(sizes, names, axis_types=tuple(abstract.axis_types))
   except Exception as e:
-    raise CheckpointError(f"{where}: the target's sharding is on {given}, which "
-                          f"jax.make_mesh cannot lay out on this job's devices ({e}); "
-                          f"{FIX}.") from None
+    raise CheckpointError(
+      f"{where}: the target's sharding is on {given}, which "
+      f"jax.make_mesh cannot lay out on this job's devices ({e}); "
+      f"{FIX}."
+    ) from None
 
 
 def _check_fits(where: str, sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> None:
   """A CheckpointError unless ``sharding`` can hold an array of ``shape``."""
   try:
     if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > len(shape):
-      raise ValueError(f"its PartitionSpec {sharding.spec} has more entries than the array "
-                       f"has dimensions ({len(shape)})")
+      raise ValueError(
+        f"its PartitionSpec {sharding.spec} has more entries than the array "
+        f"has dimensions ({len(shape)})"
+      )
     sharding.shard_shape(shape)
     sharding.addressable_devices_indices_map(shape)
   except Exception as e:
-    raise CheckpointError(f"{where}: the sharding {sharding} cannot hold an array of shape "
-                          f"{shape} ({e}); give this key path a sharding that fits.") from None
+    raise CheckpointError(
+      f"{where}: the sharding {sharding} cannot hold an array of shape "
+      f"{shape} ({e}); give this key path a sharding that fits."
+    ) from None
 
 
 def _device_memory(sharding: jax.sharding.Sharding) -> Placement:

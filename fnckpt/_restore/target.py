@@ -21,10 +21,13 @@ __all__ = ["target_from_metadata", "ShardingRule"]
 ShardingRule = Callable[[str, ArrayMetadata], Sharding | PartitionSpec]
 
 
-def target_from_metadata(meta: CheckpointMetadata | str,
-                         sharding: Sharding | Mesh | ShardingRule, *,
-                         mesh: Mesh | None = None,
-                         storage_options: dict[str, Any] | None = None) -> Any:
+def target_from_metadata(
+  meta: CheckpointMetadata | str,
+  sharding: Sharding | Mesh | ShardingRule,
+  *,
+  mesh: Mesh | None = None,
+  storage_options: dict[str, Any] | None = None,
+) -> Any:
   """A restore target for a checkpoint: ``meta.tree`` with each array replaced by a
   ``jax.ShapeDtypeStruct`` carrying the sharding it should be restored with.
 
@@ -98,38 +101,50 @@ def target_from_metadata(meta: CheckpointMetadata | str,
   return jax.tree_util.tree_map_with_path(leaf, meta.tree)
 
 
-def _sharding_function(sharding: Any, mesh: Mesh | None) -> Callable[[str, ArrayMetadata],
-                                                                      Sharding]:
+def _sharding_function(
+  sharding: Any, mesh: Mesh | None
+) -> Callable[[str, ArrayMetadata], Sharding]:
   """The three accepted forms of ``sharding`` as one function ``(keypath, array) -> Sharding``."""
   if isinstance(sharding, Sharding):
     if mesh is not None:
-      raise TypeError("target_from_metadata: mesh= goes with a rule returning PartitionSpecs, "
-                      f"not with a Sharding ({sharding}).")
+      raise TypeError(
+        "target_from_metadata: mesh= goes with a rule returning PartitionSpecs, "
+        f"not with a Sharding ({sharding})."
+      )
     return lambda keypath, array: sharding
   if isinstance(sharding, Mesh):
     if mesh is not None:
-      raise TypeError("target_from_metadata: pass the mesh once (as `sharding`, to keep the "
-                      "saved PartitionSpecs), not also as mesh=.")
+      raise TypeError(
+        "target_from_metadata: pass the mesh once (as `sharding`, to keep the "
+        "saved PartitionSpecs), not also as mesh=."
+      )
     return lambda keypath, array: _saved_spec_on(sharding, keypath, array)
   if callable(sharding):
     return lambda keypath, array: _from_rule(sharding, mesh, keypath, array)
-  raise TypeError("target_from_metadata: `sharding` must be a jax.sharding.Sharding, a "
-                  "jax.sharding.Mesh or a callable (keypath, ArrayMetadata) -> Sharding | "
-                  f"PartitionSpec; got {type(sharding).__name__}.")
+  raise TypeError(
+    "target_from_metadata: `sharding` must be a jax.sharding.Sharding, a "
+    "jax.sharding.Mesh or a callable (keypath, ArrayMetadata) -> Sharding | "
+    f"PartitionSpec; got {type(sharding).__name__}."
+  )
 
 
-def _from_rule(rule: ShardingRule, mesh: Mesh | None, keypath: str,
-               array: ArrayMetadata) -> Sharding:
+def _from_rule(
+  rule: ShardingRule, mesh: Mesh | None, keypath: str, array: ArrayMetadata
+) -> Sharding:
   placed = rule(keypath, array)
   if isinstance(placed, Sharding):
     return placed
   if isinstance(placed, PartitionSpec):
     if mesh is None:
-      raise TypeError(f"target_from_metadata: the rule returned {placed} for {keypath}; a "
-                      "PartitionSpec needs a mesh: pass mesh=.")
+      raise TypeError(
+        f"target_from_metadata: the rule returned {placed} for {keypath}; a "
+        "PartitionSpec needs a mesh: pass mesh=."
+      )
     return NamedSharding(mesh, placed)
-  raise TypeError(f"target_from_metadata: the rule returned {placed!r} for {keypath}; it must "
-                  "return a jax.sharding.Sharding or a PartitionSpec.")
+  raise TypeError(
+    f"target_from_metadata: the rule returned {placed!r} for {keypath}; it must "
+    "return a jax.sharding.Sharding or a PartitionSpec."
+  )
 
 
 def _saved_spec_on(mesh: Mesh, keypath: str, array: ArrayMetadata) -> NamedSharding:
@@ -140,17 +155,24 @@ def _saved_spec_on(mesh: Mesh, keypath: str, array: ArrayMetadata) -> NamedShard
   rank = len(array.key_shape)
   spec = tuple(saved.spec)
   if any(entry is not None for entry in spec[rank:]):  # a key's data dims are never sharded
-    raise ValueError(f"target_from_metadata: {keypath} was saved as {saved.spec}, which shards "
-                     f"more than its {rank} dimension(s); pass a rule for it.")
+    raise ValueError(
+      f"target_from_metadata: {keypath} was saved as {saved.spec}, which shards "
+      f"more than its {rank} dimension(s); pass a rule for it."
+    )
   spec = spec[:rank]
-  used = {a for entry in spec if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))}
+  used = {
+    a
+    for entry in spec
+    if entry is not None
+    for a in (entry if isinstance(entry, tuple) else (entry,))
+  }
   unknown = sorted(used - set(mesh.axis_names))
   if unknown:
     raise ValueError(
-        f"target_from_metadata: {keypath} was saved as {saved.spec} over mesh axes "
-        f"{saved.axes}; this mesh has axes {tuple(mesh.axis_names)}, not {unknown}. Pass a "
-        "rule: target_from_metadata(meta, lambda keypath, array: PartitionSpec(...), mesh=mesh).")
+      f"target_from_metadata: {keypath} was saved as {saved.spec} over mesh axes "
+      f"{saved.axes}; this mesh has axes {tuple(mesh.axis_names)}, not {unknown}. Pass a "
+      "rule: target_from_metadata(meta, lambda keypath, array: PartitionSpec(...), mesh=mesh)."
+    )
   return NamedSharding(mesh, PartitionSpec(*spec))
 
 
@@ -159,8 +181,9 @@ def _check_fits(keypath: str, shape: tuple[int, ...], sharding: Sharding) -> Non
   try:
     sharding.shard_shape(shape)
   except ValueError as e:
-    raise ValueError(f"target_from_metadata: {keypath} of shape {shape} cannot be placed with "
-                     f"{sharding}: {e}") from None
+    raise ValueError(
+      f"target_from_metadata: {keypath} of shape {shape} cannot be placed with {sharding}: {e}"
+    ) from None
 
 
 def _key_dtype(impl: str) -> Any:

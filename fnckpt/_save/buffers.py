@@ -22,7 +22,7 @@ from .._io.direct import ALIGN
 
 __all__ = ["KEEP_BYTES", "ALIGN", "take", "give", "fill_gaps"]
 
-KEEP_BYTES = 128 << 20   # idle bytes kept: two pack chunks of 64 MiB
+KEEP_BYTES = 128 << 20  # idle bytes kept: two pack chunks of 64 MiB
 # (ALIGN: every buffer taken starts on such a boundary, as ``_io.direct``'s writes need.)
 
 
@@ -36,8 +36,11 @@ def take(nbytes: int) -> np.ndarray:
   """
   pool = _state.buffers
   with pool.lock:
-    fits = [k for k, b in enumerate(pool.free)   # (at most twice the bytes: the budget
-            if nbytes <= _room(b) <= 2 * nbytes]     # is charged for nbytes only)
+    fits = [
+      k
+      for k, b in enumerate(pool.free)  # (at most twice the bytes: the budget
+      if nbytes <= _room(b) <= 2 * nbytes
+    ]  # is charged for nbytes only)
     if fits:  # (by position: list.remove would compare arrays with ==)
       buf = pool.free.pop(min(fits, key=lambda k: _room(pool.free[k])))
       pool.kept -= buf.nbytes
@@ -53,7 +56,7 @@ def _room(buf: np.ndarray) -> int:
 
 def _aligned(buf: np.ndarray, nbytes: int) -> np.ndarray:
   start = -buf.ctypes.data % ALIGN
-  return buf[start:start + nbytes]
+  return buf[start : start + nbytes]
 
 
 def give(buf: np.ndarray) -> None:

@@ -42,8 +42,10 @@ def mode(device: Any) -> str:
   forced = _state.hooks.staging
   if forced is not None:
     if forced not in MODES:
-      raise ValueError(f"fnckpt._state.hooks.staging is {forced!r}; use one of {MODES} or None "
-                       "(the platform's default)")
+      raise ValueError(
+        f"fnckpt._state.hooks.staging is {forced!r}; use one of {MODES} or None "
+        "(the platform's default)"
+      )
     return forced
   return "asarray" if device.platform in ASARRAY_PLATFORMS else "owned"
 
@@ -63,9 +65,9 @@ class Owned:
 
   def __init__(self, copies: Copies):
     self.array: jax.Array | None = None
-    self._copies: Copies | None = copies   # None once started (or failed)
+    self._copies: Copies | None = copies  # None once started (or failed)
     self._host: np.ndarray | None = None
-    self.error: BaseException | None = None   # its batch failed: this copy never started
+    self.error: BaseException | None = None  # its batch failed: this copy never started
 
   def __call__(self) -> np.ndarray:
     host = self._host
@@ -92,11 +94,12 @@ def to_host(part: Any) -> np.ndarray:
 
 class _Pending(NamedTuple):
   """A copy asked for and not started yet (:meth:`Copies.flush` starts it)."""
+
   src: jax.Array
   device: Any
-  kind: str          # the host memory kind it lands in
-  owned: Owned       # what the writer calls for its bytes
-  label: Any         # the key path of its leaf (None: unnamed)
+  kind: str  # the host memory kind it lands in
+  owned: Owned  # what the writer calls for its bytes
+  label: Any  # the key path of its leaf (None: unnamed)
 
 
 class Copies:
@@ -111,11 +114,11 @@ class Copies:
 
   def __init__(self) -> None:
     self._started: list[weakref.ref] = []
-    self._kinds: dict[Any, str | None] = {}   # device -> its host memory kind (None: numpy)
+    self._kinds: dict[Any, str | None] = {}  # device -> its host memory kind (None: numpy)
     self._pending: list[_Pending] = []
     self._pending_bytes = 0
     self._lock = threading.Lock()
-    self.label: Any = None   # the key path being staged (names it if its copy fails)
+    self.label: Any = None  # the key path being staged (names it if its copy fails)
 
   def at(self, label: Any) -> Copies:
     """These copies, naming ``label`` (a leaf's key path) in the error if the next fail."""
@@ -131,8 +134,9 @@ class Copies:
       kind = self._kinds[device] = host(device) if mode(device) == "owned" else None
       return kind
 
-  def get(self, shard: jax.Array, local: tuple[slice, ...] | None = None,
-          device: Any = None) -> Any:
+  def get(
+    self, shard: jax.Array, local: tuple[slice, ...] | None = None, device: Any = None
+  ) -> Any:
     """``shard`` (one device's array, on ``device`` when the caller knows it), or its part
     ``local``, held safe from the caller: an :class:`Owned` copy (started in a batch), or
     (``"asarray"``) a numpy array."""
@@ -162,8 +166,10 @@ class Copies:
       if not pending:
         return
       try:
-        arrays = jax.device_put([p.src for p in pending], [
-            jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind) for p in pending])
+        arrays = jax.device_put(
+          [p.src for p in pending],
+          [jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind) for p in pending],
+        )
       except Exception:
         arrays = _one_by_one(pending)
       for p, array in zip(pending, arrays):
@@ -194,12 +200,14 @@ def _one_by_one(pending: list[_Pending]) -> list:
   out: list = []
   for p in pending:
     try:
-      out.append(jax.device_put(
-          p.src, jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind)))
+      out.append(
+        jax.device_put(p.src, jax.sharding.SingleDeviceSharding(p.device, memory_kind=p.kind))
+      )
     except Exception as e:
       error: BaseException = RuntimeError(
-          f"copying {p.src.nbytes} bytes from {p.device} into its {p.kind} memory failed "
-          f"({e}); save with a smaller budget_bytes= so that fewer copies are in flight at once")
+        f"copying {p.src.nbytes} bytes from {p.device} into its {p.kind} memory failed "
+        f"({e}); save with a smaller budget_bytes= so that fewer copies are in flight at once"
+      )
       if p.label is not None:
         error = at_leaf(error, p.label)
       error.__cause__ = e

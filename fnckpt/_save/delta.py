@@ -27,10 +27,15 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from .._layout import packing as _packing
-from .._format import hashes as _hashes, manifest as _manifest, records as _records, refs as _refs
-from .._io import collective as _collective, arrays as _arrays, direct as _direct
 from .._errors import CheckpointError
+from .._format import hashes as _hashes
+from .._format import manifest as _manifest
+from .._format import records as _records
+from .._format import refs as _refs
+from .._io import arrays as _arrays
+from .._io import collective as _collective
+from .._io import direct as _direct
+from .._layout import packing as _packing
 from . import buffers as _buffers
 
 __all__ = ["PackLeaf", "Delta", "Plan", "conclude"]
@@ -41,6 +46,7 @@ class PackLeaf:
   """A staged candidate packed leaf, or this process's run of a candidate pieced leaf
   (``staged``: an object with ``nbytes`` and ``raw()``); ``expect``: the base's hash, or None
   (this process wrote none of it in the base)."""
+
   leaf: int
   staged: Any
   cost: int
@@ -50,18 +56,19 @@ class PackLeaf:
 @dataclasses.dataclass
 class Plan:
   """What concluding a save needs from its plan (see ``fnckpt._save.save``)."""
+
   records: tuple[_records.Leaf, ...]
   packs: tuple[_records.Pack, ...]
   reusable: _refs.Candidates
-  store_specs: dict[int, dict[str, Any]]      # leaf -> its zarr spec (candidates)
-  store_dirs: dict[int, str]                  # leaf -> its own store dir (candidates)
+  store_specs: dict[int, dict[str, Any]]  # leaf -> its zarr spec (candidates)
+  store_dirs: dict[int, str]  # leaf -> its own store dir (candidates)
   kv_spec: dict[str, Any]
   data_dir: str
   build: Callable[[tuple, tuple, tuple], bytes] | None  # process 0: records, packs, bases
   #                                                          (finalized) -> manifest bytes
-  check_base: Callable[[], None] | None = None        # raises if the base is gone
-  layout: Any = None              # the pieced leaves' writer rule (all of them)
-  regions: Any = None             # the pieces regions of this save's own packs
+  check_base: Callable[[], None] | None = None  # raises if the base is gone
+  layout: Any = None  # the pieced leaves' writer rule (all of them)
+  regions: Any = None  # the pieces regions of this save's own packs
 
 
 # Threads hashing chunks beside the writer thread (xxhash releases the GIL from 64 KiB).
@@ -87,8 +94,7 @@ class _Workers:
     fut: concurrent.futures.Future = concurrent.futures.Future()
     self._queue.put((fut, fn, args))
     if len(self._threads) < self._n:
-      t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
-                           daemon=True)
+      t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
       try:
         t.start()
       except RuntimeError:  # Python 3.12.0-3.12.2 start no thread once the main thread has
@@ -151,7 +157,7 @@ class _Countdown:
       self._n -= 1
       fn = self._fn if self._n == 0 else None
       if fn is not None:
-        self._fn = None   # (what it holds, e.g. a chunk's buffer, goes with it)
+        self._fn = None  # (what it holds, e.g. a chunk's buffer, goes with it)
     if fn is not None:
       fn()
 
@@ -159,16 +165,23 @@ class _Countdown:
 class Delta:
   """One save's hashing state in the writer thread."""
 
-  def __init__(self, kv_spec: dict[str, Any], ctx: ts.Context, data_dir: str, me: int,
-               release: Callable[[int], None], segment_bytes: int,
-               budget: _arrays.ByteBudget | None = None):
+  def __init__(
+    self,
+    kv_spec: dict[str, Any],
+    ctx: ts.Context,
+    data_dir: str,
+    me: int,
+    release: Callable[[int], None],
+    segment_bytes: int,
+    budget: _arrays.ByteBudget | None = None,
+  ):
     self.report = _refs.Report()
-    self.skipped: list[tuple[int, int, int]] = []   # (leaf, chunk pos, bytes) not written
+    self.skipped: list[tuple[int, int, int]] = []  # (leaf, chunk pos, bytes) not written
     self.skipped_bytes = 0
-    self.copied_bytes = 0     # (array bytes, as skipped_bytes: of the chunks copied after all)
+    self.copied_bytes = 0  # (array bytes, as skipped_bytes: of the chunks copied after all)
     self.copied_chunks = 0
-    self.budget = budget      # copies of skipped chunks hold it while in flight
-    self.written_bytes = 0    # (pack segments: bytes and chunks)
+    self.budget = budget  # copies of skipped chunks hold it while in flight
+    self.written_bytes = 0  # (pack segments: bytes and chunks)
     self.written_chunks = 0
     self.reused_pack_bytes = 0
     self.skipped_chunks = 0
@@ -181,10 +194,10 @@ class Delta:
     self._executor: _Workers | None = None
     self._ordered: _Workers | None = None
     self._files: _Workers | None = None
-    self._closed: _Workers | None = None     # file threads told to end (:meth:`join`)
+    self._closed: _Workers | None = None  # file threads told to end (:meth:`join`)
     self._jobs: list[concurrent.futures.Future] = []
     self._writes: list[ts.Future] = []
-    self.check_base: Callable[[], None] | None = None   # set by conclude (process 0)
+    self.check_base: Callable[[], None] | None = None  # set by conclude (process 0)
 
   @property
   def me(self) -> int:
@@ -193,9 +206,18 @@ class Delta:
 
   # stored chunks ------------------------------------------------------------------------
 
-  def chunk(self, leaf: int | None, pos: int, expect: bytes | None, nbytes: int, cost: int,
-            host: np.ndarray, write: Callable[[], Any],
-            spans: list[tuple[int, int, int]] | None = None, reuse: bool = False) -> None:
+  def chunk(
+    self,
+    leaf: int | None,
+    pos: int,
+    expect: bytes | None,
+    nbytes: int,
+    cost: int,
+    host: np.ndarray,
+    write: Callable[[], Any],
+    spans: list[tuple[int, int, int]] | None = None,
+    reuse: bool = False,
+  ) -> None:
     """Write one staged chunk and hash it, on a small thread pool: a candidate's chunk is
     hashed first and written only if it differs from the base's; any other stored chunk is
     written at once and hashed meanwhile. Its budget ``cost`` is given back once it is both
@@ -204,10 +226,12 @@ class Delta:
     bytes may continue in the next chunk); ``reuse``: ``host`` (a pack chunk's buffer from
     ``buffers.take``) goes back to the pool once both are done: nothing reads it after."""
     if leaf is None:
+
       def after() -> None:
         self._release(cost)
         if reuse:
           _buffers.give(host)
+
       done = _Countdown(2 if spans else 1, after)
       if spans:  # (first: hashed while the write starts; a write that fails to start never
         #          counts down, so the buffer is not given back while the hashing reads it)
@@ -219,8 +243,16 @@ class Delta:
       self._track(write(), done)
       self._jobs.append(self._pool().submit(self._hash_written, leaf, pos, host, done))
       return
-    decide = functools.partial(self._decide, leaf=leaf, pos=pos, host=host, expect=expect,
-                               nbytes=nbytes, cost=cost, write=write)
+    decide = functools.partial(
+      self._decide,
+      leaf=leaf,
+      pos=pos,
+      host=host,
+      expect=expect,
+      nbytes=nbytes,
+      cost=cost,
+      write=write,
+    )
     self._jobs.append(self._pool().submit(decide))
 
   def _hash_written(self, leaf: int, pos: int, host: np.ndarray, done: Callable) -> None:
@@ -299,11 +331,12 @@ class Delta:
       self._files = _Workers(FILE_THREADS, "fnckpt-write")
     return self._files.submit(_direct.write_chunk, path, image, buf)
 
-  def _hash_spans(self, host: np.ndarray, spans: list[tuple[int, int, int]],
-                  done: Callable[[], None]) -> None:
+  def _hash_spans(
+    self, host: np.ndarray, spans: list[tuple[int, int, int]], done: Callable[[], None]
+  ) -> None:
     try:
       for i, offset, n in spans:
-        self.hash_piece(i, host[offset:offset + n])
+        self.hash_piece(i, host[offset : offset + n])
     finally:
       done()
 
@@ -329,8 +362,11 @@ class Delta:
       self.reused_pack_bytes += item.staged.nbytes
       self._release(item.cost)
       return []
-    self.report.maybe[item.leaf] = (h, len(self.report.segments), sum(
-        b.staged.nbytes for b in self._buffer))
+    self.report.maybe[item.leaf] = (
+      h,
+      len(self.report.segments),
+      sum(b.staged.nbytes for b in self._buffer),
+    )
     self._buffer.append(item)
     if sum(b.staged.nbytes for b in self._buffer) >= self._limit:
       return self.flush()
@@ -354,8 +390,9 @@ class Delta:
     d = f"{self._dir}/q/{self._me}/{k}"
     spec = _arrays.pack_spec(self._kv_spec, d, padded, chunk, inner)
     try:
-      store = _arrays.open_array({**spec, "store_data_equal_to_fill_value": True}, self._ctx,
-                                mode="create").result()
+      store = _arrays.open_array(
+        {**spec, "store_data_equal_to_fill_value": True}, self._ctx, mode="create"
+      ).result()
     except BaseException:
       self._release(sum(b.cost for b in items))
       raise
@@ -388,36 +425,50 @@ def _assemble(items: list[PackLeaf], start: int, end: int) -> np.ndarray:
   for b in items:
     lo, hi = max(offset, start), min(offset + b.staged.nbytes, end)
     if lo < hi:
-      buf[lo - start:hi - start] = b.staged.raw()[lo - offset:hi - offset]
+      buf[lo - start : hi - start] = b.staged.raw()[lo - offset : hi - offset]
     offset += b.staged.nbytes
   return buf
 
 
-def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvStore,
-             ctx: ts.Context, location: str) -> bytes | None:
+def conclude(
+  session: _collective.Session,
+  plan: Plan,
+  delta: Delta,
+  kv: ts.KvStore,
+  ctx: ts.Context,
+  location: str,
+) -> bytes | None:
   """Once this process's chunks are hashed (collective; its writes may be in flight): share
   the reports, decide, copy skipped chunks of changed leaves, write their zarr.json; process 0
   returns the manifest, and sets ``delta.check_base`` (call it once every write is durable,
   before committing: it raises if the base is gone)."""
-  gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(),
-                                                     use_bin_type=True))
+  gathered = session.gather("hashed", msgpack.packb(delta.report.to_msgpack(), use_bin_type=True))
   manifest: bytes | None = None
   changed: set[int] = set()
   if gathered is not None:  # process 0
-    assert plan.build is not None   # (process 0's)
+    assert plan.build is not None  # (process 0's)
     reports = [_refs.Report.from_msgpack(_manifest.unpack(g)) for g in gathered]
     changed = _refs.changed_leaves(reports, plan.reusable.stored)
-    records, packs, bases = _refs.finalize(records=plan.records, packs=plan.packs, reports=reports, reusable=plan.reusable,
-                                           changed=changed, location=location, layout=plan.layout, regions=plan.regions)
+    records, packs, bases = _refs.finalize(
+      records=plan.records,
+      packs=plan.packs,
+      reports=reports,
+      reusable=plan.reusable,
+      changed=changed,
+      location=location,
+      layout=plan.layout,
+      regions=plan.regions,
+    )
     manifest = plan.build(records, packs, bases)
   changed = set(msgpack.unpackb(session.share("changed", msgpack.packb(sorted(changed)))))
   futures = _copy_skipped(plan, delta, kv, ctx, changed)
   if gathered is not None:  # process 0 writes the zarr.json of every stored array
-    futures += [_arrays.open_array(plan.store_specs[i], ctx, mode="create") for i in sorted(
-        changed)]
+    futures += [
+      _arrays.open_array(plan.store_specs[i], ctx, mode="create") for i in sorted(changed)
+    ]
   for f in futures:
     f.result()
-  delta.check_base = plan.check_base if manifest is not None else None   # (once written)
+  delta.check_base = plan.check_base if manifest is not None else None  # (once written)
   return manifest
 
 
@@ -426,8 +477,9 @@ def conclude(session: _collective.Session, plan: Plan, delta: Delta, kv: ts.KvSt
 COPY_WINDOW = 32
 
 
-def _copy_skipped(plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context,
-                  changed: set[int]) -> list[ts.Future]:
+def _copy_skipped(
+  plan: Plan, delta: Delta, kv: ts.KvStore, ctx: ts.Context, changed: set[int]
+) -> list[ts.Future]:
   """The base's chunks this process skipped, of leaves that changed elsewhere: copied as
   stored (same chunk shape and codecs, so the encoded chunk is the same bytes). Reads go
   out concurrently (at most ``COPY_WINDOW``), each charged to the budget until written."""
@@ -471,14 +523,14 @@ def _copy_one(plan: Plan, delta: Delta, kv: ts.KvStore, item: tuple) -> ts.Futur
   """Write one copied chunk once its read is in; its budget goes back when it is written."""
   i, src_key, key, n, read = item
   budget = delta.budget
-  release = (lambda _f=None: budget.release(n)) if budget is not None else (
-      lambda _f=None: None)
+  release = (lambda _f=None: budget.release(n)) if budget is not None else (lambda _f=None: None)
   try:
     got = read.result()
     if got.state != "value":
       raise CheckpointError(
-          f"The base's chunk {src_key} of leaf {plan.records[i].where} is missing: the base "
-          "checkpoint was deleted or damaged during this save. Save again (without base=).")
+        f"The base's chunk {src_key} of leaf {plan.records[i].where} is missing: the base "
+        "checkpoint was deleted or damaged during this save. Save again (without base=)."
+      )
     fut = kv.write(f"{plan.store_dirs[i]}/{key}", got.value)
   except BaseException:
     release()

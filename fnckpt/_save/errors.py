@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 
-from .._io import paths as _paths
 from .._errors import CheckpointError
 from .._format import tree as _tree
+from .._io import paths as _paths
 
 __all__ = ["wrap", "at_leaf"]
 
@@ -37,4 +37,5 @@ def wrap(e: BaseException, location: str, phase: str) -> BaseException:
   text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", _paths.redact(str(e)))  # noise
   hint = _paths.io_hint(e)
   return CheckpointError(
-      f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {text}.{hint}")
+    f"Saving to {location!r} failed while {phase}: {type(e).__name__}: {text}.{hint}"
+  )

@@ -29,15 +29,16 @@ class SaveStats:
   >>> SaveStats().bytes_written
   0
   """
-  blocking_s: float = 0.0      # time save() held the caller
-  write_s: float = 0.0         # from the first chunk write until all chunks are durable
-  commit_s: float = 0.0        # barriers, manifest and commit marker
-  total_s: float = 0.0         # from the call until committed
-  bytes_written: int = 0       # array bytes this process wrote (chunks and packs)
+
+  blocking_s: float = 0.0  # time save() held the caller
+  write_s: float = 0.0  # from the first chunk write until all chunks are durable
+  commit_s: float = 0.0  # barriers, manifest and commit marker
+  total_s: float = 0.0  # from the call until committed
+  bytes_written: int = 0  # array bytes this process wrote (chunks and packs)
   chunks_written: int = 0
-  bytes_reused: int = 0        # array bytes equal to the base's, not written (save(base=))
-  peak_staged_bytes: int = 0   # the most host bytes held for this process's pending saves
-                               # (as charged to the budget: CHUNK_COST x each chunk in flight)
+  bytes_reused: int = 0  # array bytes equal to the base's, not written (save(base=))
+  peak_staged_bytes: int = 0  # the most host bytes held for this process's pending saves
+  # (as charged to the budget: CHUNK_COST x each chunk in flight)
 
 
 class SaveHandle:
@@ -57,8 +58,8 @@ class SaveHandle:
     self._event = threading.Event()
     self._error: BaseException | None = None
     self._seq = next(_state.saves.order)  # fnckpt.wait() reports failures in the save order
-    self.replaced = False      # overwrite=True removed what was at the location
-    self.planned: tuple | None = None   # its planned leaf records (a later save's base)
+    self.replaced = False  # overwrite=True removed what was at the location
+    self.planned: tuple | None = None  # its planned leaf records (a later save's base)
     self._callbacks: list = []
 
   def add_done_callback(self, fn) -> None:
@@ -84,8 +85,9 @@ class SaveHandle:
       raise self._error
     return self.stats
 
-  def _finish(self, error: BaseException | None, committed: bool | None = False,
-              reported: bool = False) -> None:
+  def _finish(
+    self, error: BaseException | None, committed: bool | None = False, reported: bool = False
+  ) -> None:
     """The save ended: ``error`` (None: committed; ``reported``: raised to the caller now).
     Its ``outcome`` is decided here, the one place that knows both what the writer did
     (``committed``: whether this process wrote the commit marker, or cannot tell) and whether
@@ -93,8 +95,11 @@ class SaveHandle:
     word of the process that decides (process 0's)."""
     if isinstance(error, CheckpointError):
       known = error.outcome if isinstance(error, _collective.PeerFailedError) else None
-      error.outcome = (dataclasses.replace(known, replaced=self.replaced) if known is not None
-                       else SaveOutcome(committed, self.replaced))
+      error.outcome = (
+        dataclasses.replace(known, replaced=self.replaced)
+        if known is not None
+        else SaveOutcome(committed, self.replaced)
+      )
     self._error = error
     saves = _state.saves
     with saves.lock:
@@ -149,8 +154,10 @@ def wait() -> None:
   if len(errors) == 1:
     raise errors[0]
   if errors:
-    raise SavesFailedError(f"{len(errors)} saves failed:\n" + "\n".join(
-        f"  - {str(e).splitlines()[0]}" for e in errors), errors=errors) from errors[0]
+    raise SavesFailedError(
+      f"{len(errors)} saves failed:\n" + "\n".join(f"  - {str(e).splitlines()[0]}" for e in errors),
+      errors=errors,
+    ) from errors[0]
 
 
 def _finish_at_exit() -> None:
@@ -165,8 +172,11 @@ def _finish_at_exit() -> None:
       h.wait()
     except BaseException as e:
       failed = True
-      print(f"fnckpt: at interpreter exit: the save to {h.location!r} failed and nobody "
-            f"waited for it: {e}", file=sys.stderr)
+      print(
+        f"fnckpt: at interpreter exit: the save to {h.location!r} failed and nobody "
+        f"waited for it: {e}",
+        file=sys.stderr,
+      )
   if failed:
     sys.stdout.flush()
     sys.stderr.flush()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from .._errors import CheckpointError
-from .._io import arrays as _arrays, commit as _commit
+from .._io import arrays as _arrays
+from .._io import commit as _commit
 from .._layout import packing as _packing
 
 __all__ = ["SaveOptions", "INLINE_BYTES"]
@@ -30,8 +31,9 @@ class SaveOptions:
   ...
   fnckpt._errors.CheckpointError: save(inline_bytes=-1): expected an int in [0, 1073741824] ...
   """
+
   overwrite: bool = False
-  budget_bytes: int | None = None    # checked when the save starts (its default is measured)
+  budget_bytes: int | None = None  # checked when the save starts (its default is measured)
   inline_bytes: int = INLINE_BYTES
   pack_bytes: int = _packing.PACK_LEAF_BYTES
   compression: str | None = None
@@ -55,8 +57,10 @@ class SaveOptions:
 
 def _check_sizes(inline_bytes: object, pack_bytes: object) -> None:
   for name, v, hi, default in (
-      ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
-      ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES)):
+    ("inline_bytes", inline_bytes, 1 << 30, INLINE_BYTES),
+    ("pack_bytes", pack_bytes, _packing.PACK_CHUNK_BYTES, _packing.PACK_LEAF_BYTES),
+  ):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-      raise CheckpointError(f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); "
-                            f"the default is {default}.")
+      raise CheckpointError(
+        f"save({name}={v!r}): expected an int in [0, {hi}] (bytes); the default is {default}."
+      )

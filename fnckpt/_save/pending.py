@@ -26,24 +26,37 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import _state
 from .._errors import CheckpointError
-from .._format import records as _records, refs as _refs
+from .._format import records as _records
+from .._format import refs as _refs
 from .._io import paths as _paths
 from .._sources import source as _source
 
 if TYPE_CHECKING:
   from .handle import SaveHandle
 
-__all__ = ["PENDING", "PendingStored", "PendingPacked", "by_layout", "Pending",
-           "open_pending", "WAKE", "BaseState", "LookUp", "Committed", "InFlight"]
+__all__ = [
+  "PENDING",
+  "PendingStored",
+  "PendingPacked",
+  "by_layout",
+  "Pending",
+  "open_pending",
+  "WAKE",
+  "BaseState",
+  "LookUp",
+  "Committed",
+  "InFlight",
+]
 
 # The expectation of an item whose base is still in flight (never equal to a real hash).
 PENDING = b"(pending base)"
-WAKE = object()   # a writer queue marker: the base finished, or someone waits on the budget
+WAKE = object()  # a writer queue marker: the base finished, or someone waits on the budget
 
 
 @dataclasses.dataclass(frozen=True)
 class PendingStored:
   """A stored leaf whose in-flight base plans the same layout (``refs.StoredCand``'s calls)."""
+
   base: Any = None
   dir: Any = None
 
@@ -55,6 +68,7 @@ class PendingStored:
 @dataclasses.dataclass(frozen=True)
 class PendingPacked:
   """A packed leaf whose in-flight base packs it too (``refs.PackCand``'s ``hash``)."""
+
   hash: bytes = PENDING
 
 
@@ -69,17 +83,18 @@ class _EveryProcess:
 @dataclasses.dataclass(frozen=True)
 class PendingRuns:
   """A pieced leaf whose in-flight base pieces it alike (``refs.RunCand``'s ``runs``)."""
+
   runs: Any = dataclasses.field(default_factory=_EveryProcess)
 
 
 def _base_packs(old: _records.Leaf) -> bool:
   """Whether the base packs ``old`` (planned in its pack, or a candidate it places later)."""
-  return old.packed is not None or (old.stored is None and old.inline is None
-                                    and old.pieces is None)
+  return old.packed is not None or (
+    old.stored is None and old.inline is None and old.pieces is None
+  )
 
 
-def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
-              ) -> _refs.Candidates:
+def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]) -> _refs.Candidates:
   """Per new planned record, whether the base's planned (or committed) record has the same
   layout: the leaves that may reuse the base's data once it commits. Planned and committed
   records of one save agree on every field compared here (a pieced leaf's mesh processes and
@@ -98,9 +113,12 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
     if old.kind == "key" and old.impl != rec.impl:
       continue
     s = rec.stored
-    if s is not None and old.stored is not None and (
-        old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc) == (
-            s.chunks, s.inner, s.zstd, s.blosc):
+    if (
+      s is not None
+      and old.stored is not None
+      and (old.stored.chunks, old.stored.inner, old.stored.zstd, old.stored.blosc)
+      == (s.chunks, s.inner, s.zstd, s.blosc)
+    ):
       stored[i] = PendingStored()
     elif rec.pieces is not None and old.pieces is not None and _same_pieces(old, rec):
       pieced[i] = PendingRuns()
@@ -111,9 +129,10 @@ def by_layout(records: Sequence[_records.Leaf], base: Sequence[_records.Leaf]
 
 def _same_pieces(old: _records.Leaf, rec: _records.Leaf) -> bool:
   assert old.pieces is not None and rec.pieces is not None and rec.shape is not None
-  assert old.sharding is not None and rec.sharding is not None   # (pieced: named)
+  assert old.sharding is not None and rec.sharding is not None  # (pieced: named)
   return old.pieces.chunks == rec.pieces.chunks and _refs.same_split(
-      old.sharding, rec.sharding, len(rec.shape))
+    old.sharding, rec.sharding, len(rec.shape)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +151,7 @@ class InFlight:
   """The base is a save still in flight (the manager's process 0 decided): ``handle``, this
   process's handle of it, or None when this process holds none (its records are then read
   from the base's manifest once committed)."""
+
   handle: SaveHandle | None = None
 
 
@@ -139,8 +159,9 @@ BaseState = LookUp | Committed | InFlight
 """What a save knows of its base: ``start(base_state=)``, :func:`open_pending`."""
 
 
-def open_pending(base: Any, state: BaseState, session: Any, kv_spec: dict,
-                 where: _paths.Location, location: str) -> Pending | None:
+def open_pending(
+  base: Any, state: BaseState, session: Any, kv_spec: dict, where: _paths.Location, location: str
+) -> Pending | None:
   """The in-flight base of a new save to ``where``, or None (a committed base: read it as
   usual; a base is on the new save's storage, with its options)."""
   if isinstance(state, Committed) or not isinstance(base, (str, os.PathLike)):
@@ -159,9 +180,10 @@ def open_pending(base: Any, state: BaseState, session: Any, kv_spec: dict,
   loc, new_loc = _refs.locate(base_spec), _refs.locate(kv_spec)
   if loc.store != new_loc.store or loc.path == new_loc.path:
     raise CheckpointError(
-        f"save(base={_paths.display(os.fspath(base))!r}) to {location!r}: the base must be "
-        "another checkpoint on the same storage (same scheme, bucket and options) as the new "
-        "one. Save without base=, or pick a base beside the new checkpoint.")
+      f"save(base={_paths.display(os.fspath(base))!r}) to {location!r}: the base must be "
+      "another checkpoint on the same storage (same scheme, bucket and options) as the new "
+      "one. Save without base=, or pick a base beside the new checkpoint."
+    )
   if handle is None or handle.planned is None:  # (no records here: its committed ones)
     handle, planned = None, _source.open_source(based).manifest.leaves
   else:
@@ -172,23 +194,28 @@ def open_pending(base: Any, state: BaseState, session: Any, kv_spec: dict,
 class Pending:
   """One save's in-flight base, on the writer's side (see the module docstring)."""
 
-  def __init__(self, handle: Any, base: _paths.Location, loc: _refs.Location,
-               new_loc: _refs.Location, planned: Sequence[_records.Leaf]):
+  def __init__(
+    self,
+    handle: Any,
+    base: _paths.Location,
+    loc: _refs.Location,
+    new_loc: _refs.Location,
+    planned: Sequence[_records.Leaf],
+  ):
     self.handle, self.base, self.path = handle, base, base.path
     self.loc, self.new_loc, self.planned = loc, new_loc, tuple(planned)
-    self.planned_reusable = _refs.Candidates()   # by layout (expectations pending)
-    self.meshes: tuple = ()                   # the new save's meshes of pieced leaves
+    self.planned_reusable = _refs.Candidates()  # by layout (expectations pending)
+    self.meshes: tuple = ()  # the new save's meshes of pieced leaves
     self.records: tuple = ()
-    self.resolved: tuple | None = None   # (check_base or None, refs.Candidates)
+    self.resolved: tuple | None = None  # (check_base or None, refs.Candidates)
     self._held: list[Any] = []
     self._spill = False
     self._wake = threading.Event()
-    self._done = threading.Event()       # the base's save finished
+    self._done = threading.Event()  # the base's save finished
     self._writer: Any = None
     self._check_of: Callable[[Any], Callable[[], None]] | None = None
 
-  def candidates(self, records: Sequence[_records.Leaf], meshes: Sequence = ()
-                 ) -> _refs.Candidates:
+  def candidates(self, records: Sequence[_records.Leaf], meshes: Sequence = ()) -> _refs.Candidates:
     """The plan's candidates (``save._plan``): by layout, expectations pending."""
     self.records, self.meshes = tuple(records), tuple(meshes)
     self.planned_reusable = by_layout(records, self.planned)
@@ -293,14 +320,19 @@ class Pending:
     except CheckpointError:
       self.resolved = (None, _refs.Candidates())
       return
-    got = _refs.candidates(self.records, src.manifest, _refs.locate(src.kv_spec),
-                           self.new_loc, self.meshes)
+    got = _refs.candidates(
+      self.records, src.manifest, _refs.locate(src.kv_spec), self.new_loc, self.meshes
+    )
     want = self.planned_reusable
-    assert self._check_of is not None   # (attached before any item)
-    self.resolved = (self._check_of(src), _refs.Candidates(
+    assert self._check_of is not None  # (attached before any item)
+    self.resolved = (
+      self._check_of(src),
+      _refs.Candidates(
         {i: c for i, c in got.stored.items() if i in want.stored},
         {i: c for i, c in got.packed.items() if i in want.packed},
-        {i: c for i, c in got.pieced.items() if i in want.pieced}))
+        {i: c for i, c in got.pieced.items() if i in want.pieced},
+      ),
+    )
 
   def complete(self, plan: Any) -> Any:
     """Before concluding: the delta plan with the real candidates. A base not resolved yet
@@ -315,6 +347,10 @@ class Pending:
     for i in want.stored:
       if i not in got.stored:  # not reusable after all: written whole (process 0 decides)
         self._writer.delta.report.changed.add(i)
-    return dataclasses.replace(plan, reusable=_refs.Candidates(
-        {i: got.stored.get(i, c) for i, c in want.stored.items()}, got.packed, got.pieced),
-        check_base=check)
+    return dataclasses.replace(
+      plan,
+      reusable=_refs.Candidates(
+        {i: got.stored.get(i, c) for i, c in want.stored.items()}, got.packed, got.pieced
+      ),
+      check_base=check,
+    )

@@ -11,10 +11,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from .._layout import chunks as _chunks, pieces as _pieces
 from .. import _state
-from .._format import records as _records
 from .._errors import CheckpointError
+from .._format import records as _records
+from .._layout import chunks as _chunks
+from .._layout import pieces as _pieces
 from .copies import Copies
 from .staged_leaf import Staged
 
@@ -26,6 +27,7 @@ class PackPart:
   """Bytes ``[offset, offset + nbytes)`` of this process's pack: record ``leaf``'s bytes
   (a whole packed leaf, or one chunk of a pieced one), staged by ``make(copies)`` (the save's
   ``copies.Copies``) when needed."""
+
   offset: int
   nbytes: int
   leaf: int
@@ -41,8 +43,9 @@ def mesh_processes(mesh: Any) -> np.ndarray:
   >>> mesh_processes(jax.make_mesh((1,), ("a",))).tolist()
   [0]
   """
-  procs = np.fromiter((d.process_index for d in mesh.devices.flat), np.int64,
-                      count=mesh.devices.size)
+  procs = np.fromiter(
+    (d.process_index for d in mesh.devices.flat), np.int64, count=mesh.devices.size
+  )
   procs.flags.writeable = False
   return procs
 
@@ -70,10 +73,10 @@ class Planner:
     self.leaves: list[_Leaf] = []
     self.meshes: list[np.ndarray] = []
     self._mesh_index: dict[bytes, int] = {}
-    self._mesh_of: dict[Any, int] = {}       # per mesh object (each mapped once)
-    self.layout: _pieces.Layout | None = None    # every pieced leaf: the writer rule
-    self.regions: _pieces.Layout | None = None   # those in this save's own packs' regions
-    self._apart: frozenset[int] = frozenset()    # those written on their own (candidates)
+    self._mesh_of: dict[Any, int] = {}  # per mesh object (each mapped once)
+    self.layout: _pieces.Layout | None = None  # every pieced leaf: the writer rule
+    self.regions: _pieces.Layout | None = None  # those in this save's own packs' regions
+    self._apart: frozenset[int] = frozenset()  # those written on their own (candidates)
 
   def consider(self, i: int, rec: _records.Leaf, data: Any) -> _records.Leaf | None:
     """Record ``i`` stored as pieces, if it qualifies (a jax array with a NamedSharding whose
@@ -96,12 +99,22 @@ class Planner:
       return None
     m = self._mesh(sharding.mesh)
     dim_axes = info.dim_axes + ((),) * (len(shape) - len(info.dim_axes))
-    spec = _pieces.PieceLeaf(index=i, mesh=m, axis_sizes=info.axis_sizes, dim_axes=dim_axes,
-                             shift=_pieces.shift_of(i, info.axis_sizes, dim_axes), chunk=shard, nbytes=n)
+    spec = _pieces.PieceLeaf(
+      index=i,
+      mesh=m,
+      axis_sizes=info.axis_sizes,
+      dim_axes=dim_axes,
+      shift=_pieces.shift_of(i, info.axis_sizes, dim_axes),
+      chunk=shard,
+      nbytes=n,
+    )
     self.leaves.append(_Leaf(i, data, info, spec))
     assert rec.sharding is not None
-    return dataclasses.replace(rec, sharding=dataclasses.replace(rec.sharding, mesh=m),
-                               pieces=_records.Pieces(tuple(shard), m))
+    return dataclasses.replace(
+      rec,
+      sharding=dataclasses.replace(rec.sharding, mesh=m),
+      pieces=_records.Pieces(tuple(shard), m),
+    )
 
   def _mesh(self, mesh: Any) -> int:
     if mesh in self._mesh_of:
@@ -124,8 +137,9 @@ class Planner:
     self._apart = frozenset(apart)
     self.layout = _pieces.build(self.meshes, [l.spec for l in self.leaves], nproc)
     rest = [l.spec for l in self.leaves if l.index not in self._apart]
-    self.regions = (self.layout if not self._apart else
-                    _pieces.build(self.meshes, rest, nproc) if rest else None)
+    self.regions = (
+      self.layout if not self._apart else _pieces.build(self.meshes, rest, nproc) if rest else None
+    )
     if self.regions is None:
       return {}
     return {int(p): int(self.regions.region[p]) for p in np.flatnonzero(self.regions.region)}
@@ -133,8 +147,12 @@ class Planner:
   def parts(self, start: int, me: int) -> list[PackPart]:
     """The chunks this process writes into its pack's region, each at its offset (the region
     starts at ``start``)."""
-    return [part for leaf in self.leaves if leaf.index not in self._apart
-            for part in self._leaf_parts(leaf, me, start)]
+    return [
+      part
+      for leaf in self.leaves
+      if leaf.index not in self._apart
+      for part in self._leaf_parts(leaf, me, start)
+    ]
 
   def runs(self, me: int) -> list[tuple[int, list[PackPart]]]:
     """Per leaf written apart, this process's run: its chunks (offsets from the run's start)."""
@@ -159,16 +177,23 @@ class Planner:
     units = _units(leaf)
     if [n for n, _ in units] != chunks.tolist():
       raise CheckpointError(
-          f"Internal error planning the pieces of leaf #{leaf.index}: this process "
-          f"(#{me}) holds chunks {[n for n, _ in units][:8]} to write, the layout says "
-          f"{chunks.tolist()[:8]}. Please report this; save with compression= to avoid "
-          "pieces meanwhile.")
+        f"Internal error planning the pieces of leaf #{leaf.index}: this process "
+        f"(#{me}) holds chunks {[n for n, _ in units][:8]} to write, the layout says "
+        f"{chunks.tolist()[:8]}. Please report this; save with compression= to avoid "
+        "pieces meanwhile."
+      )
     shards = {s.device: s for s in leaf.data.addressable_shards} if units else {}
     for k, (_, unit) in enumerate(units):
       shard = shards[unit.device]
-      out.append(PackPart(start + at + k * leaf.spec.nbytes, leaf.spec.nbytes, leaf.index,
-                          functools.partial(_stage_shard, shard, leaf.data.dtype),
-                          shard.data))
+      out.append(
+        PackPart(
+          start + at + k * leaf.spec.nbytes,
+          leaf.spec.nbytes,
+          leaf.index,
+          functools.partial(_stage_shard, shard, leaf.data.dtype),
+          shard.data,
+        )
+      )
     return out
 
 
@@ -177,8 +202,9 @@ def _units(leaf: _Leaf) -> list[tuple[int, _chunks.WriteUnit]]:
   write plan, cached per leaf: a shard of at most 8 MiB is never split, so its chunk is the
   shard)."""
   shape, chunk = tuple(leaf.data.shape), leaf.spec.chunk
-  got, units = _chunks.plan_write(leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize,
-                                  salt=leaf.index)
+  got, units = _chunks.plan_write(
+    leaf.data.sharding, shape, np.dtype(leaf.data.dtype).itemsize, salt=leaf.index
+  )
   if tuple(got) != chunk:
     layout = _chunks.WriteLayout(shape, chunk, _chunks.local_shards(leaf.info, shape))
     units = _chunks.local_writes(layout, salt=leaf.index)

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from .. import _state
-from .._layout import chunks as _chunks
 from .._format import leaves as _leaves
+from .._layout import chunks as _chunks
 from .copies import Copies, to_host
 
 __all__ = ["Staged", "Run"]
@@ -22,6 +22,7 @@ class Staged:
   a copy into host memory the save owns (``copies.Owned``, made numpy by :meth:`raw`), a
   view of a CPU device buffer (JAX leaves it alone if the caller donates or deletes the
   array), or a copy of numpy data."""
+
   shape: tuple[int, ...]
   dtype: np.dtype
   parts: list[tuple[tuple[slice, ...], Any]]
@@ -36,9 +37,15 @@ class Staged:
       return Staged(shape, dtype, [(whole, copies.get(data.addressable_data(0)))])
     distinct = _distinct_shards(data.sharding, shape)
     # not np.asarray(data): JAX would cache that copy on the caller's array, unbudgeted
-    return Staged(shape, dtype, [(index, copies.get(s.data, device=s.device))
-                                 for s in data.addressable_shards
-                                 if (index := distinct.get(s.device)) is not None])
+    return Staged(
+      shape,
+      dtype,
+      [
+        (index, copies.get(s.data, device=s.device))
+        for s in data.addressable_shards
+        if (index := distinct.get(s.device)) is not None
+      ],
+    )
 
   @property
   def nbytes(self) -> int:
@@ -48,8 +55,11 @@ class Staged:
     """Copy a leaf of several parts straight into ``dst`` (1-D ``uint8``, :attr:`nbytes`),
     as :meth:`raw` would gather them, without gathering them first (a copy fewer); False
     (nothing written) for one part, or a dtype not stored as it is in memory."""
-    if len(self.parts) == 1 or _leaves.to_little_endian(np.empty(0, self.dtype)).dtype != \
-        self.dtype or dst.nbytes != self.nbytes:
+    if (
+      len(self.parts) == 1
+      or _leaves.to_little_endian(np.empty(0, self.dtype)).dtype != self.dtype
+      or dst.nbytes != self.nbytes
+    ):
       return False
     self.parts = [(index, to_host(part)) for index, part in self.parts]
     out = dst.view(self.dtype).reshape(self.shape)
@@ -88,6 +98,7 @@ def _distinct_shards(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[s
 class Run:
   """One process's chunks of a pieced leaf, staged, whose bytes are their concatenation (in
   increasing chunk number): a format-3 *run*, hashed and written (or reused) as one item."""
+
   parts: list[Staged]
   _raw: np.ndarray | None = None
 
@@ -98,6 +109,9 @@ class Run:
   def raw(self) -> np.ndarray:
     """The run's bytes (1-D ``uint8``; built once)."""
     if self._raw is None:
-      self._raw = (self.parts[0].raw() if len(self.parts) == 1 else
-                   np.concatenate([p.raw() for p in self.parts]))
+      self._raw = (
+        self.parts[0].raw()
+        if len(self.parts) == 1
+        else np.concatenate([p.raw() for p in self.parts])
+      )
     return self._raw

@@ -13,19 +13,32 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._layout import chunks as _chunks
 from .._format import refs as _refs
-from .._io import arrays as _arrays, direct as _direct
+from .._io import arrays as _arrays
+from .._io import direct as _direct
+from .._layout import chunks as _chunks
 from .._layout.shard import ShardImage
-from . import buffers as _buffers, piece_writes as _piece_writes
-from .handle import SaveHandle
-from .copies import Copies, mode as _mode
+from . import buffers as _buffers
+from . import piece_writes as _piece_writes
+from .copies import Copies
+from .copies import mode as _mode
 from .errors import at_leaf
+from .handle import SaveHandle
 from .staged_leaf import Staged
 from .writer import Chunk, Writer
 
-__all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged",
-           "leaf_nbytes", "Assemble", "stage_unit", "start_copies", "to_copy"]
+__all__ = [
+  "CHUNK_COST",
+  "stage_array",
+  "stage_pack",
+  "charge",
+  "count_staged",
+  "leaf_nbytes",
+  "Assemble",
+  "stage_unit",
+  "start_copies",
+  "to_copy",
+]
 
 # Host bytes a chunk of n bytes costs, in units of n, from staging until it is durable: the
 # staged buffer, which the writer drops once TensorStore has copied it into its transaction,
@@ -33,30 +46,59 @@ __all__ = ["CHUNK_COST", "stage_array", "stage_pack", "charge", "count_staged",
 CHUNK_COST = 2
 
 
-def stage_array(a: Any, fut, cand: _refs.StoredCand | None, writer: Writer, budget,
-                handle: SaveHandle, copies: Copies) -> None:
+def stage_array(
+  a: Any,
+  fut,
+  cand: _refs.StoredCand | None,
+  writer: Writer,
+  budget,
+  handle: SaveHandle,
+  copies: Copies,
+) -> None:
   """Stage the chunks of one zarr array (``a``: save's ``_Array``) this process writes (each
   hashed by the writer; a candidate's chunk equal to the base's is not written)."""
-  shard_data = ({s.device: s.data for s in a.data.addressable_shards}
-                if isinstance(a.data, jax.Array) and a.units else {})
+  shard_data = (
+    {s.device: s.data for s in a.data.addressable_shards}
+    if isinstance(a.data, jax.Array) and a.units
+    else {}
+  )
   itemsize = np.dtype(a.data.dtype).itemsize
   chunks, shape = a.rec.stored.chunks, a.rec.shape
   for unit in a.units:
     n = _chunks.nbytes([b - s for s, b in unit.index], itemsize)
     try:
-      host = charge(budget, CHUNK_COST * n, writer,
-                    lambda: stage_unit(a.data, unit, shard_data.get(unit.device),  # noqa: B023
-                                                copies.at(a.rec.path)))
+      host = charge(
+        budget,
+        CHUNK_COST * n,
+        writer,
+        lambda: stage_unit(
+          a.data,
+          unit,
+          shard_data.get(unit.device),
+          copies.at(a.rec.path),
+        ),
+      )
     except BaseException as e:
       raise at_leaf(e, a.rec.path)  # noqa: B904
     pos = _refs.chunk_pos(unit.index, chunks, shape)
-    writer.put(Chunk(store=fut, index=unit.index, host=host, cost=CHUNK_COST * n, leaf=a.index, pos=pos,
-                     expect=cand.expect(pos) if cand is not None else None, nbytes=n))
+    writer.put(
+      Chunk(
+        store=fut,
+        index=unit.index,
+        host=host,
+        cost=CHUNK_COST * n,
+        leaf=a.index,
+        pos=pos,
+        expect=cand.expect(pos) if cand is not None else None,
+        nbytes=n,
+      )
+    )
     count_staged(handle, budget, n)
 
 
-def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle,
-               copies: Copies) -> None:
+def stage_pack(
+  plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHandle, copies: Copies
+) -> None:
   """This process's pack, chunk by chunk. Each packed leaf is staged as chunks are (views of
   its shards on CPU, copies the save owns on accelerators, a copy of numpy data); the
   writer thread then assembles each chunk's bytes from them, so the caller waits for no copy
@@ -66,11 +108,18 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
   fut = _arrays.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
-  todo = sorted([_piece_writes.PackPart(plan.records[i].packed.offset, leaf_nbytes(data),
-                                        i, functools.partial(Staged.of, data))
-                  for i, data in plan.packed] + plan.pieces, key=lambda part: part.offset)
+  todo = sorted(
+    [
+      _piece_writes.PackPart(
+        plan.records[i].packed.offset, leaf_nbytes(data), i, functools.partial(Staged.of, data)
+      )
+      for i, data in plan.packed
+    ]
+    + plan.pieces,
+    key=lambda part: part.offset,
+  )
   staged: dict[int, Staged] = {}  # by position in todo
-  first = 0                        # todo[:first] lie before the current chunk
+  first = 0  # todo[:first] lie before the current chunk
 
   def parts(start: int, end: int) -> list[tuple[int, Staged, int, int, int]]:
     out = []
@@ -81,8 +130,11 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
       if part.offset + part.nbytes <= start:
         continue
       try:
-        leaf = staged[k] if k in staged else staged.setdefault(
-            k, part.make(copies.at(plan.records[part.leaf].path)))
+        leaf = (
+          staged[k]
+          if k in staged
+          else staged.setdefault(k, part.make(copies.at(plan.records[part.leaf].path)))
+        )
       except BaseException as e:
         raise at_leaf(e, plan.records[part.leaf].path)  # noqa: B904
       lo, hi = max(part.offset, start), min(part.offset + part.nbytes, end)
@@ -93,7 +145,7 @@ def stage_pack(plan: Any, kv_spec, ctx, writer: Writer, budget, handle: SaveHand
   for start in range(0, pack.nbytes, pack.chunk):
     end = min(start + pack.chunk, pack.nbytes)
     cost = CHUNK_COST * (end - start)
-    got = charge(budget, cost, writer, lambda: parts(start, end))  # noqa: B023
+    got = charge(budget, cost, writer, lambda: parts(start, end))
     writer.put(Chunk(fut, ((start, end),), _assemble(got, start, end, pack, root), cost))
     del got  # (while staging the next chunk) the writer frees them once assembled
     count_staged(handle, budget, end - start)
@@ -107,8 +159,12 @@ def _assemble(got: list, start: int, end: int, pack: Any, root: str | None) -> A
   else as the chunk's bytes for TensorStore."""
   if root is None or not ShardImage.fits(end - start, pack.chunk, pack.inner):
     return Assemble(end - start, got)
-  return Assemble(end - start, got, image=ShardImage(end - start, pack.chunk, pack.inner),
-                  path=_direct.chunk_path(root, pack.dir, start // pack.chunk))
+  return Assemble(
+    end - start,
+    got,
+    image=ShardImage(end - start, pack.chunk, pack.inner),
+    path=_direct.chunk_path(root, pack.dir, start // pack.chunk),
+  )
 
 
 def charge(budget: _arrays.ByteBudget, cost: int, writer: Writer, stage) -> Any:
@@ -145,6 +201,7 @@ class Assemble:
   With ``image`` (a local chunk written by ``fnckpt._io.direct`` to ``path``) the buffer is
   the chunk's file: each piece goes to its place among the inner chunks (split where one
   ends), and ``spans`` are offsets in the file."""
+
   nbytes: int
   pieces: list[tuple[int, Staged, int, int, int]]
   spans: list[tuple[int, int, int]] | None = None
@@ -155,16 +212,19 @@ class Assemble:
   def __call__(self) -> np.ndarray:
     image = self.image
     buf = _buffers.take(self.nbytes if image is None else _direct.aligned_size(image))
-    self.spans = []   # (an earlier chunk's bytes in buf: every byte is written)
+    self.spans = []  # (an earlier chunk's bytes in buf: every byte is written)
     for offset, leaf, lo, hi, i in self.pieces:
       places = [(offset, 0, hi - lo)] if image is None else image.place(offset, hi - lo)
-      if len(places) == 1 and hi - lo == leaf.nbytes and leaf.gather_into(
-          buf[places[0][0]:places[0][0] + hi - lo]):   # (a sharded leaf, in one place)
+      if (
+        len(places) == 1
+        and hi - lo == leaf.nbytes
+        and leaf.gather_into(buf[places[0][0] : places[0][0] + hi - lo])
+      ):  # (a sharded leaf, in one place)
         self.spans.append((i, places[0][0], hi - lo))
         continue
       src = leaf.raw()[lo:hi]
       for at, skip, n in places:
-        buf[at:at + n] = src[skip:skip + n]
+        buf[at : at + n] = src[skip : skip + n]
         self.spans.append((i, at, n))
     _buffers.fill_gaps(buf, sorted((offset, n) for _, offset, n in self.spans))
     self.pieces = []
@@ -194,8 +254,11 @@ def start_copies(plan: Any, budget: _arrays.ByteBudget) -> None:
   device-to-host copy of this save at once (when they fit in the budget), so the caller
   waits for about the total transfer time, not a sum of serial round trips. ``"owned"``
   copies start as staging charges them (:class:`Copies`); on CPU views copy nothing."""
-  shards = [s for s in to_copy(plan) if next(iter(s.devices())).platform != "cpu"
-            and _mode(next(iter(s.devices()))) == "asarray"]
+  shards = [
+    s
+    for s in to_copy(plan)
+    if next(iter(s.devices())).platform != "cpu" and _mode(next(iter(s.devices()))) == "asarray"
+  ]
   total = sum(s.nbytes for s in shards)
   if total and CHUNK_COST * total <= budget.limit:
     for s in shards:

@@ -16,8 +16,12 @@ from typing import Any, Callable
 import tensorstore as ts
 
 from .._format import manifest as _manifest
-from .._io import collective as _collective, commit as _commit, arrays as _arrays, direct as _direct
-from . import buffers as _buffers, delta as _delta
+from .._io import arrays as _arrays
+from .._io import collective as _collective
+from .._io import commit as _commit
+from .._io import direct as _direct
+from . import buffers as _buffers
+from . import delta as _delta
 from .errors import wrap
 
 __all__ = ["Writer", "Chunk", "Commit"]
@@ -27,24 +31,26 @@ __all__ = ["Writer", "Chunk", "Commit"]
 class Chunk:
   """A staged chunk: the opened array (a future), its index, host bytes (or a callable that
   builds them in the writer thread), and budget held."""
+
   store: ts.Future
   index: Any
   host: Any
   cost: int
-  leaf: int | None = None         # a stored array's record index (its chunks are hashed)
-  pos: int = 0                    # the chunk's position in the grid
-  expect: bytes | None = None     # the base's hash of this chunk: equal -> not written
+  leaf: int | None = None  # a stored array's record index (its chunks are hashed)
+  pos: int = 0  # the chunk's position in the grid
+  expect: bytes | None = None  # the base's hash of this chunk: equal -> not written
   nbytes: int = 0
 
 
 @dataclasses.dataclass
 class Commit:
   """What committing needs once every chunk is durable."""
+
   kv: ts.KvStore
-  manifest: Callable[[], bytes | None]   # collective (hashes shared); bytes on process 0
-  creating: list                  # futures of zarr.json writes (process 0)
-  write_marker: bool              # process 0
-  local: str | None = None        # the directory, when the manifest is written by _io.direct
+  manifest: Callable[[], bytes | None]  # collective (hashes shared); bytes on process 0
+  creating: list  # futures of zarr.json writes (process 0)
+  write_marker: bool  # process 0
+  local: str | None = None  # the directory, when the manifest is written by _io.direct
 
 
 _END = object()
@@ -61,8 +67,14 @@ class Writer:
   staging never waits on bytes nobody will free, publishes the error to the other processes
   and arrives at the remaining barriers (so none of them waits for this one)."""
 
-  def __init__(self, location: str, session: _collective.Session, budget: _arrays.ByteBudget,
-               reached: Callable[[str], None], on_done: Callable[[BaseException | None], None]):
+  def __init__(
+    self,
+    location: str,
+    session: _collective.Session,
+    budget: _arrays.ByteBudget,
+    reached: Callable[[str], None],
+    on_done: Callable[[BaseException | None], None],
+  ):
     self.location = location
     self.session = session
     self.budget = budget
@@ -75,12 +87,12 @@ class Writer:
     self.aborted = False
     self.abort_error: BaseException | None = None
     self.phase = "staging"
-    self.committed: bool | None = False   # the marker was written (None: process 0 may have)
+    self.committed: bool | None = False  # the marker was written (None: process 0 may have)
     self.write_s = 0.0
     self.commit_s = 0.0
-    self.delta: _delta.Delta | None = None   # set before start()
-    self.pending: Any = None   # ``pending.Pending``: the base is a save in flight (held items)
-    self._stores: list[ts.Future] = []   # packs opened (zarr.json) whose chunks go direct
+    self.delta: _delta.Delta | None = None  # set before start()
+    self.pending: Any = None  # ``pending.Pending``: the base is a save in flight (held items)
+    self._stores: list[ts.Future] = []  # packs opened (zarr.json) whose chunks go direct
     self._thread = threading.Thread(target=self._run, name=f"fnckpt-save:{location}")
 
   def start(self) -> None:
@@ -119,13 +131,13 @@ class Writer:
     self._queue.put(marker)
 
   def _write_all(self) -> list[ts.Future]:
-    assert self.delta is not None   # (set before start)
+    assert self.delta is not None  # (set before start)
     commits: list[ts.Future] = []
     done = False
     try:
       self._drain.wait()
       while (item := self._next(commits)) is not _END:
-        for ready in (self.pending.admit(item) if self.pending is not None else (item,)):
+        for ready in self.pending.admit(item) if self.pending is not None else (item,):
           self._write_one(ready, commits)
       if self.pending is not None:  # items held for a base in flight: once it is done
         for ready in self.pending.drain(lambda: self.error is not None or self.aborted):
@@ -138,7 +150,7 @@ class Writer:
           commits += self.delta.finish()
       except BaseException as e:
         self.error = self.error or e
-        commits += self.delta.started()   # (waited for all the same: none left writing)
+        commits += self.delta.started()  # (waited for all the same: none left writing)
     return commits
 
   def _write_one(self, item: Any, commits: list) -> None:
@@ -176,9 +188,9 @@ class Writer:
     assert delta is not None
     make = item.host
     host = make() if callable(make) else make
-    item.host = None   # a pack chunk's staged pieces go once assembled: at most 2x held
+    item.host = None  # a pack chunk's staged pieces go once assembled: at most 2x held
     image = getattr(make, "image", None)
-    write: Callable[[], Any]   # (a TensorStore future, or a file thread's)
+    write: Callable[[], Any]  # (a TensorStore future, or a file thread's)
     if image is not None:  # (its zarr.json, being created, is waited for before commit)
       if all(f is not item.store for f in self._stores):
         self._stores.append(item.store)
@@ -186,9 +198,17 @@ class Writer:
     else:
       store = item.store.result()
       write = lambda: _arrays.write_chunk(store, item.index, host)  # noqa: E731
-    delta.chunk(leaf=item.leaf, pos=item.pos, expect=item.expect, nbytes=item.nbytes,
-                cost=item.cost, host=host, write=write, spans=getattr(make, "spans", None),
-                reuse=getattr(make, "reuse", False))
+    delta.chunk(
+      leaf=item.leaf,
+      pos=item.pos,
+      expect=item.expect,
+      nbytes=item.nbytes,
+      cost=item.cost,
+      host=host,
+      write=write,
+      spans=getattr(make, "spans", None),
+      reuse=getattr(make, "reuse", False),
+    )
 
   def _run(self) -> None:
     error: BaseException | None = None
@@ -197,7 +217,7 @@ class Writer:
       t0 = time.perf_counter()
       commits = self._write_all()
       try:
-        manifest = self._conclude()   # (while the last writes are in flight)
+        manifest = self._conclude()  # (while the last writes are in flight)
       finally:
         self._wait(commits)
       if self.aborted:
@@ -205,7 +225,7 @@ class Writer:
       if self.error is not None:
         raise self.error
       if self.delta is not None and self.delta.check_base is not None:
-        self.delta.check_base()   # (process 0, once every write is durable)
+        self.delta.check_base()  # (process 0, once every write is durable)
       self.write_s = time.perf_counter() - t0
       self._reached("written")
       self._finish(manifest)
@@ -265,7 +285,7 @@ class Writer:
     self._reached("committing")
     if c.write_marker:
       self.phase = "writing the commit marker"
-      assert manifest is not None   # (process 0's)
+      assert manifest is not None  # (process 0's)
       _commit.write_commit(c.kv, manifest)
       self.committed = True
     self.phase = "waiting for the commit"

@@ -19,21 +19,23 @@ from typing import Any, Mapping
 
 import tensorstore as ts
 
+from .._errors import CheckpointError, NotCommittedError
 from .._format import records as _records
 from .._io import paths as _paths
-from . import orbax as _orbax_in, safetensors as _safetensors_in
-from .._errors import CheckpointError, NotCommittedError
+from . import orbax as _orbax_in
+from . import safetensors as _safetensors_in
 
 __all__ = ["Opened", "open_foreign", "open_orbax", "is_file_location"]
 
-_OCDBT_CACHE_BYTES = 32 << 20   # OCDBT's B-tree nodes, per restore (its context, not global)
+_OCDBT_CACHE_BYTES = 32 << 20  # OCDBT's B-tree nodes, per restore (its context, not global)
 
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
   """A foreign checkpoint, opened: where, its format, its directory's kvstore, its records."""
+
   location: str
-  format: str                     # "orbax" or "safetensors"
+  format: str  # "orbax" or "safetensors"
   kv_spec: dict[str, Any]
   ctx: ts.Context
   kv: ts.KvStore
@@ -51,13 +53,15 @@ def is_file_location(path: str) -> bool:
   return name.endswith(".safetensors") or name.endswith(".json")
 
 
-def _resolve(path: str, options: Mapping[str, Any] | None
-             ) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
+def _resolve(
+  path: str, options: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], ts.Context, ts.KvStore]:
   """Like :func:`fnckpt._io.paths.resolve`, with a bounded cache for OCDBT's B-tree nodes."""
   spec = _paths.kvstore_spec(path, options)
   resources: dict[str, Any] = {"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}}
   if spec["driver"] in ("s3", "gcs"):
     from .._io import object_stores as _object_stores
+
     spec, extra = _object_stores.split_context_resources(spec)
     resources.update(extra)
   ctx = _paths.context(resources=resources)
@@ -73,25 +77,39 @@ def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
   if is_file_location(path):
     parent, _, name = str(path).rstrip("/").rpartition("/")
     kv_spec, ctx, kv = _resolve(parent or ".", options)
-    prefix = location[:len(location) - len(name)]
+    prefix = location[: len(location) - len(name)]
     if name.endswith(".json"):
       manifest, reader = _safetensors_in.open_index(kv, name, prefix)
     else:
       manifest, reader = _safetensors_in.open_file(kv, name, location, prefix)
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
-                manifest=manifest, reader=reader)
+    return Opened(
+      location=location,
+      format="safetensors",
+      kv_spec=kv_spec,
+      ctx=ctx,
+      kv=kv,
+      manifest=manifest,
+      reader=reader,
+    )
   kv_spec, ctx, kv = _resolve(path, options)
-  found = _present(kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA,
-                        _safetensors_in.INDEX_NAME))
+  found = _present(
+    kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA, _safetensors_in.INDEX_NAME)
+  )
   if found is None:  # (fnckpt's own reader looked first: its error says more about this place)
     return None
   if found & {_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA}:
     return _open_orbax(path, location, kv_spec, ctx, kv, options)
   if _safetensors_in.INDEX_NAME in found:
-    manifest, reader = _safetensors_in.open_index(kv, _safetensors_in.INDEX_NAME,
-                                                  location + "/")
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
-                manifest=manifest, reader=reader)
+    manifest, reader = _safetensors_in.open_index(kv, _safetensors_in.INDEX_NAME, location + "/")
+    return Opened(
+      location=location,
+      format="safetensors",
+      kv_spec=kv_spec,
+      ctx=ctx,
+      kv=kv,
+      manifest=manifest,
+      reader=reader,
+    )
   try:
     files = [k.decode("utf-8", "replace") for k in kv.list().result()]
   except Exception:
@@ -99,8 +117,15 @@ def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
   files = [f for f in files if "/" not in f and f.endswith(".safetensors")]
   if files:
     manifest, reader = _safetensors_in.open_dir(kv, files, location)
-    return Opened(location=location, format="safetensors", kv_spec=kv_spec, ctx=ctx, kv=kv,
-                manifest=manifest, reader=reader)
+    return Opened(
+      location=location,
+      format="safetensors",
+      kv_spec=kv_spec,
+      ctx=ctx,
+      kv=kv,
+      manifest=manifest,
+      reader=reader,
+    )
   return None
 
 
@@ -125,8 +150,9 @@ def open_orbax(path: str, options: Mapping[str, Any] | None) -> Opened | None:
 def _open_orbax(path: str, location: str, kv_spec, ctx, kv, options) -> Opened:
   if ".orbax-checkpoint-tmp" in location.rsplit("/", 1)[-1]:
     raise NotCommittedError(
-        f"{location!r} is an Orbax save in progress or interrupted (a temporary directory). "
-        "Restore a finished checkpoint (its name has no .orbax-checkpoint-tmp suffix).")
+      f"{location!r} is an Orbax save in progress or interrupted (a temporary directory). "
+      "Restore a finished checkpoint (its name has no .orbax-checkpoint-tmp suffix)."
+    )
   if _orbax_in.exists(kv, _orbax_in.METADATA).result().state != "value":  # a step directory
     _check_committed(kv, path, options, location)
     item = _item_of(kv, location)
@@ -135,8 +161,15 @@ def _open_orbax(path: str, location: str, kv_spec, ctx, kv, options) -> Opened:
   else:
     _check_committed(kv, path, options, location)
   manifest, reader = _orbax_in.open_item(kv_spec, ctx, kv, location)
-  return Opened(location=location, format="orbax", kv_spec=kv_spec, ctx=ctx, kv=kv,
-                manifest=manifest, reader=reader)
+  return Opened(
+    location=location,
+    format="orbax",
+    kv_spec=kv_spec,
+    ctx=ctx,
+    kv=kv,
+    manifest=manifest,
+    reader=reader,
+  )
 
 
 def _item_of(kv: ts.KvStore, location: str) -> str:
@@ -151,12 +184,14 @@ def _item_of(kv: ts.KvStore, location: str) -> str:
     return items[0]
   if not items:
     raise CheckpointError(
-        f"The Orbax checkpoint at {location!r} holds no PyTree item (items: "
-        f"{', '.join(names) or 'none'}; none has a {_orbax_in.METADATA}). fnckpt reads Orbax "
-        "PyTree/StandardSave items; give the item's directory.")
+      f"The Orbax checkpoint at {location!r} holds no PyTree item (items: "
+      f"{', '.join(names) or 'none'}; none has a {_orbax_in.METADATA}). fnckpt reads Orbax "
+      "PyTree/StandardSave items; give the item's directory."
+    )
   raise CheckpointError(
-      f"The Orbax checkpoint at {location!r} holds several PyTree items ({', '.join(items)}). "
-      f"Restore one of them: e.g. fnckpt.restore('{location}/{items[0]}', target).")
+    f"The Orbax checkpoint at {location!r} holds several PyTree items ({', '.join(items)}). "
+    f"Restore one of them: e.g. fnckpt.restore('{location}/{items[0]}', target)."
+  )
 
 
 def _committed_here(kv: ts.KvStore, location: str) -> bool | None:
@@ -184,6 +219,7 @@ def _check_committed(kv: ts.KvStore, path: str, options, location: str) -> None:
       state = _committed_here(_resolve(parent, options)[2], location)
   if not state:
     raise NotCommittedError(
-        f"{location!r} is not a finished Orbax checkpoint: neither it nor its step directory "
-        f"has {_orbax_in.COMMIT_SUCCESS} or a commit time in "
-        f"{_orbax_in.CHECKPOINT_METADATA}. The save was interrupted; restore an earlier step.")
+      f"{location!r} is not a finished Orbax checkpoint: neither it nor its step directory "
+      f"has {_orbax_in.COMMIT_SUCCESS} or a commit time in "
+      f"{_orbax_in.CHECKPOINT_METADATA}. The save was interrupted; restore an earlier step."
+    )

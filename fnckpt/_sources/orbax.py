@@ -27,9 +27,11 @@ from typing import Any, cast
 import numpy as np
 import tensorstore as ts
 
-from .._format import parse as _parse, records as _records
-from .._io import paths as _paths, arrays as _arrays
 from .._errors import CheckpointError
+from .._format import parse as _parse
+from .._format import records as _records
+from .._io import arrays as _arrays
+from .._io import paths as _paths
 
 __all__ = ["METADATA", "CHECKPOINT_METADATA", "Entry", "parse_metadata", "open_item", "TooLarge"]
 
@@ -37,12 +39,17 @@ METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
 MAX_JSON_BYTES = 64 << 20
-MAX_JSON_OBJECTS = 1 << 20   # JSON maps in one file ('{' counted before parsing: memory bound)
-MAX_PARTS = 64               # keys in one leaf's key path
-MAX_TOTAL_PARTS = 1 << 22    # keys in all key paths of one _METADATA
+MAX_JSON_OBJECTS = 1 << 20  # JSON maps in one file ('{' counted before parsing: memory bound)
+MAX_PARTS = 64  # keys in one leaf's key path
+MAX_TOTAL_PARTS = 1 << 22  # keys in all key paths of one _METADATA
 _SEQ_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
-_EMPTY = {"None": ("none", "NoneType"), "Dict": ("dict", "dict"), "List": ("list", "list"),
-          "Tuple": ("tuple", "tuple"), "NamedTuple": ("tuple", "tuple")}
+_EMPTY = {
+  "None": ("none", "NoneType"),
+  "Dict": ("dict", "dict"),
+  "List": ("list", "list"),
+  "Tuple": ("tuple", "tuple"),
+  "NamedTuple": ("tuple", "tuple"),
+}
 _ARRAYS = ("jax.Array", "np.ndarray", "scalar")
 _PLACEHOLDER = "__orbax_placeholder__"
 
@@ -50,6 +57,7 @@ _PLACEHOLDER = "__orbax_placeholder__"
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One leaf of ``_METADATA``: its key path, Orbax's parameter name and value type."""
+
   path: tuple[tuple[str, Any], ...]
   name: str
   value_type: str
@@ -57,8 +65,9 @@ class Entry:
 
 def _bad(location: str, what: str) -> CheckpointError:
   return CheckpointError(
-      f"The Orbax checkpoint at {location!r} cannot be read: {what}. Check that it was written "
-      "by orbax-checkpoint 0.11-0.12 and is complete.")
+    f"The Orbax checkpoint at {location!r} cannot be read: {what}. Check that it was written "
+    "by orbax-checkpoint 0.11-0.12 and is complete."
+  )
 
 
 def load_json(raw: bytes, location: str, name: str) -> Any:
@@ -89,8 +98,9 @@ def parse_metadata(m: Any, location: str) -> tuple[list[Entry], dict[str, Any]]:
     entry = _entry(label, leaf, location)
     parts += len(entry.path)
     if parts > MAX_TOTAL_PARTS:
-      raise _bad(location, f"the key paths of {METADATA} hold more than {MAX_TOTAL_PARTS} keys "
-                 "in all")
+      raise _bad(
+        location, f"the key paths of {METADATA} hold more than {MAX_TOTAL_PARTS} keys in all"
+      )
     if entry.value_type != _PLACEHOLDER:
       entries.append(entry)
   options = {}
@@ -120,8 +130,9 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
     key = k.get("key") if isinstance(k, dict) else None
     kind = k.get("key_type") if isinstance(k, dict) else None
     if not isinstance(key, str) or len(key) > 4096 or kind not in (1, 2):
-      raise _bad(location, f"{where} has a key {str(k)[:80]}, expected "
-                 "{'key': str, 'key_type': 1 or 2}")
+      raise _bad(
+        location, f"{where} has a key {str(k)[:80]}, expected {{'key': str, 'key_type': 1 or 2}}"
+      )
     if kind == 1:
       if not _SEQ_INDEX.fullmatch(key):
         raise _bad(location, f"{where} has the sequence index {key[:20]!r}")
@@ -130,8 +141,11 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
       path.append(("dict", key))
   name = ".".join(str(k) for _, k in path)
   if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-    raise _bad(location, f"{where}: the parameter name {name[:80]!r} is not a plain relative "
-               "path inside the checkpoint")
+    raise _bad(
+      location,
+      f"{where}: the parameter name {name[:80]!r} is not a plain relative "
+      "path inside the checkpoint",
+    )
   vtype = value.get("value_type")
   if not isinstance(vtype, str):
     raise _bad(location, f"{where} has no 'value_type'")
@@ -140,15 +154,23 @@ def _entry(label: Any, leaf: Any, location: str) -> Entry:
 
 def _array_spec(kv_spec: dict[str, Any], name: str, options: dict[str, Any]) -> dict[str, Any]:
   if options["use_ocdbt"]:
-    kvstore = {"driver": "ocdbt", "base": kv_spec, "path": name + "/",
-               "cache_pool": "cache_pool#ocdbt"}
+    kvstore = {
+      "driver": "ocdbt",
+      "base": kv_spec,
+      "path": name + "/",
+      "cache_pool": "cache_pool#ocdbt",
+    }
   else:
     kvstore = {**kv_spec, "path": kv_spec.get("path", "") + name + "/"}
   # Orbax stores every chunk unless told not to store those equal to the fill value.
   fill = not options.get("store_array_data_equal_to_fill_value", False)
-  return {"driver": "zarr3" if options.get("use_zarr3") else "zarr", "kvstore": kvstore,
-          "fill_missing_data_reads": fill, "recheck_cached_data": False,
-          "recheck_cached_metadata": False}
+  return {
+    "driver": "zarr3" if options.get("use_zarr3") else "zarr",
+    "kvstore": kvstore,
+    "fill_missing_data_reads": fill,
+    "recheck_cached_data": False,
+    "recheck_cached_metadata": False,
+  }
 
 
 def _scalar_leaf(i: int, e: Entry, value: np.ndarray, location: str) -> _records.Leaf:
@@ -156,11 +178,17 @@ def _scalar_leaf(i: int, e: Entry, value: np.ndarray, location: str) -> _records
     raise _bad(location, f"the scalar at {_records.keystr(e.path)} has shape {value.shape}")
   v = value.item()
   kind = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}.get(
-      value.dtype.kind, "float" if "float" in value.dtype.name else None)
+    value.dtype.kind, "float" if "float" in value.dtype.name else None
+  )
   if kind is None:
     raise _bad(location, f"the scalar at {_records.keystr(e.path)} has dtype {value.dtype}")
-  return _records.Leaf(i, e.path, "scalar", type=kind, value=type({"bool": True, "int": 0,
-                       "float": 0.0, "complex": 0j}[kind])(v))
+  return _records.Leaf(
+    i,
+    e.path,
+    "scalar",
+    type=kind,
+    value=type({"bool": True, "int": 0, "float": 0.0, "complex": 0j}[kind])(v),
+  )
 
 
 def exists(kv: ts.KvStore, key: str) -> ts.Future:
@@ -222,8 +250,10 @@ def _sharding(raw: Any, ndim: int) -> _records.Sharding | None:
     if s.get("sharding_type") != "NamedSharding":
       return None
     spec = s.get("partition_spec", [])
-    return _parse._sharding({"type": "named", "axes": s.get("axis_names"),
-                               "sizes": s.get("shape"), "spec": spec[:ndim]}, ndim)
+    return _parse._sharding(
+      {"type": "named", "axes": s.get("axis_names"), "sizes": s.get("shape"), "spec": spec[:ndim]},
+      ndim,
+    )
   except (_parse._Bad, ValueError, TypeError, AttributeError):
     return None
 
@@ -245,6 +275,7 @@ def _shardings(kv: ts.KvStore, location: str) -> dict[str, Any]:
 
 class Reader:
   """Slices of an Orbax item's arrays (leaf ``i`` is ``stores[i]``)."""
+
   format = "orbax"
 
   def __init__(self, location: str, stores: dict[int, ts.TensorStore], names: dict[int, str]):
@@ -264,14 +295,16 @@ class Reader:
     if isinstance(e, CheckpointError):
       return e
     text = _paths.error_text(e)
-    cause = {"checksum": "its data is corrupt (checksum mismatch)",
-             "corrupt": "its data is corrupt or truncated",
-             "missing": "a chunk of its data is missing"}.get(
-                 _paths.read_failure(e), f"reading failed ({type(e).__name__}: {text})")
+    cause = {
+      "checksum": "its data is corrupt (checksum mismatch)",
+      "corrupt": "its data is corrupt or truncated",
+      "missing": "a chunk of its data is missing",
+    }.get(_paths.read_failure(e), f"reading failed ({type(e).__name__}: {text})")
     return CheckpointError(
-        f"Cannot restore {rec.where} from the Orbax checkpoint at {self.location!r} (array "
-        f"{self.names[rec.index]!r}): {cause}. The checkpoint is damaged or incomplete; "
-        f"restore an earlier step. [{text}]")
+      f"Cannot restore {rec.where} from the Orbax checkpoint at {self.location!r} (array "
+      f"{self.names[rec.index]!r}): {cause}. The checkpoint is damaged or incomplete; "
+      f"restore an earlier step. [{text}]"
+    )
 
 
 def box_bytes(chunks, index, itemsize: int) -> int:
@@ -290,22 +323,29 @@ def box_bytes(chunks, index, itemsize: int) -> int:
 
 
 def _open_arrays(kv_spec, ctx, entries, options) -> dict[int, ts.Future]:
-  return {i: ts.open(_array_spec(kv_spec, e.name, options), read=True, context=ctx)
-          for i, e in enumerate(entries) if e.value_type in _ARRAYS}
+  return {
+    i: ts.open(_array_spec(kv_spec, e.name, options), read=True, context=ctx)
+    for i, e in enumerate(entries)
+    if e.value_type in _ARRAYS
+  }
 
 
-def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location: str
-              ) -> tuple[_records.Manifest, Reader]:
+def open_item(
+  kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location: str
+) -> tuple[_records.Manifest, Reader]:
   """An Orbax PyTree item directory (the one holding ``_METADATA``): validated leaf records
   and a reader of their arrays. Opens every array (its zarr metadata) and reads scalars."""
   entries, options = parse_metadata(_read_json(kv, METADATA, location), location)
   if "use_ocdbt" not in options:
     options["use_ocdbt"] = exists(kv, "manifest.ocdbt").result().state == "value"
   opens = _open_arrays(kv_spec, ctx, entries, options)
-  strings = (_read_json(kv, "_strings.json", location)
-             if any(e.value_type == "string" for e in entries) else {})
+  strings = (
+    _read_json(kv, "_strings.json", location)
+    if any(e.value_type == "string" for e in entries)
+    else {}
+  )
   shardings = _shardings(kv, location)
-  leaves: list[_records.Leaf | None] = []   # (None: a scalar's, until it is read)
+  leaves: list[_records.Leaf | None] = []  # (None: a scalar's, until it is read)
   stores, names, scalars = {}, {}, {}
   for i, e in enumerate(entries):
     where = _records.keystr(e.path)
@@ -321,31 +361,52 @@ def open_item(kv_spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, location
       store = _opened(opens[i], where, e, location)
       if e.value_type == "scalar":
         if store.rank != 0:  # (before reading it: a "scalar" of 2**40 elements)
-          raise _bad(location, f"the scalar at {where} ({e.name!r}) has shape "
-                     f"{tuple(store.shape)}, expected ()")
+          raise _bad(
+            location,
+            f"the scalar at {where} ({e.name!r}) has shape {tuple(store.shape)}, expected ()",
+          )
         scalars[i] = (e, store.read())
         leaves.append(None)
         continue
       shape = tuple(store.shape)
-      leaves.append(_records.Leaf(
-          index=i, path=e.path, kind="array", dtype=store.dtype.name, shape=shape,
+      leaves.append(
+        _records.Leaf(
+          index=i,
+          path=e.path,
+          kind="array",
+          dtype=store.dtype.name,
+          shape=shape,
           source="jax" if e.value_type == "jax.Array" else "numpy",
           sharding=_sharding(shardings.get(e.name), len(shape)),
-          stored=_records.Stored(e.name, _chunks(store), _chunks(store), None)))
+          stored=_records.Stored(e.name, _chunks(store), _chunks(store), None),
+        )
+      )
       stores[i], names[i] = store, e.name
     else:
-      raise _bad(location, f"the leaf at {where} has Orbax value type {e.value_type[:60]!r}, "
-                 "which fnckpt does not read (arrays, scalars, strings and empty containers "
-                 "only)")
+      raise _bad(
+        location,
+        f"the leaf at {where} has Orbax value type {e.value_type[:60]!r}, "
+        "which fnckpt does not read (arrays, scalars, strings and empty containers "
+        "only)",
+      )
   for i, (e, fut) in scalars.items():
     try:
       value = fut.result()
     except Exception as ex:
-      raise _bad(location, f"the scalar at {_records.keystr(e.path)} ({e.name!r}) cannot be "
-                 f"read ({_paths.error_text(ex)[:300]})") from None
+      raise _bad(
+        location,
+        f"the scalar at {_records.keystr(e.path)} ({e.name!r}) cannot be "
+        f"read ({_paths.error_text(ex)[:300]})",
+      ) from None
     leaves[i] = _scalar_leaf(i, e, np.asarray(value), location)
-  manifest = _records.Manifest(0, 0.0, 0, {"format": "orbax"}, options["custom_metadata"],
-                               cast(tuple[_records.Leaf, ...], tuple(leaves)))
+  manifest = _records.Manifest(
+    0,
+    0.0,
+    0,
+    {"format": "orbax"},
+    options["custom_metadata"],
+    cast(tuple[_records.Leaf, ...], tuple(leaves)),
+  )
   return manifest, Reader(location, stores, names)
 
 
@@ -362,13 +423,21 @@ def _opened(fut: ts.Future, where: str, e: Entry, location: str) -> ts.TensorSto
     store = fut.result()
   except Exception as ex:
     kind = _paths.read_failure(ex)
-    raise _bad(location, f"the array of {where} ({e.name!r}) cannot be opened ("
-               f"{'it is missing' if kind == 'missing' else _paths.error_text(ex)[:300]})"
-               ) from None
-  if store.dtype.name not in _records.DTYPES or store.rank > _records.MAX_DIMS or \
-      math.prod(store.shape) > _records.MAX_ELEMENTS:
-    raise _bad(location, f"the array of {where} ({e.name!r}) has dtype {store.dtype.name} "
-               f"and shape {tuple(store.shape)}, which fnckpt does not read")
+    raise _bad(
+      location,
+      f"the array of {where} ({e.name!r}) cannot be opened ("
+      f"{'it is missing' if kind == 'missing' else _paths.error_text(ex)[:300]})",
+    ) from None
+  if (
+    store.dtype.name not in _records.DTYPES
+    or store.rank > _records.MAX_DIMS
+    or math.prod(store.shape) > _records.MAX_ELEMENTS
+  ):
+    raise _bad(
+      location,
+      f"the array of {where} ({e.name!r}) has dtype {store.dtype.name} "
+      f"and shape {tuple(store.shape)}, which fnckpt does not read",
+    )
   _check_chunks(store, where, e, location)
   return store
 
@@ -383,11 +452,18 @@ def _check_chunks(store: ts.TensorStore, where: str, e: Entry, location: str) ->
     layout = store.chunk_layout
     grids = {"chunk": layout.read_chunk.shape, "shard": layout.write_chunk.shape}
   except Exception as ex:
-    raise _bad(location, f"the array of {where} ({e.name!r}) has no readable chunk layout "
-               f"({_paths.error_text(ex)[:200]})") from None
+    raise _bad(
+      location,
+      f"the array of {where} ({e.name!r}) has no readable chunk layout "
+      f"({_paths.error_text(ex)[:200]})",
+    ) from None
   for what, grid in grids.items():
     chunk = tuple(grid) if grid is not None else ()  # (rank 0: None)
     if len(chunk) != len(shape) or not all(
-        isinstance(c, int) and 1 <= c <= max(n, 1) for c, n in zip(chunk, shape)):
-      raise _bad(location, f"the array of {where} ({e.name!r}) has shape {shape} and {what} "
-                 f"shape {chunk}; a {what} must fit in the array along every axis")
+      isinstance(c, int) and 1 <= c <= max(n, 1) for c, n in zip(chunk, shape)
+    ):
+      raise _bad(
+        location,
+        f"the array of {where} ({e.name!r}) has shape {shape} and {what} "
+        f"shape {chunk}; a {what} must fit in the array along every axis",
+      )

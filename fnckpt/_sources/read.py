@@ -39,16 +39,45 @@ import numpy as np
 import tensorstore as ts
 
 from .. import _state
-from .._layout import blocks as _blocks, chunks as _chunks
-from .._format import hashes as _hashes, leaves as _leaves, records as _records, refs as _refs, \
-    runs as _runs
-from .._io import arrays as _arrays, commit as _commit, paths as _paths
 from .._errors import CheckpointError, DamagedError
+from .._format import (
+  hashes as _hashes,
+)
+from .._format import (
+  leaves as _leaves,
+)
+from .._format import (
+  records as _records,
+)
+from .._format import (
+  refs as _refs,
+)
+from .._format import (
+  runs as _runs,
+)
+from .._io import arrays as _arrays
+from .._io import commit as _commit
+from .._io import paths as _paths
+from .._layout import blocks as _blocks
+from .._layout import chunks as _chunks
 from . import piece_reads as _piece_reads
 from .source import Source
 
-__all__ = ["Window", "Region", "Landed", "StoredLeaf", "PackRun", "Opener", "read_regions",
-           "pack_runs", "run_of", "leaf_error", "base_of", "data_location", "check_memory"]
+__all__ = [
+  "Window",
+  "Region",
+  "Landed",
+  "StoredLeaf",
+  "PackRun",
+  "Opener",
+  "read_regions",
+  "pack_runs",
+  "run_of",
+  "leaf_error",
+  "base_of",
+  "data_location",
+  "check_memory",
+]
 
 Index = _chunks.Index
 
@@ -62,6 +91,7 @@ class Window:
   the oldest read in flight has not landed yet, before waiting for it (restore places what
   needs no read meanwhile). ``peak``, ``largest``
   and ``reads``: the most held at once, the largest single charge, the reads started."""
+
   limit: int
   drain: Callable[[], None] | None = None
   idle: Callable[[], None] | None = None
@@ -80,6 +110,7 @@ class Region:
   """Elements ``index`` of ``leaf`` to read, charged ``cost`` bytes (the caller's rule);
   ``tag`` is the caller's, handed back with the data. Regions of one leaf in one call are
   disjoint."""
+
   leaf: StoredLeaf
   index: Index
   cost: int
@@ -91,6 +122,7 @@ class Landed:
   """A region read: ``data`` in the saved dtype, C-contiguous, writable and nobody else's;
   or, with ``errors="yield"``, ``data`` None and the raw ``error``. ``next_landed``: whether
   the next read in flight has landed too (restore places what landed while it has not)."""
+
   region: Region
   data: np.ndarray | None
   error: BaseException | None
@@ -99,12 +131,14 @@ class Landed:
 
 # --- the stored leaves, one class per storage kind -------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class StoredLeaf:
   """One leaf's stored bytes opened for reading (by :class:`Opener`), or a whole pack
   (``rec`` None). ``kind``: inline, packed, pieces, stored, foreign or pack; ``dtype``: of
   what a read gives (the saved one; uint8 for a pack); ``align``: the inner chunk shape
   regions are best aligned to (None: any); ``where``: its storage location, for messages."""
+
   src: Source
   rec: _records.Leaf | None
   kind: str
@@ -134,20 +168,21 @@ class StoredLeaf:
   def error(self, e: BaseException) -> CheckpointError:
     """Why a read failed (:func:`leaf_error`; a CheckpointError passes unchanged)."""
     if self.rec is None and not isinstance(e, CheckpointError):  # a pack
-      return CheckpointError(f"Cannot read the pack at {self.where!r} "
-                             f"({type(e).__name__}: {_paths.error_text(e)}).")
+      return CheckpointError(
+        f"Cannot read the pack at {self.where!r} ({type(e).__name__}: {_paths.error_text(e)})."
+      )
     # (rec None: a pack's CheckpointError, which leaf_error passes on unchanged)
     return leaf_error(self.src, cast(_records.Leaf, self.rec), e)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Inline(StoredLeaf):
-  decoded: list = dataclasses.field(default_factory=list)   # [the value], once a block is read
+  decoded: list = dataclasses.field(default_factory=list)  # [the value], once a block is read
 
   def start(self, index: Index, batch: ts.Batch | None) -> _Done:
     assert self.rec is not None
     if index == tuple((0, n) for n in self.shape):
-      return _Done(_leaves.inline_array(self.rec))   # a fresh copy, bools checked
+      return _Done(_leaves.inline_array(self.rec))  # a fresh copy, bools checked
     if not self.decoded:
       self.decoded.append(_leaves.inline_array(self.rec))
     return _Done(np.array(self.decoded[0][_box(index)]))
@@ -157,7 +192,7 @@ class _Inline(StoredLeaf):
 class _Packed(StoredLeaf):
   pack: ts.TensorStore
   offset: int = 0
-  digest: bytes | None = None   # checked when the whole leaf is read (format 3)
+  digest: bytes | None = None  # checked when the whole leaf is read (format 3)
 
   @property
   def nbytes(self) -> int:
@@ -168,23 +203,25 @@ class _Packed(StoredLeaf):
   def start(self, index: Index, batch: ts.Batch | None) -> ts.Future:
     assert self.rec is not None and self.rec.packed is not None
     size = self.dtype.itemsize
-    if index == tuple((0, n) for n in self.shape):   # (restore's: the whole leaf)
+    if index == tuple((0, n) for n in self.shape):  # (restore's: the whole leaf)
       lo, hi = self.offset, self.offset + self.rec.packed.nbytes
     elif _contiguous(index, self.shape):
       lo = self.offset + _blocks.start(index, self.shape) * size
       hi = lo + math.prod(b - a for a, b in index) * size
     else:
       raise ValueError(f"{index} is not one C-order range of {self.shape}")
-    return _arrays.read_slice(self.pack, ((lo, hi),), batch)   # (a module attribute: tests
-                                                              # patch it)
+    return _arrays.read_slice(self.pack, ((lo, hi),), batch)  # (a module attribute: tests
+    # patch it)
 
   def finish(self, raw: np.ndarray, index: Index) -> np.ndarray:
-    if self.digest is not None and index == tuple((0, n) for n in self.shape) and \
-        _hashes.array_digest(raw) != self.digest:
+    if (
+      self.digest is not None
+      and index == tuple((0, n) for n in self.shape)
+      and _hashes.array_digest(raw) != self.digest
+    ):
       raise hash_damage(self, "its data")
     assert self.rec is not None
-    return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]),
-                                 self.rec)
+    return _leaves.checked_bools(_as_leaf(raw, self.dtype, [b - a for a, b in index]), self.rec)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -200,18 +237,21 @@ class PackRun(StoredLeaf):
   and an inner chunk two runs share, are read once.
   ``rec``: the first leaf's record; a failed read is named as the leaves read one by one
   would name it (:meth:`error`)."""
-  leaves: tuple[_Packed, ...] = ()   # the _Packed leaves
+
+  leaves: tuple[_Packed, ...] = ()  # the _Packed leaves
   lo: int = 0
 
   def start(self, index: Index, batch: ts.Batch | None) -> _arrays.Landing:
-    (a, b), = index
+    ((a, b),) = index
     return _arrays.read_into(self.leaves[0].pack, ((self.lo + a, self.lo + b),), batch)
 
   def finish(self, raw: np.ndarray, index: Index) -> list[np.ndarray]:  # type: ignore[override]
     if not (raw.flags.c_contiguous and raw.flags.writeable):
       raw = np.array(raw)
-    return [leaf.finish(raw[leaf.offset - self.lo:][:leaf.nbytes],
-                        tuple((0, n) for n in leaf.shape)) for leaf in self.leaves]
+    return [
+      leaf.finish(raw[leaf.offset - self.lo :][: leaf.nbytes], tuple((0, n) for n in leaf.shape))
+      for leaf in self.leaves
+    ]
 
   def error(self, e: BaseException) -> CheckpointError:
     """The error of the first leaf whose own read fails (else the first leaf's, for ``e``)."""
@@ -242,8 +282,11 @@ def pack_runs(leaves: list[Any], limit: int, gap: int = 4096) -> list[list[int]]
     if runs:
       prev, start = leaves[runs[-1][-1]], leaves[runs[-1][0]].offset
       end = prev.offset + prev.rec.packed.nbytes
-      if (leaf.pack is prev.pack and end <= leaf.offset <= end + gap
-          and leaf.offset + leaf.rec.packed.nbytes - start <= limit):
+      if (
+        leaf.pack is prev.pack
+        and end <= leaf.offset <= end + gap
+        and leaf.offset + leaf.rec.packed.nbytes - start <= limit
+      ):
         runs[-1].append(k)
         continue
     runs.append([k])
@@ -254,9 +297,17 @@ def run_of(leaves: list[Any]) -> PackRun:
   """The :class:`PackRun` reading ``leaves`` (a run of :func:`pack_runs`, two or more)."""
   first, lo = leaves[0], leaves[0].offset
   hi = leaves[-1].offset + leaves[-1].nbytes
-  return PackRun(src=first.src, rec=first.rec, kind="packrun", shape=(hi - lo,),
-                 dtype=np.dtype(np.uint8), align=None, where=first.where, leaves=tuple(leaves),
-                 lo=lo)
+  return PackRun(
+    src=first.src,
+    rec=first.rec,
+    kind="packrun",
+    shape=(hi - lo,),
+    dtype=np.dtype(np.uint8),
+    align=None,
+    where=first.where,
+    leaves=tuple(leaves),
+    lo=lo,
+  )
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -264,7 +315,7 @@ class _Pieced(StoredLeaf):
   reader: _piece_reads.SliceReader
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
-    return self.reader(index, batch)   # aligned, bools checked
+    return self.reader(index, batch)  # aligned, bools checked
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -290,16 +341,17 @@ def hash_damage(leaf: StoredLeaf, what: str) -> DamagedError:
   it as it does missing data (a self-healing restore falls back to an earlier step)."""
   src = leaf.src
   return DamagedError(
-      f"Cannot restore {leaf.name} from {leaf.where!r}: {what} does not match its recorded "
-      f"content hash ({src.manifest.hash}): the data was changed after it was saved. The "
-      f"checkpoint is damaged; restore an earlier one (fnckpt verify {src.location} lists "
-      "every damaged leaf).")
+    f"Cannot restore {leaf.name} from {leaf.where!r}: {what} does not match its recorded "
+    f"content hash ({src.manifest.hash}): the data was changed after it was saved. The "
+    f"checkpoint is damaged; restore an earlier one (fnckpt verify {src.location} lists "
+    "every damaged leaf)."
+  )
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Foreign(StoredLeaf):
-  reader: Any = None      # the source's reader (``read_bytes``)
-  slices: Any = None      # its slice_reader of this leaf, made once (it groups slices)
+  reader: Any = None  # the source's reader (``read_bytes``)
+  slices: Any = None  # its slice_reader of this leaf, made once (it groups slices)
 
   def start(self, index: Index, batch: ts.Batch | None) -> Any:
     return self.slices(index, batch)
@@ -333,8 +385,12 @@ class Opener:
 
   def __init__(self, src: Source, *, check_metadata: bool = False, check_hashes: bool = True):
     self.src, self.check = src, check_metadata
-    self.hashes = check_hashes and _state.hooks.check_hashes and src.reader is None and \
-        getattr(src.manifest, "hash", None) is not None
+    self.hashes = (
+      check_hashes
+      and _state.hooks.check_hashes
+      and src.reader is None
+      and getattr(src.manifest, "hash", None) is not None
+    )
     self._packs: dict[int, ts.TensorStore] = {}
 
   def leaf(self, rec: _records.Leaf) -> StoredLeaf:
@@ -349,46 +405,91 @@ class Opener:
   def pack(self, k: int) -> StoredLeaf:
     """Pack ``k`` whole, as a 1-D uint8 array (what verify reads)."""
     p = self.src.manifest.packs[k]
-    return _Pack(src=self.src, rec=None, kind="pack", shape=(p.nbytes,),
-                 dtype=np.dtype(np.uint8), align=(p.inner,),
-                 where=data_location(self.src, p.base, p.dir), array=self._pack(k))
+    return _Pack(
+      src=self.src,
+      rec=None,
+      kind="pack",
+      shape=(p.nbytes,),
+      dtype=np.dtype(np.uint8),
+      align=(p.inner,),
+      where=data_location(self.src, p.base, p.dir),
+      array=self._pack(k),
+    )
 
   def _open(self, rec: _records.Leaf) -> StoredLeaf:
     src = self.src
     head = (src, rec)
-    assert rec.shape is not None and rec.dtype is not None   # an array leaf
+    assert rec.shape is not None and rec.dtype is not None  # an array leaf
     shape, dtype = tuple(rec.shape), _leaves.dtype_of(rec.dtype)
     if rec.inline is not None:
       return _Inline(*head, "inline", shape, dtype, None, src.location)
-    if src.reader is not None:   # Orbax, safetensors
-      return _Foreign(*head, "foreign", shape, dtype, None, src.location, reader=src.reader,
-                      slices=src.reader.slice_reader(rec))
+    if src.reader is not None:  # Orbax, safetensors
+      return _Foreign(
+        *head,
+        "foreign",
+        shape,
+        dtype,
+        None,
+        src.location,
+        reader=src.reader,
+        slices=src.reader.slice_reader(rec),
+      )
     manifest = src.manifest
     if rec.packed is not None:
       p = manifest.packs[rec.packed.pack]
-      return _Packed(*head, "packed", shape, dtype, None, data_location(src, p.base, p.dir),
-                     pack=self._pack(rec.packed.pack), offset=rec.packed.offset,
-                     digest=rec.hash if self.hashes else None)
+      return _Packed(
+        *head,
+        "packed",
+        shape,
+        dtype,
+        None,
+        data_location(src, p.base, p.dir),
+        pack=self._pack(rec.packed.pack),
+        offset=rec.packed.offset,
+        digest=rec.hash if self.hashes else None,
+      )
     if rec.pieces is not None:
       where = _stored_at(src, rec)[1]
       damaged = None
       if self.hashes:
+
         def damaged(what: str, rec=rec, where=where) -> DamagedError:
-          return hash_damage(StoredLeaf(src=src, rec=rec, kind="pieces", shape=shape, dtype=dtype, align=None, where=where), what)
-      return _Pieced(*head, "pieces", shape, dtype, tuple(rec.pieces.chunks), where,
-                     reader=_piece_reads.SliceReader(manifest, rec, self._pack, damaged))
+          return hash_damage(
+            StoredLeaf(
+              src=src, rec=rec, kind="pieces", shape=shape, dtype=dtype, align=None, where=where
+            ),
+            what,
+          )
+
+      return _Pieced(
+        *head,
+        "pieces",
+        shape,
+        dtype,
+        tuple(rec.pieces.chunks),
+        where,
+        reader=_piece_reads.SliceReader(manifest, rec, self._pack, damaged),
+      )
     st = rec.stored
     assert st is not None
-    array = self._array(_arrays.zarr_spec(self._kv(st.base), st, rec.dtype,
-                                         rec.shape))
-    return _Stored(*head, "stored", shape, dtype, tuple(st.inner),
-                   data_location(src, st.base, st.dir), array=array, chunks=tuple(st.chunks))
+    array = self._array(_arrays.zarr_spec(self._kv(st.base), st, rec.dtype, rec.shape))
+    return _Stored(
+      *head,
+      "stored",
+      shape,
+      dtype,
+      tuple(st.inner),
+      data_location(src, st.base, st.dir),
+      array=array,
+      chunks=tuple(st.chunks),
+    )
 
   def _pack(self, k: int) -> ts.TensorStore:
     if k not in self._packs:
       p = self.src.manifest.packs[k]
-      self._packs[k] = self._array(_arrays.pack_spec(self._kv(p.base), p.dir, p.nbytes, p.chunk,
-                                                    p.inner))
+      self._packs[k] = self._array(
+        _arrays.pack_spec(self._kv(p.base), p.dir, p.nbytes, p.chunk, p.inner)
+      )
     return self._packs[k]
 
   def _kv(self, base: int | None) -> dict[str, Any]:
@@ -398,14 +499,17 @@ class Opener:
   def _array(self, spec: dict[str, Any]) -> ts.TensorStore:
     if not self.check:
       return _arrays.open_array(spec, self.src.ctx, mode="read").result()
-    return ts.open({**spec, "fill_missing_data_reads": False}, read=True, open=True,
-                   context=self.src.ctx).result()
+    return ts.open(
+      {**spec, "fill_missing_data_reads": False}, read=True, open=True, context=self.src.ctx
+    ).result()
 
 
 # --- the window loop -------------------------------------------------------------------------
 
-def read_regions(regions: Iterable[Region], window: Window, *, errors: str = "raise",
-                 release: bool = True) -> Iterator[Landed]:
+
+def read_regions(
+  regions: Iterable[Region], window: Window, *, errors: str = "raise", release: bool = True
+) -> Iterator[Landed]:
   """Read ``regions`` in order, at most ``window.limit`` bytes held (a read larger than that
   alone), and hand each out as it lands, in order. The first reads join a ``ts.Batch`` until it
   holds half the window (a chunk file's index and the inner chunks several regions need are
@@ -439,14 +543,14 @@ def read_regions(regions: Iterable[Region], window: Window, *, errors: str = "ra
     for r in regions:
       check_memory(r.cost, r.leaf)
       while f.pending and window.held + r.cost > window.limit:  # strict: a window equal to
-        yield from f.land(errors, release)                      # the charges fits them all
+        yield from f.land(errors, release)  # the charges fits them all
       if window.held + r.cost > window.limit and window.drain is not None:
         window.drain()
       f.start(r)
     while f.pending:
       yield from f.land(errors, release)
   finally:
-    f.submit()   # an abandoned loop never leaves reads unsubmitted
+    f.submit()  # an abandoned loop never leaves reads unsubmitted
 
 
 class _Flight:
@@ -555,6 +659,7 @@ def _as_leaf(raw: np.ndarray, dtype: np.dtype, shape: Any) -> np.ndarray:
 
 # --- where a leaf's bytes are, and why reading them failed -----------------------------------
 
+
 def base_of(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
   """The index in ``manifest.bases`` of the checkpoint holding ``rec``'s bytes (None: this
   checkpoint's own data, or inline). A pieced leaf's are where its writers' packs are."""
@@ -590,8 +695,7 @@ def _pieces_pack(manifest: _records.Manifest, rec: _records.Leaf) -> int | None:
   if rec.pieces.runs is None:
     return next((k for k, p in enumerate(manifest.packs) if p.process is not None), None)
   packs = sorted(set(_runs.pieces_runs(manifest, rec)[0].tolist()))
-  return next((k for k in packs if manifest.packs[k].base is not None), packs[0] if packs
-              else None)
+  return next((k for k in packs if manifest.packs[k].base is not None), packs[0] if packs else None)
 
 
 def _stored_at(src: Source, rec: _records.Leaf) -> tuple[int | None, str]:
@@ -628,20 +732,24 @@ def leaf_error(src: Source, rec: _records.Leaf, e: BaseException) -> CheckpointE
   if base is not None and _paths.read_failure(e) == "missing":
     # (damage: self-healing restores skip the step)
     return DamagedError(
-        f"Cannot restore {where} from {location!r}: it refers to "
-        f"{_refs.describe(location, src.manifest, base)}, which is missing (no data at "
-        f"{store!r}: that checkpoint was deleted or moved). This checkpoint cannot be "
-        "restored without it; restore another step, or put the referenced checkpoint back. "
-        f"[{text}]")
-  cause = {"checksum": "its data is corrupt (crc32c checksum mismatch)",
-           "corrupt": "its data is corrupt or truncated",
-           "missing": "a chunk of its data is missing",
-           "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
+      f"Cannot restore {where} from {location!r}: it refers to "
+      f"{_refs.describe(location, src.manifest, base)}, which is missing (no data at "
+      f"{store!r}: that checkpoint was deleted or moved). This checkpoint cannot be "
+      "restored without it; restore another step, or put the referenced checkpoint back. "
+      f"[{text}]"
+    )
+  cause = {
+    "checksum": "its data is corrupt (crc32c checksum mismatch)",
+    "corrupt": "its data is corrupt or truncated",
+    "missing": "a chunk of its data is missing",
+    "metadata": "its zarr.json does not match the manifest",
+  }.get(_paths.read_failure(e))
   error = DamagedError if cause else CheckpointError  # else: not known to be damage
   cause = cause or f"reading failed ({type(e).__name__}: {text})"
   return error(
-      f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
-      f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]")
+    f"Cannot restore {where} from {store!r}: {cause}. The checkpoint is damaged; restore an "
+    f"earlier one (fnckpt verify {location} lists every damaged leaf). [{text}]"
+  )
 
 
 def check_memory(n: int, leaf: StoredLeaf) -> None:
@@ -651,9 +759,10 @@ def check_memory(n: int, leaf: StoredLeaf) -> None:
   limit = _memory_bytes()
   if n > limit:
     raise CheckpointError(
-        f"Cannot restore {leaf.name} from {leaf.src.location!r}: one slice of it needs {n} "
-        f"bytes, more than this machine's memory ({limit} bytes). Restore it sharded over "
-        "more devices or processes, or check the checkpoint (its manifest may be damaged).")
+      f"Cannot restore {leaf.name} from {leaf.src.location!r}: one slice of it needs {n} "
+      f"bytes, more than this machine's memory ({limit} bytes). Restore it sharded over "
+      "more devices or processes, or check the checkpoint (its manifest may be damaged)."
+    )
 
 
 def _memory_bytes() -> int:

@@ -25,29 +25,53 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from .._format import parse as _parse, records as _records
-from .._io import paths as _paths
 from .._errors import CheckpointError, NoCheckpointError
+from .._format import parse as _parse
+from .._format import records as _records
+from .._io import paths as _paths
 from .orbax import TooLarge, read_bounded
 
-__all__ = ["DTYPES", "MAX_HEADER_BYTES", "Tensor", "parse_header", "key_paths", "open_file",
-           "open_index", "open_dir", "INDEX_NAME"]
+__all__ = [
+  "DTYPES",
+  "MAX_HEADER_BYTES",
+  "Tensor",
+  "parse_header",
+  "key_paths",
+  "open_file",
+  "open_index",
+  "open_dir",
+  "INDEX_NAME",
+]
 
 # safetensors dtype name -> fnckpt's (numpy/ml_dtypes) name. The packed sub-byte types
 # (F4, F6_E2M3, F6_E3M2) are refused: their element size is not a whole byte.
 DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+  "BOOL": "bool",
+  "U8": "uint8",
+  "I8": "int8",
+  "U16": "uint16",
+  "I16": "int16",
+  "U32": "uint32",
+  "I32": "int32",
+  "U64": "uint64",
+  "I64": "int64",
+  "F16": "float16",
+  "BF16": "bfloat16",
+  "F32": "float32",
+  "F64": "float64",
+  "C64": "complex64",
+  "F8_E4M3": "float8_e4m3fn",
+  "F8_E5M2": "float8_e5m2",
+  "F8_E4M3FNUZ": "float8_e4m3fnuz",
+  "F8_E5M2FNUZ": "float8_e5m2fnuz",
+  "F8_E8M0": "float8_e8m0fnu",
 }
-MAX_HEADER_BYTES = 100_000_000     # the safetensors library's own limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
-MAX_TENSORS = 1 << 18              # per file, and per index: bounds what parsing a header holds
+MAX_TENSORS = 1 << 18  # per file, and per index: bounds what parsing a header holds
 MAX_NAME = 4096
-MAX_PARTS = 64                     # '.'-separated parts of one tensor name
-MAX_TOTAL_PARTS = 1 << 22          # parts of all the names of one checkpoint
+MAX_PARTS = 64  # '.'-separated parts of one tensor name
+MAX_TOTAL_PARTS = 1 << 22  # parts of all the names of one checkpoint
 INDEX_NAME = "model.safetensors.index.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _SHARD_NAME = re.compile(r"(.+)-([0-9]{5})-of-([0-9]{5})\.safetensors")
@@ -57,9 +81,10 @@ _SEQ_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 @dataclasses.dataclass(frozen=True)
 class Tensor:
   """One validated header entry: ``[begin, end)`` are absolute byte offsets in ``file``."""
+
   name: str
   file: str
-  dtype: str          # fnckpt's dtype name
+  dtype: str  # fnckpt's dtype name
   shape: tuple[int, ...]
   begin: int
   end: int
@@ -67,14 +92,16 @@ class Tensor:
 
 def _bad(file: str, what: str) -> CheckpointError:
   return CheckpointError(
-      f"The safetensors file {file!r} is invalid: {what}. It cannot be read safely; check the "
-      "tool that wrote it (or download it again).")
+    f"The safetensors file {file!r} is invalid: {what}. It cannot be read safely; check the "
+    "tool that wrote it (or download it again)."
+  )
 
 
 def _bad_index(index: str, what: str) -> CheckpointError:
   return CheckpointError(
-      f"The safetensors index {index!r} is invalid: {what}. Check the tool that wrote it (or "
-      "download the checkpoint again).")
+    f"The safetensors index {index!r} is invalid: {what}. Check the tool that wrote it (or "
+    "download the checkpoint again)."
+  )
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -96,8 +123,7 @@ def header_length(prefix: bytes, file: str) -> int:
   return n
 
 
-def parse_header(header: bytes, file: str, key: str | None = None
-                 ) -> tuple[list[Tensor], Any, int]:
+def parse_header(header: bytes, file: str, key: str | None = None) -> tuple[list[Tensor], Any, int]:
   """The header's tensors (in buffer order), its ``__metadata__`` and the data length.
   ``file`` names the file in errors; ``key`` (default ``file``) is its key in the kvstore.
 
@@ -116,8 +142,10 @@ def parse_header(header: bytes, file: str, key: str | None = None
   if not isinstance(raw, dict):
     raise _bad(file, "its header is not a JSON map")
   meta = raw.pop("__metadata__", None)
-  if meta is not None and not (isinstance(meta, dict) and all(
-      isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+  if meta is not None and not (
+    isinstance(meta, dict)
+    and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+  ):
     raise _bad(file, "its '__metadata__' must map strings to strings")
   start = 8 + len(header)
   tensors = [_tensor(name, entry, file, start, key or file) for name, entry in raw.items()]
@@ -125,10 +153,12 @@ def parse_header(header: bytes, file: str, key: str | None = None
   at, prev = start, None
   for t in tensors:
     if t.begin != at:
-      what = (f"its bytes [{t.begin - start}, {t.end - start}) overlap those of "
-              f"{prev.name!r}" if prev is not None and t.begin < at else
-              f"its bytes start at {t.begin - start}, after a gap (the previous tensor ends "
-              f"at {at - start})")
+      what = (
+        f"its bytes [{t.begin - start}, {t.end - start}) overlap those of {prev.name!r}"
+        if prev is not None and t.begin < at
+        else f"its bytes start at {t.begin - start}, after a gap (the previous tensor ends "
+        f"at {at - start})"
+      )
       raise _bad(file, f"tensor {t.name!r}: {what}")
     at, prev = t.end, t
   return tensors, meta, at - start
@@ -142,24 +172,43 @@ def _tensor(name: Any, entry: Any, file: str, start: int, key: str) -> Tensor:
     raise _bad(file, f"{where} must be a map of exactly 'dtype', 'shape', 'data_offsets'")
   dtype = entry["dtype"]
   if dtype not in DTYPES if isinstance(dtype, str) else True:
-    raise _bad(file, f"{where} has dtype {str(dtype)[:40]!r}, which fnckpt does not read "
-               f"(known: {', '.join(DTYPES)})")
+    raise _bad(
+      file,
+      f"{where} has dtype {str(dtype)[:40]!r}, which fnckpt does not read "
+      f"(known: {', '.join(DTYPES)})",
+    )
   shape, size = entry["shape"], _records.itemsize(DTYPES[dtype])
-  if not (isinstance(shape, list) and len(shape) <= _records.MAX_DIMS and all(
-      isinstance(n, int) and not isinstance(n, bool) and 0 <= n * size < 1 << 62
-      for n in shape)) or math.prod(shape) * size >= 1 << 62:
-    raise _bad(file, f"{where} has shape {str(shape)[:60]}, expected a list of at most "
-               f"{_records.MAX_DIMS} non-negative integers, each (and their product) times "
-               f"the {size}-byte {dtype} under 2**62 bytes")
+  if (
+    not (
+      isinstance(shape, list)
+      and len(shape) <= _records.MAX_DIMS
+      and all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n * size < 1 << 62 for n in shape
+      )
+    )
+    or math.prod(shape) * size >= 1 << 62
+  ):
+    raise _bad(
+      file,
+      f"{where} has shape {str(shape)[:60]}, expected a list of at most "
+      f"{_records.MAX_DIMS} non-negative integers, each (and their product) times "
+      f"the {size}-byte {dtype} under 2**62 bytes",
+    )
   offsets = entry["data_offsets"]
-  if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-      isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 1 << 62 for o in offsets)):
+  if not (
+    isinstance(offsets, list)
+    and len(offsets) == 2
+    and all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 1 << 62 for o in offsets)
+  ):
     raise _bad(file, f"{where} has data_offsets {str(offsets)[:60]}, expected [begin, end]")
   begin, end = offsets
   nbytes = math.prod(shape) * size
   if end - begin != nbytes:
-    raise _bad(file, f"{where}: data_offsets {offsets} hold {end - begin} bytes, its dtype "
-               f"{dtype} and shape {shape} need {nbytes}")
+    raise _bad(
+      file,
+      f"{where}: data_offsets {offsets} hold {end - begin} bytes, its dtype "
+      f"{dtype} and shape {shape} need {nbytes}",
+    )
   return Tensor(name, key, DTYPES[dtype], tuple(shape), start + begin, start + end)
 
 
@@ -172,16 +221,19 @@ def key_paths(names: Sequence[str], where: str) -> list[tuple[tuple[str, Any], .
   >>> key_paths(["h.0.w", "h.1.w"], "f")[1]
   (('dict', 'h'), ('seq', 1), ('dict', 'w'))
   """
-  ids: dict[tuple[int, str], int] = {}      # (parent node, part) -> node; the root is 0
+  ids: dict[tuple[int, str], int] = {}  # (parent node, part) -> node; the root is 0
   kids: dict[int, list[str]] = {}
   parts, parents, leaves, total = [], [], {}, 0
   for name in names:
     p = name.split(".")
     total += len(p)
     if len(p) > MAX_PARTS or total > MAX_TOTAL_PARTS:
-      raise _bad(where, f"tensor {name[:80]!r} has more than {MAX_PARTS} name parts" if
-                 len(p) > MAX_PARTS else f"its tensor names have more than {MAX_TOTAL_PARTS} "
-                 "parts in all")
+      raise _bad(
+        where,
+        f"tensor {name[:80]!r} has more than {MAX_PARTS} name parts"
+        if len(p) > MAX_PARTS
+        else f"its tensor names have more than {MAX_TOTAL_PARTS} parts in all",
+      )
     node, chain = 0, []
     for part in p:
       chain.append(node)
@@ -197,17 +249,24 @@ def key_paths(names: Sequence[str], where: str) -> list[tuple[tuple[str, Any], .
     for i in range(1, len(p)):
       if chain[i] in leaves:
         raise CheckpointError(
-            f"In {where!r}, tensor {leaves[chain[i]]!r} is also the parent of {'.'.join(p)!r} "
-            "(names are split on '.' into key paths, and a leaf cannot have children). "
-            "Rename one of them.")
-  seq = {node for node, ks in kids.items()
-         if all(_SEQ_INDEX.fullmatch(k) for k in ks)
-         and sorted(int(k) for k in ks) == list(range(len(ks)))}
-  return [tuple(("seq", int(k)) if chain[i] in seq else ("dict", k) for i, k in enumerate(p))
-          for p, chain in zip(parts, parents)]
+          f"In {where!r}, tensor {leaves[chain[i]]!r} is also the parent of {'.'.join(p)!r} "
+          "(names are split on '.' into key paths, and a leaf cannot have children). "
+          "Rename one of them."
+        )
+  seq = {
+    node
+    for node, ks in kids.items()
+    if all(_SEQ_INDEX.fullmatch(k) for k in ks)
+    and sorted(int(k) for k in ks) == list(range(len(ks)))
+  }
+  return [
+    tuple(("seq", int(k)) if chain[i] in seq else ("dict", k) for i, k in enumerate(p))
+    for p, chain in zip(parts, parents)
+  ]
 
 
 # --- I/O ---------------------------------------------------------------------------------
+
 
 def _read(kv: ts.KvStore, key: str, byte_range: slice | None = None, batch=None) -> ts.Future:
   return kv.read(key, byte_range=byte_range, batch=batch)
@@ -221,8 +280,10 @@ def _value(fut: ts.Future, location: str, what: str) -> bytes:
       raise _bad(location, f"it ends inside {what}") from None
     raise CheckpointError(f"Cannot read {location!r} ({what}): {e}") from None
   except Exception as e:
-    raise CheckpointError(f"Cannot read {location!r} ({what}): {_paths.error_text(e)}. Check "
-                          "that the file exists and is readable.") from None
+    raise CheckpointError(
+      f"Cannot read {location!r} ({what}): {_paths.error_text(e)}. Check "
+      "that the file exists and is readable."
+    ) from None
   if got.state != "value":
     raise NoCheckpointError(f"No file at {location!r} ({what}). Check the path.")
   return bytes(got.value)
@@ -243,8 +304,7 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
     last_ok = False
   if not last_ok:
     who = tensors[-1].name if tensors else "the header"
-    raise _bad(location, f"it is truncated: {who!r} ends at byte {end}, past the end of the "
-               "file")
+    raise _bad(location, f"it is truncated: {who!r} ends at byte {end}, past the end of the file")
   try:
     extra = past.result().state == "value"
   except Exception:  # OUT_OF_RANGE: the file ends exactly there
@@ -257,9 +317,18 @@ def read_tensors(kv: ts.KvStore, key: str, location: str) -> tuple[list[Tensor],
 def _manifest(tensors: list[Tensor], meta: Any, where: str) -> _records.Manifest:
   paths = key_paths([t.name for t in tensors], where)
   leaves = tuple(
-      _records.Leaf(index=i, path=path, kind="array", dtype=t.dtype, shape=t.shape, source="numpy", sharding=None,
-                    stored=_records.Stored(t.file, t.shape, t.shape, None))
-      for i, (path, t) in enumerate(zip(paths, tensors)))
+    _records.Leaf(
+      index=i,
+      path=path,
+      kind="array",
+      dtype=t.dtype,
+      shape=t.shape,
+      source="numpy",
+      sharding=None,
+      stored=_records.Stored(t.file, t.shape, t.shape, None),
+    )
+    for i, (path, t) in enumerate(zip(paths, tensors))
+  )
   try:
     _parse._check_tree(paths)
   except _parse._Bad as e:
@@ -269,6 +338,7 @@ def _manifest(tensors: list[Tensor], meta: Any, where: str) -> _records.Manifest
 
 class Reader:
   """Slices of the tensors of one safetensors checkpoint (leaf ``i`` is ``tensors[i]``)."""
+
   format = "safetensors"
 
   def __init__(self, kv: ts.KvStore, location: str, tensors: list[Tensor], prefix: str = ""):
@@ -284,7 +354,7 @@ class Reader:
     def read(index, batch=None):
       index = tuple(tuple(r) for r in index)
       dtype = _records.np_dtype(t.dtype)
-      if any(hi <= lo for lo, hi in index):   # nothing to read (an empty tensor's slices)
+      if any(hi <= lo for lo, hi in index):  # nothing to read (an empty tensor's slices)
         return _Done(np.empty(tuple(hi - lo for lo, hi in index), dtype))
       if in_blocks(t.shape, index, dtype.itemsize):
         group = groups.get(index[0])
@@ -292,6 +362,7 @@ class Reader:
           group = groups[index[0]] = _Group(self.kv, t, index[0])
         return group.add(index)
       return _Rows(self.kv, t, index, batch, self.shared)
+
     return read
 
   def read_bytes(self, rec: _records.Leaf, index) -> int:
@@ -301,8 +372,7 @@ class Reader:
     if any(hi <= lo for lo, hi in index):
       return 0
     if in_blocks(t.shape, index, size):  # the slice, and the blocks in flight
-      return _layout_bytes(index, size) + 2 * block_rows(t.shape, size) * _row_bytes(t.shape,
-                                                                                      size)
+      return _layout_bytes(index, size) + 2 * block_rows(t.shape, size) * _row_bytes(t.shape, size)
     return raw_bytes(t.shape, index, size)
 
   def read_error(self, rec: _records.Leaf, e: Exception) -> CheckpointError:
@@ -310,18 +380,24 @@ class Reader:
       return e
     t = self.tensors[rec.index]
     return CheckpointError(
-        f"Cannot restore {rec.where} (tensor {t.name!r}) from {self.prefix + t.file!r}: reading "
-        f"its bytes failed ({type(e).__name__}: {_paths.error_text(e)}). Check that the file "
-        "is complete and readable.")
+      f"Cannot restore {rec.where} (tensor {t.name!r}) from {self.prefix + t.file!r}: reading "
+      f"its bytes failed ({type(e).__name__}: {_paths.error_text(e)}). Check that the file "
+      "is complete and readable."
+    )
 
 
-MAX_RUNS = 4096   # byte ranges per slice read
+MAX_RUNS = 4096  # byte ranges per slice read
 MIN_RUN = 64 << 10  # shorter ranges cost more in requests than reading whole rows does (slices
-                    # of the same rows in one read window are then fetched once: ts.Batch)
+# of the same rows in one read window are then fetched once: ts.Batch)
 
 
-def plan_runs(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: int,
-              max_runs: int = MAX_RUNS, min_run: int = MIN_RUN) -> tuple[int, list[int], int]:
+def plan_runs(
+  shape: Sequence[int],
+  index: Sequence[tuple[int, int]],
+  itemsize: int,
+  max_runs: int = MAX_RUNS,
+  min_run: int = MIN_RUN,
+) -> tuple[int, list[int], int]:
   """How to read one slice of a C-order tensor: ``(k, starts, run)``, byte ranges
   ``[s, s + run)`` relative to the tensor's first byte, one per index of the slice's first
   ``k`` axes, each covering the slice's range of axis ``k`` and the whole of the axes after
@@ -342,9 +418,11 @@ def plan_runs(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: 
   k = partial[-1] if partial else 0
   if not shape:
     return 0, [0], itemsize
-  strides = [math.prod(shape[j + 1:]) * itemsize for j in range(len(shape))]
-  while k > 0 and (math.prod(hi - lo for lo, hi in index[:k]) > max_runs or
-                   (index[k][1] - index[k][0]) * strides[k] < min_run):
+  strides = [math.prod(shape[j + 1 :]) * itemsize for j in range(len(shape))]
+  while k > 0 and (
+    math.prod(hi - lo for lo, hi in index[:k]) > max_runs
+    or (index[k][1] - index[k][0]) * strides[k] < min_run
+  ):
     k -= 1
   starts = [index[k][0] * strides[k]]
   for j in range(k - 1, -1, -1):  # outer axes, C order
@@ -359,7 +437,7 @@ def raw_bytes(shape: Sequence[int], index: Sequence[tuple[int, int]], itemsize: 
   return len(starts) * run
 
 
-BLOCK_BYTES = 1 << 20   # whole rows read at a time for slices of some columns (see _Group)
+BLOCK_BYTES = 1 << 20  # whole rows read at a time for slices of some columns (see _Group)
 
 
 def _layout_bytes(index, itemsize: int) -> int:
@@ -400,9 +478,10 @@ def _check_bool(t: Tensor, out: np.ndarray) -> np.ndarray:
   that compares and sums wrongly."""
   if out.dtype == np.bool_ and out.size and out.view(np.uint8).max() > 1:
     raise CheckpointError(
-        f"Tensor {t.name!r} of {t.file!r} is BOOL but holds a byte other than 0 or 1 (bool "
-        "bytes must be 0 or 1). The file is damaged or was not written by a safetensors "
-        "writer; check the tool that wrote it.")
+      f"Tensor {t.name!r} of {t.file!r} is BOOL but holds a byte other than 0 or 1 (bool "
+      "bytes must be 0 or 1). The file is damaged or was not written by a safetensors "
+      "writer; check the tool that wrote it."
+    )
   return out
 
 
@@ -416,9 +495,10 @@ def _got(fut: ts.Future, t: Tensor, n: int) -> Any:
   value = got.value if got is not None and got.state == "value" else None  # (a new copy)
   if value is None or len(value) != n:
     raise CheckpointError(
-        f"Tensor {t.name!r} of {t.file!r}: a byte range of {n} bytes could not be read "
-        f"({'nothing' if value is None else f'{len(value)} bytes'} came back); the file "
-        "changed or is truncated. Check the file.")
+      f"Tensor {t.name!r} of {t.file!r}: a byte range of {n} bytes could not be read "
+      f"({'nothing' if value is None else f'{len(value)} bytes'} came back); the file "
+      "changed or is truncated. Check the file."
+    )
   return value
 
 
@@ -440,16 +520,18 @@ class _Raw:
   def __init__(self, kv: ts.KvStore, t: Tensor, starts: list[int], run: int, batch):
     self.t, self.run = t, run
     self.data: bytearray | None = None
-    self.futs: list[ts.Future | None] = [
-        _read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch)
-        for s in starts] if run else []
+    self.futs: list[ts.Future | None] = (
+      [_read(kv, t.file, slice(t.begin + s, t.begin + s + run), batch) for s in starts]
+      if run
+      else []
+    )
 
   def bytes(self) -> bytearray:
     if self.data is None:
       data = bytearray(len(self.futs) * self.run)
       for i, f in enumerate(self.futs):
         assert f is not None
-        data[i * self.run:(i + 1) * self.run] = _got(f, self.t, self.run)
+        data[i * self.run : (i + 1) * self.run] = _got(f, self.t, self.run)
         self.futs[i] = None
       self.data, self.futs = data, []
     return self.data
@@ -464,7 +546,7 @@ class _Rows:
     self.t, self.index = t, tuple(index)
     self.dtype = _records.np_dtype(t.dtype)
     self.k, starts, run = plan_runs(t.shape, self.index, self.dtype.itemsize)
-    key = (t.file, t.begin, self.k, starts[0], len(starts), run, self.index[:self.k + 1])
+    key = (t.file, t.begin, self.k, starts[0], len(starts), run, self.index[: self.k + 1])
     self.raw = shared.get(key)
     if self.raw is None:
       self.raw = shared[key] = _Raw(kv, t, starts, run, batch)
@@ -474,9 +556,9 @@ class _Rows:
     data = self.raw.bytes()
     if not shape:
       return _check_bool(self.t, np.frombuffer(data, dtype=self.dtype).reshape(()).copy())
-    raw_shape = tuple(hi - lo for lo, hi in index[:k + 1]) + tuple(shape[k + 1:])
+    raw_shape = tuple(hi - lo for lo, hi in index[: k + 1]) + tuple(shape[k + 1 :])
     raw = np.frombuffer(data, dtype=self.dtype).reshape(raw_shape)
-    rest = tuple(slice(lo, hi) for lo, hi in index[k + 1:])
+    rest = tuple(slice(lo, hi) for lo, hi in index[k + 1 :])
     return _check_bool(self.t, np.array(raw[(slice(None),) * (k + 1) + rest]))  # own
 
 
@@ -516,9 +598,10 @@ class _Group:
       fut, nxt = nxt, self._block(end, min(hi, end + step)) if end < hi else None
       assert fut is not None
       block = np.frombuffer(_got(fut, t, (end - r) * row), dtype).reshape(
-          (end - r,) + tuple(t.shape[1:]))
+        (end - r,) + tuple(t.shape[1:])
+      )
       for out, c in zip(outs, cols):
-        out[r - lo:end - lo] = block[(slice(None),) + c]
+        out[r - lo : end - lo] = block[(slice(None),) + c]
       del block
     for m, out in zip(self.members, outs):
       m.value = _check_bool(t, out)
@@ -545,15 +628,17 @@ class _Member:
     return value
 
 
-def open_file(kv: ts.KvStore, key: str, location: str, prefix: str = ""
-              ) -> tuple[_records.Manifest, Reader]:
+def open_file(
+  kv: ts.KvStore, key: str, location: str, prefix: str = ""
+) -> tuple[_records.Manifest, Reader]:
   """One ``.safetensors`` file (``key`` in the directory ``kv``)."""
   tensors, meta = read_tensors(kv, key, location)
   return _manifest(tensors, meta, location), Reader(kv, location, tensors, prefix)
 
 
-def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
-                wmap: dict[str, str] | None = None) -> dict[str, list[Tensor]]:
+def _open_files(
+  kv: ts.KvStore, files: Sequence[str], prefix: str, where: str, wmap: dict[str, str] | None = None
+) -> dict[str, list[Tensor]]:
   by_file: dict[str, list[Tensor]] = {}
   seen: dict[str, str] = {}
   for f in files:
@@ -564,14 +649,16 @@ def _open_files(kv: ts.KvStore, files: Sequence[str], prefix: str, where: str,
         raise
       name = next(n for n, g in wmap.items() if g == f)
       raise CheckpointError(
-          f"The safetensors index {where!r} maps tensor {name!r} to {f!r}, but there is no "
-          f"file {prefix + f!r}. Download the missing file (or use the index that came with "
-          "these files).") from None
+        f"The safetensors index {where!r} maps tensor {name!r} to {f!r}, but there is no "
+        f"file {prefix + f!r}. Download the missing file (or use the index that came with "
+        "these files)."
+      ) from None
     for t in by_file[f]:
       if t.name in seen:
         raise CheckpointError(
-            f"In {where!r}, tensor {t.name!r} is in both {seen[t.name]!r} and {f!r}. Keep one "
-            "(or load the files separately).")
+          f"In {where!r}, tensor {t.name!r} is in both {seen[t.name]!r} and {f!r}. Keep one "
+          "(or load the files separately)."
+        )
       seen[t.name] = f
   return by_file
 
@@ -593,15 +680,20 @@ def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
     raise _bad_index(where, f"it is not JSON ({e})") from None
   wmap = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(wmap, dict) or not all(
-      isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+    isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+  ):
     raise _bad_index(where, "its 'weight_map' must map tensor names to file names")
   if not 0 < len(wmap) <= MAX_TENSORS * 16:
-    raise _bad_index(where, f"its 'weight_map' maps {len(wmap)} tensors, expected 1 to "
-                     f"{MAX_TENSORS * 16}")
+    raise _bad_index(
+      where, f"its 'weight_map' maps {len(wmap)} tensors, expected 1 to {MAX_TENSORS * 16}"
+    )
   for name, f in wmap.items():
     if not _FILE_NAME.fullmatch(f):
-      raise _bad_index(where, f"tensor {name[:80]!r} is mapped to {f[:80]!r}, not a plain "
-                       "file name in the index's directory")
+      raise _bad_index(
+        where,
+        f"tensor {name[:80]!r} is mapped to {f[:80]!r}, not a plain "
+        "file name in the index's directory",
+      )
   files = set(wmap.values())
   for f in files:
     m = _SHARD_NAME.fullmatch(f)
@@ -610,9 +702,12 @@ def _read_index(kv: ts.KvStore, key: str, where: str) -> dict[str, Any]:
       assert m is not None
       shard = f"{m.group(1)}-{i:05d}-of-{m.group(3)}.safetensors"
       if shard not in files:
-        raise _bad_index(where, f"it maps no tensor to {shard!r}, one of the {total} files "
-                         f"{m.group(1)}-*-of-{m.group(3)}.safetensors (the tensors of a file "
-                         "it omits would be missing)")
+        raise _bad_index(
+          where,
+          f"it maps no tensor to {shard!r}, one of the {total} files "
+          f"{m.group(1)}-*-of-{m.group(3)}.safetensors (the tensors of a file "
+          "it omits would be missing)",
+        )
   return index
 
 
@@ -627,8 +722,9 @@ def open_index(kv: ts.KvStore, key: str, prefix: str) -> tuple[_records.Manifest
   for f, tensors in by_file.items():
     for t in tensors:
       if wmap.get(t.name) != f:
-        raise _bad_index(where, f"tensor {t.name!r} is in {f!r}, but the index maps it to "
-                         f"{wmap.get(t.name)!r}")
+        raise _bad_index(
+          where, f"tensor {t.name!r} is in {f!r}, but the index maps it to {wmap.get(t.name)!r}"
+        )
   found = {t.name for ts_ in by_file.values() for t in ts_}
   for name, f in wmap.items():
     if name not in found:
@@ -638,8 +734,9 @@ def open_index(kv: ts.KvStore, key: str, prefix: str) -> tuple[_records.Manifest
   return _manifest(tensors, meta, where), Reader(kv, where, tensors, prefix)
 
 
-def open_dir(kv: ts.KvStore, files: Sequence[str], location: str
-             ) -> tuple[_records.Manifest, Reader]:
+def open_dir(
+  kv: ts.KvStore, files: Sequence[str], location: str
+) -> tuple[_records.Manifest, Reader]:
   """A directory of ``.safetensors`` files without an index: every tensor of every file."""
   prefix = location.rstrip("/") + "/"
   by_file = _open_files(kv, sorted(files), prefix, location)

@@ -18,9 +18,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .._layout import blocks as _blocks
 from .._format import records as _records
-from . import read as _read, source as _source
+from .._layout import blocks as _blocks
+from . import read as _read
+from . import source as _source
 from .read import Window
 
 __all__ = ["Piece", "Window", "pieces"]
@@ -30,13 +31,18 @@ __all__ = ["Piece", "Window", "pieces"]
 class Piece:
   """``data`` (the saved dtype, C-contiguous) is elements ``[start, start + data.size)`` of
   ``leaf`` in C order."""
+
   leaf: _records.Leaf
   start: int
   data: np.ndarray
 
 
-def pieces(src: _source.Source, leaves: Sequence[_records.Leaf], window: Window,
-           out_itemsize: Callable[[_records.Leaf], int] | None = None) -> Iterator[Piece]:
+def pieces(
+  src: _source.Source,
+  leaves: Sequence[_records.Leaf],
+  window: Window,
+  out_itemsize: Callable[[_records.Leaf], int] | None = None,
+) -> Iterator[Piece]:
   """Every array leaf of ``leaves``, in order, as C-order pieces (see the module). Blocks are
   at most an eighth of the window (so about four reads are in flight, each charged twice), or
   one aligned inner chunk row when that fits; a read error is restore's CheckpointError
@@ -53,12 +59,16 @@ def pieces(src: _source.Source, leaves: Sequence[_records.Leaf], window: Window,
   regions = _regions(_read.Opener(src), leaves, window.limit, out_itemsize)
   for got in _read.read_regions(regions, window):
     leaf, start = got.region.tag
-    assert got.data is not None   # (errors raised)
+    assert got.data is not None  # (errors raised)
     yield Piece(leaf, start, got.data)
 
 
-def _regions(opener: _read.Opener, leaves: Sequence[_records.Leaf], limit: int,
-             out_itemsize: Callable[[_records.Leaf], int] | None) -> Iterator[_read.Region]:
+def _regions(
+  opener: _read.Opener,
+  leaves: Sequence[_records.Leaf],
+  limit: int,
+  out_itemsize: Callable[[_records.Leaf], int] | None,
+) -> Iterator[_read.Region]:
   """The blocks of each leaf, charged twice their bytes (once for an inline leaf) plus the
   cast's widening; tag ``(leaf, C-order start)``."""
   for rec in leaves:
@@ -70,8 +80,12 @@ def _regions(opener: _read.Opener, leaves: Sequence[_records.Leaf], limit: int,
     per = size * (1 if rec.inline is not None else 2) + wider
     assert rec.shape is not None
     for index in _blocks.blocks(rec.shape, size, block, leaf.align):
-      yield _read.Region(leaf, index, math.prod(b - a for a, b in index) * per,
-                         (rec, _blocks.start(index, rec.shape)))
+      yield _read.Region(
+        leaf,
+        index,
+        math.prod(b - a for a, b in index) * per,
+        (rec, _blocks.start(index, rec.shape)),
+      )
 
 
 def _aligned_row(leaf: _records.Leaf, size: int, limit: int) -> int:

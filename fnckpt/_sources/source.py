@@ -14,9 +14,11 @@ from typing import Any
 
 import tensorstore as ts
 
-from .._format import manifest as _manifest, records as _records
-from .._io import commit as _commit, paths as _paths
 from .._errors import CheckpointError, NotCommittedError
+from .._format import manifest as _manifest
+from .._format import records as _records
+from .._io import commit as _commit
+from .._io import paths as _paths
 
 __all__ = ["Source", "open_source", "open_any", "READ_WINDOW_BYTES"]
 
@@ -29,6 +31,7 @@ READ_WINDOW_BYTES = 128 << 20
 class Source:
   """An opened, committed checkpoint: where it is, its validated manifest, and the commit
   marker's bytes as read (to tell whether it changed while being read)."""
+
   location: str
   kv_spec: dict[str, Any]
   ctx: ts.Context
@@ -36,38 +39,48 @@ class Source:
   manifest: _records.Manifest
   commit: bytes
   format: str = "fnckpt"
-  reader: Any = None       # a foreign format's slice reader (detect); None for fnckpt's own
+  reader: Any = None  # a foreign format's slice reader (detect); None for fnckpt's own
 
 
-def open_any(where: _paths.Location | str, options: Mapping[str, Any] | None = None
-             ) -> Source:
+def open_any(where: _paths.Location | str, options: Mapping[str, Any] | None = None) -> Source:
   """fnckpt's own checkpoint at ``where`` (whatever its name: also ``run.json``), else an
   Orbax or safetensors one (``detect``). An interrupted fnckpt save stays one (never the
   contents of a stray file in it); only a directory with no fnckpt manifest or ``data-*``
   may be an Orbax checkpoint (whose OCDBT ``d/`` looks like format 1's data). ``options``:
   the storage options of a ``where`` given as a path."""
   from .._errors import NoCheckpointError
+
   where = _paths.Location.of(where, options)
   try:
     return open_source(where)
   except NotCommittedError:
     from . import detect as _foreign  # (imported only when needed: ~15 ms in a new process)
+
     opened = None if _has_own_files(where) else _foreign.open_orbax(where.path, where.options)
     if opened is None:
       raise
   except CheckpointError as e:
     from . import detect as _foreign
-    opened = None if _has_own_files(where) else _foreign.open_foreign(where.path,
-                                                                       where.options)
+
+    opened = None if _has_own_files(where) else _foreign.open_foreign(where.path, where.options)
     if opened is None and isinstance(e, NoCheckpointError):
-      raise NoCheckpointError(f"{e} Nor is it an Orbax checkpoint (_METADATA, "
-                            "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
-                            "model.safetensors.index.json).") from None
+      raise NoCheckpointError(
+        f"{e} Nor is it an Orbax checkpoint (_METADATA, "
+        "_CHECKPOINT_METADATA) or safetensors (*.safetensors, "
+        "model.safetensors.index.json)."
+      ) from None
     if opened is None:
       raise
-  return Source(location=opened.location, kv_spec=opened.kv_spec, ctx=opened.ctx,
-                kv=opened.kv, manifest=opened.manifest, commit=b"", format=opened.format,
-                reader=opened.reader)
+  return Source(
+    location=opened.location,
+    kv_spec=opened.kv_spec,
+    ctx=opened.ctx,
+    kv=opened.kv,
+    manifest=opened.manifest,
+    commit=b"",
+    format=opened.format,
+    reader=opened.reader,
+  )
 
 
 def _has_own_files(where: _paths.Location) -> bool:
@@ -76,15 +89,15 @@ def _has_own_files(where: _paths.Location) -> bool:
   try:
     kv = _paths.resolve(where)[2]
     marks = [kv.read(k, byte_range=slice(0, 0)) for k in (_manifest.COMMIT, _manifest.MANIFEST)]
-    data = kv.list(range=ts.KvStore.KeyRange(_manifest.DATA_PREFIX,
-                                             _manifest.DATA_PREFIX[:-1] + "."))
+    data = kv.list(
+      range=ts.KvStore.KeyRange(_manifest.DATA_PREFIX, _manifest.DATA_PREFIX[:-1] + ".")
+    )
     return any(m.result().state == "value" for m in marks) or bool(data.result())
   except Exception:  # (not a directory: a file of that name)
     return False
 
 
-def open_source(where: _paths.Location | str, options: Mapping[str, Any] | None = None
-                ) -> Source:
+def open_source(where: _paths.Location | str, options: Mapping[str, Any] | None = None) -> Source:
   """The committed fnckpt checkpoint at ``where`` (its manifest read and validated;
   ``options``: the storage options of a ``where`` given as a path)."""
   where = _paths.Location.of(where, options)
@@ -96,6 +109,7 @@ def open_source(where: _paths.Location | str, options: Mapping[str, Any] | None 
     raise
   except Exception as e:  # TensorStore's I/O errors: a file in the way, no permission, ...
     raise CheckpointError(
-        f"Cannot read a checkpoint at {location!r} ({type(e).__name__}: {e}). Check that the "
-        "path is a checkpoint directory and that it is readable.") from e
+      f"Cannot read a checkpoint at {location!r} ({type(e).__name__}: {e}). Check that the "
+      "path is a checkpoint directory and that it is readable."
+    ) from e
   return Source(location, kv_spec, ctx, kv, manifest, commit)

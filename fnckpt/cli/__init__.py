@@ -31,11 +31,14 @@ import os
 import sys
 from typing import Any, Sequence
 
-from .._io import paths as _paths
 from .._errors import CheckpointError
+from .._io import paths as _paths
 from .._version import __version__
-from . import diff as _diff, export as _export, inspect as _inspect, ls as _ls, \
-    verify as _verify
+from . import diff as _diff
+from . import export as _export
+from . import inspect as _inspect
+from . import ls as _ls
+from . import verify as _verify
 
 __all__ = ["main"]
 
@@ -54,9 +57,10 @@ def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any] | None:
     key, eq, text = pair.partition("=")
     if not eq or not key.strip():
       raise CheckpointError(
-          f"--storage-option {pair!r}: expected KEY=VALUE, found "
-          f"{'no KEY before' if eq else 'no'} '='. Write e.g. --storage-option "
-          "endpoint=http://127.0.0.1:8333 or --storage-option max_retries=2.")
+        f"--storage-option {pair!r}: expected KEY=VALUE, found "
+        f"{'no KEY before' if eq else 'no'} '='. Write e.g. --storage-option "
+        "endpoint=http://127.0.0.1:8333 or --storage-option max_retries=2."
+      )
     try:
       value = json.loads(text)
     except ValueError:
@@ -84,15 +88,17 @@ def _check_storage_options(locations: Sequence[str], options: dict[str, Any] | N
 
 
 _STORAGE_OPTION_HELP = (
-    "a storage option for every location the command reads (the storage_options of "
-    "fnckpt.save/restore: endpoint, region, credentials, max_retries, ...); VALUE is JSON if "
-    "it parses, else a string; repeat it for several, e.g. --storage-option "
-    "endpoint=http://127.0.0.1:8333 --storage-option max_retries=2")
+  "a storage option for every location the command reads (the storage_options of "
+  "fnckpt.save/restore: endpoint, region, credentials, max_retries, ...); VALUE is JSON if "
+  "it parses, else a string; repeat it for several, e.g. --storage-option "
+  "endpoint=http://127.0.0.1:8333 --storage-option max_retries=2"
+)
 
 
 def _add_storage_option(p: argparse.ArgumentParser, dest: str) -> None:
-  p.add_argument("--storage-option", action="append", dest=dest, metavar="KEY=VALUE",
-                 help=_STORAGE_OPTION_HELP)
+  p.add_argument(
+    "--storage-option", action="append", dest=dest, metavar="KEY=VALUE", help=_STORAGE_OPTION_HELP
+  )
 
 
 def _version_text() -> str:
@@ -109,49 +115,75 @@ def _version_text() -> str:
       return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       return "?"
+
   deps = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "tensorstore"))
   return f"fnckpt {__version__} ({deps}, Python {platform.python_version()})"
 
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="fnckpt", description="Inspect, check and export fnckpt checkpoints (no devices "
-      "needed).",
-      epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
-             "(ls); 2 usage error or unreadable location.")
-  p.add_argument("--version", action="version", version=_version_text(),
-                 help="print fnckpt's version (and JAX's, TensorStore's, Python's) and exit")
+    prog="fnckpt",
+    description="Inspect, check and export fnckpt checkpoints (no devices needed).",
+    epilog="Exit status: 0 ok; 1 damage (verify), differences (diff) or nothing to list "
+    "(ls); 2 usage error or unreadable location.",
+  )
+  p.add_argument(
+    "--version",
+    action="version",
+    version=_version_text(),
+    help="print fnckpt's version (and JAX's, TensorStore's, Python's) and exit",
+  )
   # Accepted before and after the command; two dests, since a subparser's value would replace
   # the main parser's.
   _add_storage_option(p, "storage_option_pairs")
   common = argparse.ArgumentParser(add_help=False)
   _add_storage_option(common, "storage_option_pairs_after")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  ls = sub.add_parser("ls", parents=[common], help="list the steps of a run directory",
-                      description="Committed steps (uncommitted leftovers, steps marked "
-                      "damaged) of a CheckpointManager directory: data size, leaves, files, "
-                      "commit time, metrics; with --local, of both tiers.")
+  ls = sub.add_parser(
+    "ls",
+    parents=[common],
+    help="list the steps of a run directory",
+    description="Committed steps (uncommitted leftovers, steps marked "
+    "damaged) of a CheckpointManager directory: data size, leaves, files, "
+    "commit time, metrics; with --local, of both tiers.",
+  )
   ls.add_argument("dir")
-  ls.add_argument("--local", metavar="FAST", default=None,
-                  help="also list the manager's local tier (local_directory); "
-                       "--storage-option settings apply to DIR only")
+  ls.add_argument(
+    "--local",
+    metavar="FAST",
+    default=None,
+    help="also list the manager's local tier (local_directory); "
+    "--storage-option settings apply to DIR only",
+  )
   ls.set_defaults(run=_ls.run, locations=("dir",))
-  ins = sub.add_parser("inspect", parents=[common], help="show the saved tree of one checkpoint",
-                       description="Key path, kind, dtype, shape, saved sharding, bytes and "
-                       "inline values of every leaf.")
+  ins = sub.add_parser(
+    "inspect",
+    parents=[common],
+    help="show the saved tree of one checkpoint",
+    description="Key path, kind, dtype, shape, saved sharding, bytes and "
+    "inline values of every leaf.",
+  )
   ins.add_argument("path")
   ins.set_defaults(run=_inspect.run, locations=("path",))
-  ver = sub.add_parser("verify", parents=[common], help="read every chunk and check its checksum",
-                       description="Read every chunk of a checkpoint (or of every committed "
-                       "step of a run directory), checking crc32c checksums; exit 1 naming "
-                       "each damaged leaf.")
+  ver = sub.add_parser(
+    "verify",
+    parents=[common],
+    help="read every chunk and check its checksum",
+    description="Read every chunk of a checkpoint (or of every committed "
+    "step of a run directory), checking crc32c checksums; exit 1 naming "
+    "each damaged leaf.",
+  )
   ver.add_argument("path")
   ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
   ver.set_defaults(run=_verify.run, locations=("path",))
-  dif = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
-                       description="Key paths only in A (-), only in B (+), changed in kind, "
-                       "dtype or shape (~); with --values, leaves whose values differ (!). "
-                       "Exit 1 when they differ.")
+  dif = sub.add_parser(
+    "diff",
+    parents=[common],
+    help="compare two checkpoints",
+    description="Key paths only in A (-), only in B (+), changed in kind, "
+    "dtype or shape (~); with --values, leaves whose values differ (!). "
+    "Exit 1 when they differ.",
+  )
   dif.add_argument("a")
   dif.add_argument("b")
   dif.add_argument("--values", action="store_true", help="also compare the data, bitwise")
@@ -161,21 +193,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
-  exp = sub.add_parser("export", parents=[common], help="write the arrays as safetensors",
-                       description="Write a checkpoint's arrays as safetensors, streamed in "
-                       "a bounded window: OUT ending in .safetensors is one file, anything "
-                       "else a directory of model-0000i-of-0000N.safetensors shards with "
-                       "model.safetensors.index.json. Names are key paths joined with '.'.")
+  exp = sub.add_parser(
+    "export",
+    parents=[common],
+    help="write the arrays as safetensors",
+    description="Write a checkpoint's arrays as safetensors, streamed in "
+    "a bounded window: OUT ending in .safetensors is one file, anything "
+    "else a directory of model-0000i-of-0000N.safetensors shards with "
+    "model.safetensors.index.json. Names are key paths joined with '.'.",
+  )
   exp.add_argument("checkpoint")
   exp.add_argument("out")
-  exp.add_argument("--select", help="export this subtree only (e.g. params, params.dense); "
-                   "names are relative to it")
+  exp.add_argument(
+    "--select",
+    help="export this subtree only (e.g. params, params.dense); names are relative to it",
+  )
   exp.add_argument("--dtype", help="convert floating-point arrays (e.g. bfloat16)")
   exp.add_argument("--prefix", help="prepend to every name (e.g. model)")
-  exp.add_argument("--rename", action="append", metavar="OLD=NEW",
-                   help="replace the key prefix OLD of names by NEW (repeatable)")
-  exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
-                   help="largest shard of a directory OUT (default 5GB; e.g. 500MB, 2GiB)")
+  exp.add_argument(
+    "--rename",
+    action="append",
+    metavar="OLD=NEW",
+    help="replace the key prefix OLD of names by NEW (repeatable)",
+  )
+  exp.add_argument(
+    "--max-shard-size",
+    default=None,
+    metavar="SIZE",
+    help="largest shard of a directory OUT (default 5GB; e.g. 500MB, 2GiB)",
+  )
   exp.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
   exp.set_defaults(run=_export.run, locations=("checkpoint",))
 
@@ -193,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     args.storage_options = _storage_options(
-        (args.storage_option_pairs or []) + (args.storage_option_pairs_after or []))
+      (args.storage_option_pairs or []) + (args.storage_option_pairs_after or [])
+    )
     _check_storage_options([getattr(args, n) for n in args.locations], args.storage_options)
     code = args.run(args)
     sys.stdout.flush()

@@ -11,11 +11,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .._layout import blocks as _blocks, chunks as _chunks
-from .._format import leaves as _leaves, records as _records, tree as _tree
-from .._io import commit as _commit
-from .._sources import read as _read, source as _source
 from .._errors import CheckpointError
+from .._format import leaves as _leaves
+from .._format import records as _records
+from .._format import tree as _tree
+from .._io import commit as _commit
+from .._layout import blocks as _blocks
+from .._layout import chunks as _chunks
+from .._sources import read as _read
+from .._sources import source as _source
 from .perprocess_values import read_values, values_under
 from .text import cause, compact, desc
 
@@ -54,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
   return 1
 
 
-def _value_lines(src_a: _source.Source, src_b: _source.Source,
-                 pairs: Sequence[tuple[_records.Leaf, _records.Leaf]]) -> list[str]:
+def _value_lines(
+  src_a: _source.Source, src_b: _source.Source, pairs: Sequence[tuple[_records.Leaf, _records.Leaf]]
+) -> list[str]:
   """``!`` lines for the leaves (of the same structure) whose values differ. A read that
   fails because either checkpoint changed meanwhile is that CheckpointError, as in restore."""
   arrays = [(k, ra, rb) for k, (ra, rb) in enumerate(pairs) if ra.kind in ("array", "key")]
@@ -72,8 +77,7 @@ def _value_lines(src_a: _source.Source, src_b: _source.Source,
       lines.append(f"! {_tree.keystr(ra.path)}: values differ ({text})")
   man_a, man_b = src_a.manifest, src_b.manifest
   if man_a.metadata != man_b.metadata:
-    lines.append(f"! metadata: {compact(man_a.metadata)} -> "
-                 f"{compact(man_b.metadata)}")
+    lines.append(f"! metadata: {compact(man_a.metadata)} -> {compact(man_b.metadata)}")
   return lines
 
 
@@ -84,8 +88,11 @@ def _cannot_compare(e: BaseException, *srcs: _source.Source) -> str:
   return f"cannot compare: {str(e) if isinstance(e, CheckpointError) else cause(e)}"
 
 
-def _array_texts(src_a: _source.Source, src_b: _source.Source,
-                 pairs: Sequence[tuple[int, _records.Leaf, _records.Leaf]]) -> dict[int, str]:
+def _array_texts(
+  src_a: _source.Source,
+  src_b: _source.Source,
+  pairs: Sequence[tuple[int, _records.Leaf, _records.Leaf]],
+) -> dict[int, str]:
   """Pair number -> how its two arrays (one shape and dtype) differ, bitwise, for those that
   do. All pairs are read in one stream per checkpoint (a pack's inner chunk several leaves
   share is read once), the same C-order blocks on both sides, each side in half the window."""
@@ -99,15 +106,18 @@ def _array_texts(src_a: _source.Source, src_b: _source.Source,
   differ = {k: 0 for k, _, _ in opened}
   failed: dict[Any, BaseException] = {}
   window = _source.READ_WINDOW_BYTES
-  side_a, side_b = (_read.read_regions(_regions(opened, side, window // 8),
-                                       _read.Window(window // 2), errors="yield")
-                    for side in (1, 2))
+  side_a, side_b = (
+    _read.read_regions(
+      _regions(opened, side, window // 8), _read.Window(window // 2), errors="yield"
+    )
+    for side in (1, 2)
+  )
   for a, b in zip(side_a, side_b):
     k, error = a.region.tag, a.error or b.error
     if error is not None:
       failed.setdefault(k, error)
     elif k not in failed:
-      assert a.data is not None and b.data is not None   # (no error)
+      assert a.data is not None and b.data is not None  # (no error)
       differ[k] += _count_different(a.data, b.data)
   for k, leaf, _ in opened:
     if k in failed:
@@ -117,8 +127,7 @@ def _array_texts(src_a: _source.Source, src_b: _source.Source,
   return out
 
 
-def _regions(opened: list[tuple[int, Any, Any]], side: int, limit: int
-             ) -> Iterator[_read.Region]:
+def _regions(opened: list[tuple[int, Any, Any]], side: int, limit: int) -> Iterator[_read.Region]:
   """One side's blocks of every pair (the first side's inner chunks align both)."""
   for k, leaf_a, leaf_b in opened:
     leaf, size = (leaf_a, leaf_b)[side - 1], leaf_a.dtype.itemsize
@@ -134,28 +143,34 @@ def _count_different(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.any(a8 != b8, axis=1).sum())
 
 
-def _per_process_differ(src_a: _source.Source, rec_a: _records.Leaf,
-                        src_b: _source.Source, rec_b: _records.Leaf) -> str | None:
+def _per_process_differ(
+  src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.Source, rec_b: _records.Leaf
+) -> str | None:
   """Per-process values compared process by process (by saved records, bitwise)."""
   n_a, n_b = src_a.manifest.process_count, src_b.manifest.process_count
   if n_a != n_b:
     return f"saved by {n_a} -> {n_b} processes"
-  differ = [p for p in range(n_a)
-            if values_under(read_values(src_a, p), rec_a.path)
-            != values_under(read_values(src_b, p), rec_b.path)]
+  differ = [
+    p
+    for p in range(n_a)
+    if values_under(read_values(src_a, p), rec_a.path)
+    != values_under(read_values(src_b, p), rec_b.path)
+  ]
   return f"the values of process(es) {differ} differ" if differ else None
 
 
-def _values_differ(src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.Source,
-                   rec_b: _records.Leaf) -> str | None:
+def _values_differ(
+  src_a: _source.Source, rec_a: _records.Leaf, src_b: _source.Source, rec_b: _records.Leaf
+) -> str | None:
   """How two saved values (not arrays) differ, or None."""
   if rec_a.kind == "perprocess":
     return _per_process_differ(src_a, rec_a, src_b, rec_b)
   va, vb = (_leaves.decode_value(r) for r in (rec_a, rec_b))
   if rec_a.kind == "npgen":
     va, vb = va.bit_generator.state, vb.bit_generator.state
-    same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(vb, default=repr,
-                                                                      sort_keys=True)
+    same = json.dumps(va, default=repr, sort_keys=True) == json.dumps(
+      vb, default=repr, sort_keys=True
+    )
   elif isinstance(va, float) and isinstance(vb, float):
     same = np.float64(va).tobytes() == np.float64(vb).tobytes()
   else:

@@ -9,11 +9,38 @@ from typing import cast
 
 import numpy as np
 
-from .._format import leaves as _leaves, manifest as _manifest, records as _records, \
-    refs as _refs, tree as _tree
-from .._sources import read as _read, source as _source
-from .text import (compact, human, lineage as lineage_text, shape as shape_text,
-                   sharding as sharding_text, table, when)
+from .._format import (
+  leaves as _leaves,
+)
+from .._format import (
+  manifest as _manifest,
+)
+from .._format import (
+  records as _records,
+)
+from .._format import (
+  refs as _refs,
+)
+from .._format import (
+  tree as _tree,
+)
+from .._sources import read as _read
+from .._sources import source as _source
+from .text import (
+  compact,
+  human,
+  table,
+  when,
+)
+from .text import (
+  lineage as lineage_text,
+)
+from .text import (
+  shape as shape_text,
+)
+from .text import (
+  sharding as sharding_text,
+)
 
 __all__ = ["run"]
 
@@ -25,8 +52,9 @@ def value_text(rec: _records.Leaf) -> str:
     if rec.inline is not None:
       assert rec.dtype is not None
       value = np.frombuffer(rec.inline, dtype=_leaves.dtype_of(rec.dtype))
-      text = np.array2string(value.reshape(rec.shape), threshold=8, edgeitems=2,
-                             separator=", ").replace("\n", "")
+      text = np.array2string(
+        value.reshape(rec.shape), threshold=8, edgeitems=2, separator=", "
+      ).replace("\n", "")
       return f"inline {compact(text, -60)}"
     if rec.packed is not None:
       return f"pack {rec.packed.pack} bytes {rec.packed.offset}+{rec.packed.nbytes}"
@@ -35,9 +63,11 @@ def value_text(rec: _records.Leaf) -> str:
     store = rec.stored
     assert store is not None
     blosc = dict(store.blosc or ())
-    return f"{store.dir}/ chunks {shape_text(store.chunks)}" + (
-        f" zstd {store.zstd}" if store.zstd else "") + (
-        f" blosc {blosc['cname']} {blosc['shuffle']}" if blosc else "")
+    return (
+      f"{store.dir}/ chunks {shape_text(store.chunks)}"
+      + (f" zstd {store.zstd}" if store.zstd else "")
+      + (f" blosc {blosc['cname']} {blosc['shuffle']}" if blosc else "")
+    )
   if kind == "npgen":
     return f"numpy Generator ({rec.value['bit_generator']})"
   if kind == "empty":
@@ -52,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
   location, manifest = src.location, src.manifest
   commit = _manifest.decode_commit(src.commit, location)
   v = manifest.versions
-  print(f"{location}: fnckpt format {manifest.version}, written by fnckpt "
-        f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
-        f"{v.get('tensorstore', '?')}) on {manifest.process_count} process(es); "
-        f"created {when(manifest.created)}, committed "
-        f"{when(commit.get('committed'))}")
+  print(
+    f"{location}: fnckpt format {manifest.version}, written by fnckpt "
+    f"{v.get('fnckpt', '?')} (jax {v.get('jax', '?')}, tensorstore "
+    f"{v.get('tensorstore', '?')}) on {manifest.process_count} process(es); "
+    f"created {when(manifest.created)}, committed "
+    f"{when(commit.get('committed'))}"
+  )
   if manifest.metadata is not None:
     print(f"metadata: {json.dumps(manifest.metadata, default=repr)}")
   if manifest.fork is not None:
@@ -68,10 +100,21 @@ def run(args: argparse.Namespace) -> int:
       dtype = rec.dtype + (f" ({rec.impl})" if rec.kind == "key" else "")
       base = _read.base_of(manifest, rec)
       where = value_text(rec) + (
-          f" <- reused from {_refs.display(location, manifest.bases[base].dir)}"
-          if base is not None else "")
-      rows.append([_tree.keystr(rec.path), rec.kind, dtype, shape_text(rec.shape),
-                   sharding_text(rec), human(rec.nbytes), where])
+        f" <- reused from {_refs.display(location, manifest.bases[base].dir)}"
+        if base is not None
+        else ""
+      )
+      rows.append(
+        [
+          _tree.keystr(rec.path),
+          rec.kind,
+          dtype,
+          shape_text(rec.shape),
+          sharding_text(rec),
+          human(rec.nbytes),
+          where,
+        ]
+      )
     else:
       t = rec.type or rec.dtype or "-"
       rows.append([_tree.keystr(rec.path), rec.kind, str(t), "-", "-", "-", value_text(rec)])
@@ -88,13 +131,17 @@ def _summary(manifest: _records.Manifest) -> None:
   stored = sum(1 for r in leaves if r.stored is not None)
   packed = sum(1 for r in leaves if r.packed is not None)
   pieced = sum(1 for r in leaves if r.pieces is not None)
-  print(f"{len(leaves)} leaves ({arrays} arrays: {stored} stored in their own "
-        f"arrays, {packed} in {len(manifest.packs)} pack(s)"
-        + (f", {pieced} as pieces in the packs" if pieced else "")
-        + f"), {human(total)} of array data")
+  print(
+    f"{len(leaves)} leaves ({arrays} arrays: {stored} stored in their own "
+    f"arrays, {packed} in {len(manifest.packs)} pack(s)"
+    + (f", {pieced} as pieces in the packs" if pieced else "")
+    + f"), {human(total)} of array data"
+  )
   reused = [r for r in leaves if _read.base_of(manifest, r) is not None]
   if reused or manifest.bases:
     kept = sum(r.nbytes for r in reused)
-    print(f"written by this save: {human(total - kept)} in "
-          f"{arrays - len(reused)} array(s); reused (references to {len(manifest.bases)} "
-          f"earlier checkpoint(s)): {human(kept)} in {len(reused)} array(s)")
+    print(
+      f"written by this save: {human(total - kept)} in "
+      f"{arrays - len(reused)} array(s); reused (references to {len(manifest.bases)} "
+      f"earlier checkpoint(s)): {human(kept)} in {len(reused)} array(s)"
+    )

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Sequence, cast
 
-from .._format import perprocess as _perprocess, records as _records, tree as _tree
-from .._sources import source as _source
 from .._errors import CheckpointError
+from .._format import perprocess as _perprocess
+from .._format import records as _records
+from .._format import tree as _tree
+from .._sources import source as _source
 
 __all__ = ["read_values", "values_under"]
 
@@ -27,5 +29,8 @@ def values_under(leaves: Sequence[_records.Leaf], path: _tree.Path) -> list[tupl
   """The saved leaves below key path ``path``, comparable (floats by repr: -0.0 differs from
   0.0, NaN equals NaN)."""
   n, key = len(path), _tree.match_key(path)
-  return [(_tree.match_key(l.path[n:]), l.kind, l.dtype, l.shape, l.impl, l.inline, l.type,
-           repr(l.value)) for l in leaves if _tree.match_key(l.path[:n]) == key]
+  return [
+    (_tree.match_key(l.path[n:]), l.kind, l.dtype, l.shape, l.impl, l.inline, l.type, repr(l.value))
+    for l in leaves
+    if _tree.match_key(l.path[:n]) == key
+  ]

@@ -6,13 +6,24 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence, cast
 
-from .._layout import chunks as _chunks
-from .._format import records as _records, refs as _refs
+from .._format import records as _records
+from .._format import refs as _refs
 from .._io import paths as _paths
+from .._layout import chunks as _chunks
 from .._sources import source as _source
 
-__all__ = ["human", "when", "table", "shape", "sharding", "compact", "cause", "region",
-           "lineage", "desc"]
+__all__ = [
+  "human",
+  "when",
+  "table",
+  "shape",
+  "sharding",
+  "compact",
+  "cause",
+  "region",
+  "lineage",
+  "desc",
+]
 
 
 def human(n: float | None) -> str:
@@ -55,8 +66,14 @@ def sharding(rec: _records.Leaf) -> str:
     return "host" if rec.is_array else "-"
   if s.type != "named":
     return "single device" if s.type == "single" else s.type
-  spec = ", ".join("None" if e is None else repr(e) if isinstance(e, str)
-                   else "(" + ", ".join(repr(x) for x in e) + ")" for e in s.spec)
+  spec = ", ".join(
+    "None"
+    if e is None
+    else repr(e)
+    if isinstance(e, str)
+    else "(" + ", ".join(repr(x) for x in e) + ")"
+    for e in s.spec
+  )
   mesh = ",".join(f"{a}={n}" for a, n in zip(s.axes, s.sizes))
   return f"P({spec}) mesh({mesh})"
 
@@ -65,7 +82,7 @@ def compact(value: Any, limit: int = 60) -> str:
   """``repr(value)`` (a str as is, when ``limit`` < 0) cut to ``abs(limit)`` characters."""
   text = value if isinstance(value, str) and limit < 0 else repr(value)
   limit = abs(limit)
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # TensorStore appends the spec of the array to some errors; the spec names the codecs
@@ -73,9 +90,12 @@ def compact(value: Any, limit: int = 60) -> str:
 def cause(e: BaseException) -> str:
   """What a failed open or read means (:func:`_paths.read_failure`), with TensorStore's text."""
   text = _paths.error_text(e)
-  what = {"checksum": "checksum mismatch (corrupt data)", "missing": "missing data",
-          "corrupt": "corrupt data (cannot be decoded)",
-          "metadata": "its zarr.json does not match the manifest"}.get(_paths.read_failure(e))
+  what = {
+    "checksum": "checksum mismatch (corrupt data)",
+    "missing": "missing data",
+    "corrupt": "corrupt data (cannot be decoded)",
+    "metadata": "its zarr.json does not match the manifest",
+  }.get(_paths.read_failure(e))
   return f"{what} [{text}]" if what else f"{type(e).__name__}: {text}"
 
 

@@ -17,13 +17,32 @@ from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
-from .._layout import blocks as _blocks, chunks as _chunks
-from .._format import hashes as _hashes, manifest as _manifest, perprocess as _perprocess, \
-    records as _records, refs as _refs, runs as _runs
-from .._io import commit as _commit, paths as _paths
-from .._sources import read as _read, source as _source
-from .._manager import steps as _steps
 from .._errors import CheckpointError
+from .._format import (
+  hashes as _hashes,
+)
+from .._format import (
+  manifest as _manifest,
+)
+from .._format import (
+  perprocess as _perprocess,
+)
+from .._format import (
+  records as _records,
+)
+from .._format import (
+  refs as _refs,
+)
+from .._format import (
+  runs as _runs,
+)
+from .._io import commit as _commit
+from .._io import paths as _paths
+from .._layout import blocks as _blocks
+from .._layout import chunks as _chunks
+from .._manager import steps as _steps
+from .._sources import read as _read
+from .._sources import source as _source
 from .perprocess_values import read_values, values_under
 from .text import cause, human, region
 
@@ -61,8 +80,10 @@ class _Progress:
         return
       self.last_decile = decile
     bar = "#" * int(frac * 30)
-    line = (f"verify {self.label} [{bar:<30}] {frac * 100:5.1f}% {self.done_chunks}/"
-            f"{self.chunks} chunks {human(self.done_bytes)}/{human(self.total)}")
+    line = (
+      f"verify {self.label} [{bar:<30}] {frac * 100:5.1f}% {self.done_chunks}/"
+      f"{self.chunks} chunks {human(self.done_bytes)}/{human(self.total)}"
+    )
     sys.stderr.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
     sys.stderr.flush()
 
@@ -73,9 +94,10 @@ class _Unit:
   block over ``grid``: a stored array's write chunks where their content hashes are checked
   (``hashed``: its leaf), else its inner chunks (a damage report then names the inner chunk).
   ``pack``: the pack's index."""
+
   label: str
-  here: str                                           # its storage path
-  open: Callable[[_read.Opener], _read.StoredLeaf]    # opened by an Opener checking zarr.json
+  here: str  # its storage path
+  open: Callable[[_read.Opener], _read.StoredLeaf]  # opened by an Opener checking zarr.json
   shape: tuple[int, ...]
   grid: tuple[int, ...]
   itemsize: int
@@ -88,8 +110,7 @@ class _Unit:
 
   @property
   def chunks(self) -> int:
-    return 0 if 0 in self.shape else math.prod(-(-n // c) for n, c in zip(self.shape,
-                                                                         self.grid))
+    return 0 if 0 in self.shape else math.prod(-(-n // c) for n, c in zip(self.shape, self.grid))
 
 
 def _units(src: _source.Source, hashes: _Hashes) -> list[_Unit]:
@@ -100,25 +121,41 @@ def _units(src: _source.Source, hashes: _Hashes) -> list[_Unit]:
     if rec.stored is not None:
       hashed = rec if rec.index in hashes.chunked else None
       assert rec.shape is not None
-      units.append(_Unit(label=rec.where,
-                         here=_read.data_location(src, rec.stored.base, rec.stored.dir),
-                         open=lambda o, rec=rec: o.leaf(rec),  # type: ignore[misc]  # (mypy: a lambda with defaults)
-                         shape=rec.shape,
-                         grid=rec.stored.chunks if hashed else rec.stored.inner,
-                         itemsize=_records.itemsize(rec.dtype), hashed=hashed))
+      units.append(
+        _Unit(
+          label=rec.where,
+          here=_read.data_location(src, rec.stored.base, rec.stored.dir),
+          open=lambda o, rec=rec: o.leaf(rec),  # type: ignore[misc]  # (mypy: a lambda with defaults)
+          shape=rec.shape,
+          grid=rec.stored.chunks if hashed else rec.stored.inner,
+          itemsize=_records.itemsize(rec.dtype),
+          hashed=hashed,
+        )
+      )
   for k, pack in enumerate(manifest.packs):
     names = [r.where for r in manifest.leaves if r.packed is not None and r.packed.pack == k]
-    if pack.process is not None and manifest.layout is not None and int(
-        manifest.layout.region[pack.process]):
+    if (
+      pack.process is not None
+      and manifest.layout is not None
+      and int(manifest.layout.region[pack.process])
+    ):
       names.append(f"pieces of process {pack.process}")
     label = f"pack {k} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    units.append(_Unit(label, _read.data_location(src, pack.base, pack.dir),
-                       lambda o, k=k: o.pack(k), (pack.nbytes,), (pack.inner,), 1, pack=k))  # type: ignore[misc]
+    units.append(
+      _Unit(
+        label=label,
+        here=_read.data_location(src, pack.base, pack.dir),
+        open=lambda o, k=k: o.pack(k),  # type: ignore[misc]  # (mypy: a lambda with defaults)
+        shape=(pack.nbytes,),
+        grid=(pack.inner,),
+        itemsize=1,
+        pack=k,
+      )
+    )
   return units
 
 
-def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool
-                ) -> tuple[list[str], str]:
+def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool) -> tuple[list[str], str]:
   """(every problem found in one checkpoint (each names the leaf), after reading all of it;
   what was checked, for the OK line). Values were validated with the manifest (an invalid
   one makes the whole checkpoint unreadable, reported as such). When something could not be
@@ -132,8 +169,12 @@ def _verify_one(path: str, options: dict[str, Any] | None, quiet: bool
   # _Hashes alone, on the bytes _verify_arrays reads, and it names every mismatch)
   opener = _read.Opener(src, check_hashes=False)
   hashes = _Hashes(src)
-  problems = (_verify_arrays(src, quiet, hashes) + _verify_bools(src, opener)
-              + _verify_per_process(src) + hashes.problems())
+  problems = (
+    _verify_arrays(src, quiet, hashes)
+    + _verify_bools(src, opener)
+    + _verify_per_process(src)
+    + hashes.problems()
+  )
   if problems and not _commit.unchanged(src.kv, src.commit):
     return [f"{src.location}: {_commit.changed_error(src.location)}"], ""
   return problems, _checked(src.manifest)
@@ -162,10 +203,11 @@ def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[st
   inner chunk checked by its crc32c inside the read), each landed block handed to ``hashes``;
   a unit that cannot be opened is a problem, its blocks not enumerated (nor hash-checked)."""
   units = _units(src, hashes)
-  progress = _Progress(sum(u.nbytes for u in units), sum(u.chunks for u in units),
-                       src.location, quiet)
+  progress = _Progress(
+    sum(u.nbytes for u in units), sum(u.chunks for u in units), src.location, quiet
+  )
   unopened: dict[int, str] = {}
-  damaged: dict[int, list] = {}                # unit -> [damaged chunks, the first, its error]
+  damaged: dict[int, list] = {}  # unit -> [damaged chunks, the first, its error]
 
   def regions() -> Iterator[_read.Region]:
     opener = _read.Opener(src, check_metadata=True, check_hashes=False)
@@ -177,11 +219,11 @@ def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[st
         progress.advance(u.nbytes, u.chunks)
         continue
       for pos, index in enumerate(_blocks.grid(u.shape, u.grid)):
-        yield _read.Region(leaf, index, _chunks.nbytes([b - a for a, b in index], u.itemsize),
-                           (k, pos))
+        yield _read.Region(
+          leaf, index, _chunks.nbytes([b - a for a, b in index], u.itemsize), (k, pos)
+        )
 
-  for got in _read.read_regions(regions(), _read.Window(_source.READ_WINDOW_BYTES),
-                                errors="yield"):
+  for got in _read.read_regions(regions(), _read.Window(_source.READ_WINDOW_BYTES), errors="yield"):
     k, pos = got.region.tag
     progress.advance(got.region.cost)
     if got.error is not None:
@@ -195,8 +237,7 @@ def _verify_arrays(src: _source.Source, quiet: bool, hashes: _Hashes) -> list[st
     elif k in damaged:
       bad, index, e = damaged[k]
       more = f" (and {bad - 1} more damaged chunk(s))" if bad > 1 else ""
-      problems.append(f"{u.label} ({u.here}): chunk {region(index)}: "
-                      f"{cause(e)}{more}")
+      problems.append(f"{u.label} ({u.here}): chunk {region(index)}: {cause(e)}{more}")
   return problems
 
 
@@ -205,8 +246,11 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
   cannot tell; TensorStore checks stored bool arrays itself): read in blocks of an eighth of
   the window, the first problem of each leaf reported."""
   found: dict[int, str] = {}
-  wanted = [rec for rec in src.manifest.leaves if rec.is_array and rec.dtype == "bool"
-            and rec.stored is None and rec.kind == "array"]
+  wanted = [
+    rec
+    for rec in src.manifest.leaves
+    if rec.is_array and rec.dtype == "bool" and rec.stored is None and rec.kind == "array"
+  ]
   limit = _source.READ_WINDOW_BYTES
 
   def regions() -> Iterator[_read.Region]:
@@ -223,28 +267,28 @@ def _verify_bools(src: _source.Source, opener: _read.Opener) -> list[str]:
   for got in _read.read_regions(regions(), _read.Window(limit), errors="yield"):
     rec, e = got.region.tag, got.error
     if e is not None and rec.index not in found:
-      found[rec.index] = str(e) if isinstance(e, CheckpointError) else \
-          f"{rec.where}: {cause(e)}"
+      found[rec.index] = str(e) if isinstance(e, CheckpointError) else f"{rec.where}: {cause(e)}"
   return [found[rec.index] for rec in wanted if rec.index in found]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Alg:
   """A checkpoint's content hash: format 3's XXH3-128, or format 2's SHA-256."""
+
   name: str
   nbytes: int
   digest: Callable[[Any], bytes]
   array_digest: Callable[[np.ndarray], bytes]
-  hasher: Callable[[], Any]     # a streaming one: update(bytes), digest()
+  hasher: Callable[[], Any]  # a streaming one: update(bytes), digest()
 
 
 def _alg(m: _records.Manifest) -> _Alg:
   """``m``'s content hash (format 2 records none in the manifest: SHA-256)."""
   if m.hash is not None:
-    return _Alg(m.hash, _records.HASH_ALGS[m.hash], _hashes.digest, _hashes.array_digest,
-                _hashes.hasher)
-  return _Alg("SHA-256", _records.HASH_BYTES, _refs.digest, _refs.array_digest,
-              hashlib.sha256)
+    return _Alg(
+      m.hash, _records.HASH_ALGS[m.hash], _hashes.digest, _hashes.array_digest, _hashes.hasher
+    )
+  return _Alg("SHA-256", _records.HASH_BYTES, _refs.digest, _refs.array_digest, hashlib.sha256)
 
 
 @dataclasses.dataclass
@@ -253,6 +297,7 @@ class _Item:
   of its pieces (``order``: the writer's number; the first mismatch of a leaf is reported).
   ``text``: the mismatch, given the pack's location. ``hasher``: streaming, once its first
   block lands; None when a block of it failed to read (the crc32c pass reports that)."""
+
   lo: int
   hi: int
   want: bytes
@@ -285,7 +330,7 @@ class _Stream:
         it.spoiled = True
       elif a < b and not it.spoiled:
         assert data is not None
-        it.hasher.update(memoryview(data[a - lo:b - lo]))  # type: ignore[arg-type]  # (numpy)
+        it.hasher.update(memoryview(data[a - lo : b - lo]))  # type: ignore[arg-type]  # (numpy)
       if it.hi > hi:
         still.append(it)
       elif not it.spoiled:
@@ -301,8 +346,8 @@ class _Hashes:
 
   def __init__(self, src: _source.Source):
     self.src, self.alg = src, _alg(src.manifest)
-    self.found: dict[int, tuple[int, str]] = {}   # leaf index -> (order, its first mismatch)
-    self.chunked: set[int] = set()                # stored leaves checked chunk by chunk
+    self.found: dict[int, tuple[int, str]] = {}  # leaf index -> (order, its first mismatch)
+    self.chunked: set[int] = set()  # stored leaves checked chunk by chunk
     items: dict[int, list[_Item]] = {}
     for rec in src.manifest.leaves:
       if rec.hash is not None:
@@ -313,11 +358,12 @@ class _Hashes:
   def _plan(self, rec: _records.Leaf) -> list[tuple[int, _Item]]:
     """(pack, item) of ``rec`` to stream; a stored leaf checked by chunks joins ``chunked``."""
     alg = self.alg
-    assert rec.hash is not None   # (only hashed leaves are planned)
+    assert rec.hash is not None  # (only hashed leaves are planned)
     if rec.packed is not None:
       lo, n = rec.packed.offset, rec.nbytes
-      text = lambda where: (f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash "  # noqa: E731
-                            f"to the recorded {alg.name}")
+      text = lambda where: (  # noqa: E731
+        f"its bytes [{lo}, {lo + n}) of the pack at {where} do not hash to the recorded {alg.name}"
+      )
       return [(rec.packed.pack, _Item(lo, lo + rec.packed.nbytes, rec.hash, rec, 0, text))]
     if rec.pieces is not None:
       hashes, n = rec.pieces.hashes, alg.nbytes
@@ -326,10 +372,23 @@ class _Hashes:
       if alg.digest(hashes) != rec.hash:
         self.mismatch(rec, 0, "its runs' hashes do not hash to its recorded hash")
         return []
-      return [(r.pack, _Item(r.lo, r.hi, hashes[w * n:(w + 1) * n], rec, w, lambda where, r=r: (  # type: ignore[misc]
-          f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
-          f"{where}) differ from what was saved")))
-              for w, r in enumerate(_runs.writer_runs(self.src.manifest, rec))]
+      return [
+        (
+          r.pack,
+          _Item(
+            r.lo,
+            r.hi,
+            hashes[w * n : (w + 1) * n],
+            rec,
+            w,
+            lambda where, r=r: (  # type: ignore[misc]
+              f"the chunks process {r.process} wrote (bytes [{r.lo}, {r.hi}) of the pack at "
+              f"{where}) differ from what was saved"
+            ),
+          ),
+        )
+        for w, r in enumerate(_runs.writer_runs(self.src.manifest, rec))
+      ]
     if rec.stored is not None and rec.chunk_hashes is not None:
       if alg.digest(rec.chunk_hashes) != rec.hash:
         self.mismatch(rec, 0, "its chunk hashes do not hash to its recorded hash")
@@ -347,11 +406,11 @@ class _Hashes:
     if u.hashed is not None:
       rec, n = u.hashed, self.alg.nbytes
       assert rec.chunk_hashes is not None
-      want = rec.chunk_hashes[pos * n:(pos + 1) * n]
-      if got.data is not None and want != _refs.NO_HASH and \
-          self.alg.array_digest(got.data) != want:
-        self.mismatch(rec, pos, f"chunk {region(got.region.index)} ({u.here}) differs from "
-                                "what was saved")
+      want = rec.chunk_hashes[pos * n : (pos + 1) * n]
+      if got.data is not None and want != _refs.NO_HASH and self.alg.array_digest(got.data) != want:
+        self.mismatch(
+          rec, pos, f"chunk {region(got.region.index)} ({u.here}) differs from what was saved"
+        )
     elif u.pack in self.streams:
       ((lo, hi),) = got.region.index
       for it in self.streams[u.pack].feed(lo, hi, got.data):
@@ -364,8 +423,11 @@ class _Hashes:
     for rec in self.src.manifest.leaves:
       if rec.index in self.found:
         base = _read.base_of(self.src.manifest, rec)
-        ref = f" (referenced: {_refs.describe(self.src.location, self.src.manifest, base)})" \
-            if base is not None else ""
+        ref = (
+          f" (referenced: {_refs.describe(self.src.location, self.src.manifest, base)})"
+          if base is not None
+          else ""
+        )
         problems.append(f"{rec.where}{ref}: content hash mismatch: {self.found[rec.index][1]}")
     return problems
 
@@ -387,8 +449,7 @@ def _verify_per_process(src: _source.Source) -> list[str]:
       problems.append(f"per-process values of process {p} ({names}) ({here}): {e}")
       continue
     except Exception as e:  # TensorStore I/O errors are ValueErrors
-      problems.append(f"per-process values of process {p} ({names}) ({here}): "
-                      f"{cause(e)}")
+      problems.append(f"per-process values of process {p} ({names}) ({here}): {cause(e)}")
       continue
     for rec in wanted:
       if not values_under(leaves, rec.path):
@@ -408,8 +469,10 @@ def run(args: argparse.Namespace) -> int:
     else:
       targets = [_paths.join(args.path, str(s)) for s in committed]
       if uncommitted:
-        print(f"note: uncommitted steps {uncommitted} (interrupted saves) are not checkpoints; "
-              "not verified.")
+        print(
+          f"note: uncommitted steps {uncommitted} (interrupted saves) are not checkpoints; "
+          "not verified."
+        )
   failed = 0
   for path in targets:
     problems, checked = _verify_one(path, options, args.quiet)
