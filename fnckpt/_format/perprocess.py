@@ -17,21 +17,11 @@ import jax
 import msgpack
 
 from .._errors import CheckpointError, DamagedError
-from . import (
-  leaves as _leaves,
-)
-from . import (
-  manifest as _manifest,
-)
-from . import (
-  parse as _parse,
-)
-from . import (
-  records as _records,
-)
-from . import (
-  tree as _tree,
-)
+from . import leaves as _leaves
+from . import manifest as _manifest
+from . import parse as _parse
+from . import records as _records
+from . import tree as _tree
 
 __all__ = ["PerProcess", "values_key", "encode", "decode", "value_at"]
 

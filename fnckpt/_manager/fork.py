@@ -20,21 +20,11 @@ import msgpack
 import tensorstore as ts
 
 from .._errors import CheckpointError
-from .._format import (
-  manifest as _manifest,
-)
-from .._format import (
-  parse as _parse,
-)
-from .._format import (
-  perprocess as _perprocess,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  refs as _refs,
-)
+from .._format import manifest as _manifest
+from .._format import parse as _parse
+from .._format import perprocess as _perprocess
+from .._format import records as _records
+from .._format import refs as _refs
 from .._io import commit as _commit
 from .._io import paths as _paths
 

@@ -65,24 +65,12 @@ from .._errors import CheckpointError
 from .._io import coordination as _coordination
 from .._io import paths as _paths
 from .._save import options as _save_options
-from . import (
-  interval as _interval,
-)
-from . import (
-  lineage as _lineage,
-)
-from . import (
-  retention as _retention,
-)
-from . import (
-  starts as _starts,
-)
-from . import (
-  steps as _steps,
-)
-from . import (
-  tiers as _tiers,
-)
+from . import interval as _interval
+from . import lineage as _lineage
+from . import retention as _retention
+from . import starts as _starts
+from . import steps as _steps
+from . import tiers as _tiers
 from .claims import StepClaims
 from .preemption import Preemption
 from .recovery import Recovery

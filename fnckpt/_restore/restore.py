@@ -15,18 +15,10 @@ import numpy as np
 
 from .. import _state
 from .._errors import CheckpointError, DamagedError
-from .._format import (
-  leaves as _leaves,
-)
-from .._format import (
-  perprocess as _perprocess,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  tree as _tree,
-)
+from .._format import leaves as _leaves
+from .._format import perprocess as _perprocess
+from .._format import records as _records
+from .._format import tree as _tree
 from .._io import commit as _commit
 from .._io import paths as _paths
 from .._layout import chunks as _chunks

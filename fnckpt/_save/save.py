@@ -21,42 +21,18 @@ import tensorstore as ts
 
 from .. import _state
 from .._errors import CheckpointError
-from .._format import (
-  hashes as _hashes,
-)
-from .._format import (
-  leaves as _leaves,
-)
-from .._format import (
-  manifest as _manifest,
-)
-from .._format import (
-  perprocess as _perprocess,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  refs as _refs,
-)
-from .._format import (
-  tree as _tree,
-)
-from .._io import (
-  arrays as _arrays,
-)
-from .._io import (
-  collective as _collective,
-)
-from .._io import (
-  commit as _commit,
-)
-from .._io import (
-  direct as _direct,
-)
-from .._io import (
-  paths as _paths,
-)
+from .._format import hashes as _hashes
+from .._format import leaves as _leaves
+from .._format import manifest as _manifest
+from .._format import perprocess as _perprocess
+from .._format import records as _records
+from .._format import refs as _refs
+from .._format import tree as _tree
+from .._io import arrays as _arrays
+from .._io import collective as _collective
+from .._io import commit as _commit
+from .._io import direct as _direct
+from .._io import paths as _paths
 from .._layout import chunks as _chunks
 from .._layout import packing as _packing
 from .._layout import pieces as _pieces
@@ -71,24 +47,12 @@ from .errors import wrap
 from .handle import SaveHandle, begin
 from .options import INLINE_BYTES, SaveOptions
 from .staged_leaf import Run, Staged
-from .staging import (
-  CHUNK_COST,
-)
-from .staging import (
-  charge as _charge,
-)
-from .staging import (
-  leaf_nbytes as _nbytes,
-)
-from .staging import (
-  stage_array as _stage_array,
-)
-from .staging import (
-  stage_pack as _stage_pack,
-)
-from .staging import (
-  start_copies as _start_copies,
-)
+from .staging import CHUNK_COST
+from .staging import charge as _charge
+from .staging import leaf_nbytes as _nbytes
+from .staging import stage_array as _stage_array
+from .staging import stage_pack as _stage_pack
+from .staging import start_copies as _start_copies
 from .writer import Commit, Writer
 
 __all__ = ["save", "start"]

@@ -71,12 +71,7 @@ def stage_array(
         budget,
         CHUNK_COST * n,
         writer,
-        lambda: stage_unit(
-          a.data,
-          unit,
-          shard_data.get(unit.device),
-          copies.at(a.rec.path),
-        ),
+        lambda: stage_unit(a.data, unit, shard_data.get(unit.device), copies.at(a.rec.path)),
       )
     except BaseException as e:
       raise at_leaf(e, a.rec.path)  # noqa: B904

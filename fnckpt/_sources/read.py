@@ -40,21 +40,11 @@ import tensorstore as ts
 
 from .. import _state
 from .._errors import CheckpointError, DamagedError
-from .._format import (
-  hashes as _hashes,
-)
-from .._format import (
-  leaves as _leaves,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  refs as _refs,
-)
-from .._format import (
-  runs as _runs,
-)
+from .._format import hashes as _hashes
+from .._format import leaves as _leaves
+from .._format import records as _records
+from .._format import refs as _refs
+from .._format import runs as _runs
 from .._io import arrays as _arrays
 from .._io import commit as _commit
 from .._io import paths as _paths

@@ -9,38 +9,17 @@ from typing import cast
 
 import numpy as np
 
-from .._format import (
-  leaves as _leaves,
-)
-from .._format import (
-  manifest as _manifest,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  refs as _refs,
-)
-from .._format import (
-  tree as _tree,
-)
+from .._format import leaves as _leaves
+from .._format import manifest as _manifest
+from .._format import records as _records
+from .._format import refs as _refs
+from .._format import tree as _tree
 from .._sources import read as _read
 from .._sources import source as _source
-from .text import (
-  compact,
-  human,
-  table,
-  when,
-)
-from .text import (
-  lineage as lineage_text,
-)
-from .text import (
-  shape as shape_text,
-)
-from .text import (
-  sharding as sharding_text,
-)
+from .text import compact, human, table, when
+from .text import lineage as lineage_text
+from .text import shape as shape_text
+from .text import sharding as sharding_text
 
 __all__ = ["run"]
 

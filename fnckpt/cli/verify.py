@@ -18,24 +18,12 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 from .._errors import CheckpointError
-from .._format import (
-  hashes as _hashes,
-)
-from .._format import (
-  manifest as _manifest,
-)
-from .._format import (
-  perprocess as _perprocess,
-)
-from .._format import (
-  records as _records,
-)
-from .._format import (
-  refs as _refs,
-)
-from .._format import (
-  runs as _runs,
-)
+from .._format import hashes as _hashes
+from .._format import manifest as _manifest
+from .._format import perprocess as _perprocess
+from .._format import records as _records
+from .._format import refs as _refs
+from .._format import runs as _runs
 from .._io import commit as _commit
 from .._io import paths as _paths
 from .._layout import blocks as _blocks
