@@ -29,6 +29,7 @@ import tensorstore as ts
 
 from .._errors import CheckpointError
 from .._format import parse as _parse
+from .._format import parse_arrays as _parse_arrays
 from .._format import records as _records
 from .._io import arrays as _arrays
 from .._io import paths as _paths
@@ -250,7 +251,7 @@ def _sharding(raw: Any, ndim: int) -> _records.Sharding | None:
     if s.get("sharding_type") != "NamedSharding":
       return None
     spec = s.get("partition_spec", [])
-    return _parse._sharding(
+    return _parse_arrays._sharding(
       {"type": "named", "axes": s.get("axis_names"), "sizes": s.get("shape"), "spec": spec[:ndim]},
       ndim,
     )
