@@ -373,7 +373,7 @@ def _sharding(s: Any, ndim: int, meshes: tuple[np.ndarray, ...] = ()) -> Shardin
     _req(
       isinstance(names, list) and all(isinstance(n, str) for n in names),
       # (B023: _req calls the lambda at once, inside this iteration)
-      lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them",  # noqa: B023
+      lambda: f"'sharding'.spec entry {_short(e)} must be nil, an axis name or a list of them",
     )
     used.extend(names)
     spec.append(e if not isinstance(e, list) else tuple(e))
