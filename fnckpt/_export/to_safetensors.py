@@ -99,11 +99,7 @@ def export_safetensors(
   """
   started = time.monotonic()
   target, single = _output(out)
-  window = _slices.Window(
-    _arrays.budget_arg(
-      budget_bytes, "export_safetensors", _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES
-    )
-  )
+  window = _read_window(budget_bytes)
   src = _source.open_source(checkpoint, storage_options)
   p = _export_plan.plan(
     src.manifest.leaves,
@@ -116,6 +112,40 @@ def export_safetensors(
     max_shard_size=max_shard_size,
   )
   _check_target(target, overwrite)
+  files = _write_export(src, p, target, single is not None, window, overwrite)
+  return ExportResult(
+    out=target,
+    files=files,
+    tensors=sum(len(f.tensors) for f in p.files),
+    bytes=p.total_bytes,
+    metadata=dict(p.metadata),
+    skipped=p.skipped,
+    seconds=time.monotonic() - started,
+    peak_read_bytes=window.peak,
+  )
+
+
+def _read_window(budget_bytes: int | None) -> _slices.Window:
+  """The read window: ``budget_bytes`` checked (at least :data:`MIN_WINDOW_BYTES`), by default
+  restore's."""
+  return _slices.Window(
+    _arrays.budget_arg(
+      budget_bytes, "export_safetensors", _source.READ_WINDOW_BYTES, MIN_WINDOW_BYTES
+    )
+  )
+
+
+def _write_export(
+  src: _source.Source,
+  p: _export_plan.Plan,
+  target: str,
+  single: bool,
+  window: _slices.Window,
+  overwrite: bool,
+) -> tuple[str, ...]:
+  """Write the planned file(s) into a temporary file or directory beside ``target``, then move
+  it into place; on any failure the temporary is removed and ``target`` is untouched. Returns
+  the paths written: the file, or the shards then the index."""
   # (the name stays within NAME_MAX whatever the target's length: 1 + 200 + 21 bytes)
   tmp = os.path.join(
     os.path.dirname(target), f".{os.path.basename(target)[:200]}.tmp-{secrets.token_hex(8)}"
@@ -133,22 +163,10 @@ def export_safetensors(
   except BaseException:  # clean up (best effort: never in place of the error being raised)
     shutil.rmtree(tmp, ignore_errors=True) if os.path.isdir(tmp) else _unlink(tmp)
     raise
-  names = (
-    [target]
-    if single
-    else [os.path.join(target, f.name) for f in p.files]
-    + [os.path.join(target, _export_plan.INDEX_NAME)]
-  )
-  return ExportResult(
-    out=target,
-    files=tuple(names),
-    tensors=sum(len(f.tensors) for f in p.files),
-    bytes=p.total_bytes,
-    metadata=dict(p.metadata),
-    skipped=p.skipped,
-    seconds=time.monotonic() - started,
-    peak_read_bytes=window.peak,
-  )
+  if single:
+    return (target,)
+  names = [os.path.join(target, f.name) for f in p.files]
+  return (*names, os.path.join(target, _export_plan.INDEX_NAME))
 
 
 def _output(out: str | os.PathLike) -> tuple[str, str | None]:

@@ -163,20 +163,34 @@ initial_delay, max_delay, user_project.
     prefix = "s3"
   else:
     spec = {"driver": "gcs", "bucket": bucket, "path": path}
-    if "TENSORSTORE_GCS_HTTP_URL" not in env and env.get("STORAGE_EMULATOR_HOST"):
-      raise CheckpointError(
-        f"STORAGE_EMULATOR_HOST is set but TensorStore does not read it, so {url!r} would go "
-        "to the real Google Cloud Storage. Set TENSORSTORE_GCS_HTTP_URL to the emulator's "
-        "URL (e.g. http://127.0.0.1:4443), or unset STORAGE_EMULATOR_HOST."
-      )
-    user_project = get.string("user_project")
-    if user_project is not None:
-      spec["gcs_user_project"] = {"project_id": user_project}
+    spec.update(_gcs_settings(get, url))
     prefix = "gcs"
+  spec.update(_request_settings(get, prefix, url))
+  return spec
 
+
+def _gcs_settings(get: _Lookup, url: str) -> dict[str, Any]:
+  """The ``gs://``-only members: refuses an emulator TensorStore would not see."""
+  out: dict[str, Any] = {}
+  if "TENSORSTORE_GCS_HTTP_URL" not in get.env and get.env.get("STORAGE_EMULATOR_HOST"):
+    raise CheckpointError(
+      f"STORAGE_EMULATOR_HOST is set but TensorStore does not read it, so {url!r} would go "
+      "to the real Google Cloud Storage. Set TENSORSTORE_GCS_HTTP_URL to the emulator's "
+      "URL (e.g. http://127.0.0.1:4443), or unset STORAGE_EMULATOR_HOST."
+    )
+  user_project = get.string("user_project")
+  if user_project is not None:
+    out["gcs_user_project"] = {"project_id": user_project}
+  return out
+
+
+def _request_settings(get: _Lookup, prefix: str, url: str) -> dict[str, Any]:
+  """``<prefix>_request_concurrency`` and ``<prefix>_request_retries``, the members both schemes
+  share (``prefix`` is ``"s3"`` or ``"gcs"``); absent settings give no member."""
+  out: dict[str, Any] = {}
   concurrency = get.integer("concurrency", "FNCKPT_REQUEST_CONCURRENCY", minimum=1)
   if concurrency is not None:
-    spec[f"{prefix}_request_concurrency"] = {"limit": concurrency}
+    out[f"{prefix}_request_concurrency"] = {"limit": concurrency}
   retries: dict[str, Any] = {}
   max_retries = get.integer("max_retries", "FNCKPT_REQUEST_RETRIES", minimum=0)
   if max_retries is not None:
@@ -196,8 +210,8 @@ initial_delay, max_delay, user_project.
       f"({retries['initial_delay']}) for {url!r}."
     )
   if retries:
-    spec[f"{prefix}_request_retries"] = retries
-  return spec
+    out[f"{prefix}_request_retries"] = retries
+  return out
 
 
 _RESOURCE_KEYS = (

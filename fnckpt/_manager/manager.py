@@ -4,6 +4,8 @@ Layout: ``<directory>/<step>/`` holds the checkpoint of ``step`` (plain decimal,
 a step exists when its commit marker does. The manager composes small parts, each in its own
 module:
 
+- :mod:`fnckpt._manager.parts`: the constructor's option checks, then the parts below built in
+  order (:func:`~fnckpt._manager.parts.assemble`);
 - :class:`fnckpt._manager.steps.StepIndex`: which steps the directory holds (O(steps) per
   listing);
 - :class:`fnckpt._manager.claims.StepClaims`: which steps this process is saving, deleting,
@@ -55,7 +57,7 @@ import signal
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping
 
 import jax
 import msgpack
@@ -63,19 +65,12 @@ import numpy as np
 
 from .._errors import CheckpointError
 from .._io import coordination as _coordination
-from .._io import paths as _paths
-from .._save import options as _save_options
 from . import interval as _interval
 from . import lineage as _lineage
-from . import retention as _retention
-from . import starts as _starts
+from . import parts as _parts
 from . import steps as _steps
-from . import tiers as _tiers
 from .claims import StepClaims
-from .preemption import Preemption
-from .recovery import Recovery
-from .retention_runner import Background, RetentionRunner, collect_held, delete_referenced
-from .saver import Saver
+from .retention_runner import collect_held, delete_referenced
 
 __all__ = ["CheckpointManager"]
 
@@ -148,50 +143,17 @@ class CheckpointManager:
     incremental: bool = False,
     full_every: int | None = None,
   ):
-    self._options = {
-      k: v
-      for k, v in locals().items()  # a fork's manager: the same options
-      if k not in ("self", "directory", "handle_preemption", "local_directory")
-    }
-    policy = _policy(max_to_keep, keep_every, best_n, best_mode, keep_durable)
-    lineage = _lineage.Incremental(incremental, full_every)
-    self._save_options = _checked_options(best_n, best_metric, save_interval_steps, save_options)
-    self.directory = _paths.display(directory)
+    self._options = _parts.options_of(locals())  # a fork's manager: the same options
+    parts = _parts.assemble(directory, local_directory, **self._options)  # checks, builds
+    self.directory = parts.directory
     self.best_metric = best_metric
     self.save_interval_steps = save_interval_steps
-    self._run = _paths.Location.of(str(directory), storage_options)
-    self._root = self._run.path
-    self._timeout = float(self._save_options.barrier_timeout_s)
-    self._index = _steps.StepIndex(self._run)
-    self._claims = StepClaims()
-    self._background = Background()
-    self._retention = RetentionRunner(self._index, self._claims, policy, best_metric)
-    self._preemption = Preemption(self.directory)
-    self._local = (
-      None
-      if local_directory is None
-      else _tiers.LocalTier(
-        _paths.Location.of(str(local_directory), local_storage_options),
-        _tiers.TierPolicy(local_save_interval_steps, local_max_to_keep),
-        self._run,
-      )
-    )
-    self._cadence = _cadence(
-      save_interval_steps, mtbf_s, self._run, self._timeout
-    )  # the last check; records this start ("auto")
-    self._recovery = Recovery(self._index, self._local, self._claims, self._timeout)
-    self._saver = Saver(
-      index=self._index,
-      local=self._local,
-      claims=self._claims,
-      cadence=self._cadence,
-      preemption=self._preemption,
-      background=self._background,
-      retention=self._retention,
-      save_options=self._save_options,
-      timeout_s=self._timeout,
-      incremental=lineage,
-    )
+    self._run, self._root, self._timeout = parts.run, parts.run.path, parts.timeout_s
+    self._save_options = parts.save_options
+    self._index, self._claims, self._background = parts.index, parts.claims, parts.background
+    self._retention, self._preemption = parts.retention, parts.preemption
+    self._local, self._cadence = parts.local, parts.cadence
+    self._recovery, self._saver = parts.recovery, parts.saver
     self._closed = False
     _warn_leftovers(self._index.list().uncommitted, self.directory)
     if handle_preemption:
@@ -214,12 +176,7 @@ class CheckpointManager:
     same answer (each save commits behind a barrier; retention keeps the newest step). With
     several processes and a local tier it is collective: the step ``restore()`` picks
     (complete locally everywhere, covered by the processes' held shards, or durable)."""
-    if self._local is not None and _coordination.multi():
-      self._background.join()
-      return self._recovery.agreed_latest()
-    self._claims.wait_saved()
-    steps = self.all_steps()
-    return steps[-1] if steps else None
+    return _latest_step(self)
 
   def uncommitted_steps(self) -> list[int]:
     """Steps holding data but no commit marker (interrupted saves), not counting this
@@ -325,9 +282,7 @@ class CheckpointManager:
       self._background.join()
       value, step = self._recovery.restore_latest(target, kwargs)
       if step is None:
-        leftovers = self.uncommitted_steps()
-        extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
-        raise CheckpointError(f"No committed checkpoint in {self.directory!r}{extra}.")
+        raise _nothing_committed(self)
       return value
     return self._recovery.restore(_steps.as_step(step), target, kwargs, explicit=True)
 
@@ -342,12 +297,7 @@ class CheckpointManager:
     >>> float(mgr.fork(0, "memory://doc/fork/b").restore()["w"][-1])
     39999.0
     """
-    step = _steps.as_step(step)
-    self._claims.wait_saved(step)
-    with self._claims.reading(step):
-      _coordination.from_process_0(
-        self._root, "fork", lambda: _lineage.fork(self._index, step, directory), self._timeout
-      )
+    _fork(self, _steps.as_step(step), directory)
     return CheckpointManager(directory, **self._options)
 
   def restore_or_init(
@@ -362,10 +312,7 @@ class CheckpointManager:
     sharding in it is an error with several processes and a warning with one."""
     self._background.join()
     step = self._recovery.agreed_latest()
-    if target is None and step is not None:
-      target = jax.eval_shape(init) if callable(init) else init
-    if target is not None:
-      _check_placed(target, self.directory)
+    target = _restore_target(init, target, step, self.directory)
     if step is not None:  # the newest valid step (older ones when it is damaged)
       state, step = self._recovery.restore_latest(target, kwargs)
     if step is None:
@@ -395,13 +342,7 @@ class CheckpointManager:
     step = _steps.as_step(step)
     if not self._preemption.reached(step):
       return False
-    if self._saver.last_saved != self._preemption.step:
-      warnings.warn(
-        f"Stopping for preemption at step {step}, but step {self._preemption.step} was not "
-        f"saved (call manager.save when manager.should_save(step) is true); the newest "
-        f"checkpoint in {self.directory!r} is older.",
-        stacklevel=2,
-      )
+    _warn_if_unsaved(self, step)
     self.wait()
     return True
 
@@ -429,43 +370,69 @@ class CheckpointManager:
     if exc_type is None:
       self.close()
       return
-    # Leaving on an exception: finish this process's own work but meet no other process
-    # (they may be anywhere), and never hide the exception that ended the block.
-    self._closed = True
-    self._background.join()
-    for error in self._background.take():
-      print(f"fnckpt: while closing {self.directory!r}: {error}", file=sys.stderr)
-    self._preemption.uninstall()
+    _abandon(self)
 
   def __repr__(self) -> str:
     return f"CheckpointManager({self.directory!r}, {self._retention.policy})"
 
 
-def _checked_options(
-  best_n: int | None,
-  best_metric: str | None,
-  save_interval_steps: int | str,
-  save_options: Mapping[str, Any] | None,
-) -> _save_options.SaveOptions:
-  """The constructor's checks (the retention policy checks its own arguments); the options
-  of every save (which replaces a leftover of its step: ``overwrite``)."""
-  if best_n and not isinstance(best_metric, str):
-    raise ValueError(
-      "best_n needs best_metric: the name of a metric passed to save(..., metrics={name: value})."
+def _latest_step(mgr: CheckpointManager) -> int | None:
+  """latest_step(): collective with several processes and a local tier (process 0 decides),
+  else this process's listing once its saves have committed."""
+  if mgr._local is not None and _coordination.multi():
+    mgr._background.join()
+    return mgr._recovery.agreed_latest()
+  mgr._claims.wait_saved()
+  steps = mgr.all_steps()
+  return steps[-1] if steps else None
+
+
+def _nothing_committed(mgr: CheckpointManager) -> CheckpointError:
+  """restore() found no committed step: the error, naming the leftovers if any."""
+  leftovers = mgr.uncommitted_steps()
+  extra = f" (only uncommitted leftovers: steps {leftovers})" if leftovers else ""
+  return CheckpointError(f"No committed checkpoint in {mgr.directory!r}{extra}.")
+
+
+def _fork(mgr: CheckpointManager, step: int, directory: str) -> None:
+  """fork(step), before the new manager: ``step`` held as read while process 0 records the
+  fork (collective)."""
+  mgr._claims.wait_saved(step)
+  with mgr._claims.reading(step):
+    _coordination.from_process_0(
+      mgr._root, "fork", lambda: _lineage.fork(mgr._index, step, directory), mgr._timeout
     )
-  if save_interval_steps != "auto" and (
-    not isinstance(save_interval_steps, int)
-    or isinstance(save_interval_steps, bool)
-    or save_interval_steps < 1
-  ):
-    raise ValueError(
-      f"save_interval_steps must be an int >= 1 or 'auto', got {save_interval_steps!r}."
+
+
+def _restore_target(init: Any, target: Any, step: int | None, directory: str) -> Any:
+  """restore_or_init's target: by default ``init``'s shapes when there is a step to restore;
+  checked for placement (:func:`_check_placed`)."""
+  if target is None and step is not None:
+    target = jax.eval_shape(init) if callable(init) else init
+  if target is not None:
+    _check_placed(target, directory)
+  return target
+
+
+def _warn_if_unsaved(mgr: CheckpointManager, step: int) -> None:
+  """reached_preemption(step): warn (at its caller) when the preemption step was not saved."""
+  if mgr._saver.last_saved != mgr._preemption.step:
+    warnings.warn(
+      f"Stopping for preemption at step {step}, but step {mgr._preemption.step} was not "
+      f"saved (call manager.save when manager.should_save(step) is true); the newest "
+      f"checkpoint in {mgr.directory!r} is older.",
+      stacklevel=3,
     )
-  options = dict(save_options or {})
-  for bad in ("overwrite", "metadata", "storage_options"):
-    if bad in options:
-      raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
-  return _save_options.SaveOptions(overwrite=True, **options)
+
+
+def _abandon(mgr: CheckpointManager) -> None:
+  """Leaving the ``with`` block on an exception: finish this process's own work but meet no
+  other process (they may be anywhere), and never hide the exception that ended the block."""
+  mgr._closed = True
+  mgr._background.join()
+  for error in mgr._background.take():
+    print(f"fnckpt: while closing {mgr.directory!r}: {error}", file=sys.stderr)
+  mgr._preemption.uninstall()
 
 
 def _warn_leftovers(leftovers: list[int], directory: str) -> None:
@@ -514,47 +481,6 @@ def _remove(indexes: list[_steps.StepIndex], step: int, directory: str, claims: 
     collect_held(index, claims)
 
 
-def _policy(
-  max_to_keep: int | None,
-  keep_every: int | None,
-  best_n: int | None,
-  best_mode: str,
-  keep_durable: int | None,
-) -> _retention.Policy:
-  """The retention policy; ``keep_durable=r`` raises ``max_to_keep`` to at least ``r`` when
-  some rule deletes (with no rule every step is kept anyway)."""
-  base = _retention.Policy(max_to_keep, keep_every, best_n, best_mode)
-  if keep_durable is not None and (
-    not isinstance(keep_durable, int) or isinstance(keep_durable, bool) or keep_durable < 1
-  ):
-    raise ValueError(f"keep_durable must be None or an int >= 1, got {keep_durable!r}.")
-  if keep_durable is None or base.keeps_all:
-    return base
-  return _retention.Policy(max(max_to_keep or 0, keep_durable), keep_every, best_n, best_mode)
-
-
-def _cadence(
-  save_interval_steps: int | str, mtbf_s: float | None, run: _paths.Location, timeout_s: float
-) -> _interval.Cadence:
-  """When to save. ``"auto"``: the MTBF is ``mtbf_s``, else measured from the run's recorded
-  starts (:mod:`fnckpt._manager.starts`); process 0 records this start once that is settled (call
-  last in the constructor: a construction that fails records nothing)."""
-  if save_interval_steps != "auto":
-    return _interval.Cadence(cast(int, save_interval_steps), mtbf_s, "given")
-  given = None if mtbf_s is None else _interval.Cadence(None, mtbf_s, "given")  # checks it
-
-  def record() -> list[float]:
-    now = time.time()
-    starts = _starts.read_starts(run, now) + [now]
-    if given is None:
-      _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")  # or raise
-    _starts.write_starts(run, starts)
-    return starts
-
-  starts = _coordination.from_process_0(run.path, "starts", record, timeout_s)
-  return given or _interval.Cadence(None, _interval.mtbf_from_starts(starts), "restarts")
-
-
 def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) -> dict:
   """The manifest's user metadata of a manager save: ``{"step", "metrics", "user"}``."""
   out: dict[str, Any] = {"step": step}
@@ -585,7 +511,8 @@ def _user_metadata(step: int, metrics: Mapping[str, Any] | None, metadata: Any) 
 
 def _check_placed(target: Any, directory: str) -> None:
   """restore_or_init: a ``ShapeDtypeStruct`` target leaf without a sharding would land on one
-  device. An error with several processes, a warning with one."""
+  device. An error with several processes, a warning with one (at restore_or_init's caller,
+  through :func:`_restore_target`)."""
   flat = jax.tree_util.tree_flatten_with_path(target)[0]
   unplaced = [
     jax.tree_util.keystr(path)
@@ -609,7 +536,7 @@ def _check_placed(target: Any, directory: str) -> None:
   warnings.warn(
     f"restore_or_init({directory!r}): the target has no sharding at {where}; these arrays "
     f"are restored onto one device ({jax.devices()[0]}). {fix}",
-    stacklevel=3,
+    stacklevel=4,
   )
 
 
