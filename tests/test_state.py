@@ -125,7 +125,7 @@ def test_state_imports_nothing_of_fnckpt_but_errors():
 
 def test_every_cache_is_listed_and_bounded_or_closed():
   memos = _state.memos()
-  for name in ("fnckpt._layout.chunks._named_info", "fnckpt._save.save._processes",
+  for name in ("fnckpt._layout.chunks._named_info", "fnckpt._save.plan._processes",
                "fnckpt._save.piece_writes.mesh_processes", "fnckpt._restore.restore._key_data_ndim"):
     assert name in memos, sorted(memos)
   unbounded = [n for n, info in memos.items() if info.maxsize is None]

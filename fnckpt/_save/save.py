@@ -1,6 +1,8 @@
-"""save(): plan -> agree across processes -> stage off the devices (under a host-memory budget,
-``staging``) -> background write (``writer``) -> barrier -> manifest -> barrier -> commit
-marker. The caller's handle, ``fnckpt.wait()`` and the pending saves are ``handle``'s."""
+"""save() and ``start``: open the base -> plan (``plan``, pure) -> agree across processes ->
+check the location -> stage off the devices (under a host-memory budget, ``staging``) ->
+background write (``writer``) -> barrier -> manifest -> barrier -> commit marker; a failure
+aborts the writer and walks the barriers. The caller's handle, ``fnckpt.wait()`` and the
+pending saves are ``handle``'s."""
 
 from __future__ import annotations
 
@@ -16,13 +18,11 @@ from typing import Any, Callable, cast
 
 import jax
 import msgpack
-import numpy as np
 import tensorstore as ts
 
 from .. import _state
 from .._errors import CheckpointError
 from .._format import hashes as _hashes
-from .._format import leaves as _leaves
 from .._format import manifest as _manifest
 from .._format import perprocess as _perprocess
 from .._format import records as _records
@@ -33,14 +33,12 @@ from .._io import collective as _collective
 from .._io import commit as _commit
 from .._io import direct as _direct
 from .._io import paths as _paths
-from .._layout import chunks as _chunks
 from .._layout import packing as _packing
-from .._layout import pieces as _pieces
 from .._sources import source as _source
 from .._version import __version__
 from . import delta as _delta
 from . import pending as _pending
-from . import piece_writes as _piece_writes
+from . import plan as _plan
 from .copies import Copies
 from .errors import at_leaf as _at
 from .errors import wrap
@@ -86,60 +84,6 @@ def _process_budget(limit: int) -> _arrays.ByteBudget:
     return saves.budget
 
 
-@dataclasses.dataclass
-class _Array:
-  index: int
-  rec: _records.Leaf  # with ``stored``
-  data: Any  # jax.Array or np.ndarray holding the bytes
-  spec: dict[str, Any]
-  units: list[_chunks.WriteUnit]
-
-
-@dataclasses.dataclass
-class _Plan:
-  """A save as planned: the manifest's leaf records (every one with its storage, but for the
-  candidate packed leaves of a save with a base, placed when concluding; hashes are added
-  then) and what this process writes. On processes other than 0 an inline leaf's ``inline``
-  is ``b""`` (process 0 writes the manifest): their records serve the agreement only."""
-
-  records: tuple[_records.Leaf, ...]
-  arrays: list[_Array]  # zarr arrays (this process writes ``units`` of each)
-  packed: list[tuple[int, Any]]  # (record index, data) this process packs
-  packs: tuple[_records.Pack, ...]  # every process's pack, for the manifest
-  my_pack: _records.Pack | None
-  data_dir: str
-  values: bytes | None = None  # this process's fnckpt.PerProcess values (its pp/ file)
-  holders: list[str | None] = dataclasses.field(default_factory=list)  # per record: _holders
-  reusable: _refs.Candidates = dataclasses.field(default_factory=_refs.Candidates)
-  maybe_packed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # mine
-  pieces: list[_piece_writes.PackPart] = dataclasses.field(default_factory=list)  # mine
-  meshes: tuple[np.ndarray, ...] = ()  # the pieced leaves' meshes and layout (the manifest's)
-  layout: _pieces.Layout | None = None
-  regions: _pieces.Layout | None = None  # the pieced leaves in the packs' regions
-  maybe_runs: list[tuple[int, list[_piece_writes.PackPart]]] = dataclasses.field(
-    default_factory=list
-  )  # mine, of pieced leaves that may reuse the base's runs
-
-
-def _holders(data: Any) -> str:
-  """Who holds an array leaf: "host" (numpy), "local" (jax, on this process's devices only:
-  process 0's value is saved), "all" (replicated on every process), or "some" (sharded, or
-  replicated on some processes). Alike on every process but for "local" (on another
-  process, an array held by one process is "some"), which the tree agreement then reports."""
-  if isinstance(data, np.ndarray):
-    return "host"
-  if data.is_fully_addressable:
-    return "local"
-  if data.is_fully_replicated and len(_processes(data.sharding)) == jax.process_count():
-    return "all"
-  return "some"
-
-
-@_state.memo(256)
-def _processes(sharding: Any) -> frozenset[int]:
-  return frozenset(d.process_index for d in sharding.device_set)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Base:
   """An incremental save's base: its manifest and where it and the new checkpoint are."""
@@ -172,217 +116,6 @@ class _Base:
         "the new checkpoint would refer to its data, so it is not committed. Save again "
         "(with a committed base, or without base=)."
       )
-
-
-def _plan(
-  leaves, kv_spec: dict, data_dir: str, options: SaveOptions, base: _Base | None = None
-) -> _Plan:
-  """Leaf records for the manifest and what this process writes (pure but for jax sharding
-  queries). With ``options.pieces``, small shards of sharded arrays go into the packs
-  (docs/format.md "Pieces"). A record gets its storage as it is decided (packed ones: once
-  the packs are laid out)."""
-  inline_bytes, pack_bytes, codecs = options.inline_bytes, options.pack_bytes, options.codecs
-  records: list[_records.Leaf] = []
-  holders: list[str | None] = []
-  arrays, problems, candidates, per_process = [], [], [], []
-  inline: list[tuple[int, Any]] = []
-  me, nproc = jax.process_index(), jax.process_count()
-  pieced = _piece_writes.Planner(_pieces.PIECE_BYTES if options.pieces else 0)
-  for path, leaf in leaves:
-    i = len(records)
-    if isinstance(leaf, _perprocess.PerProcess):
-      records.append(_records.Leaf(i, path, "perprocess"))
-      holders.append(None)
-      per_process.append((path, leaf))
-      continue
-    try:
-      rec, data = _leaves.leaf_record(i, path, leaf)
-    except CheckpointError as e:
-      problems.append(str(e))
-      continue
-    records.append(rec)
-    holders.append(None if data is None else _holders(data))
-    if data is None:
-      continue
-    if isinstance(data, jax.Array) and data.is_deleted():
-      problems.append(
-        f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
-        "save the state before the step that donates it."
-      )
-      continue
-    assert rec.shape is not None
-    size = _chunks.nbytes(rec.shape, np.dtype(data.dtype).itemsize)
-    whole = holders[-1] != "some"  # process 0 has all of it (its own value, if local)
-    if size <= inline_bytes and whole:
-      inline.append((i, data))
-    elif size <= pack_bytes and whole:
-      candidates.append(
-        (i, data, _packing.PackItem(i, size, None if holders[-1] == "all" and nproc > 1 else 0))
-      )
-    elif (holders[-1] != "local" or nproc == 1) and (got := pieced.consider(i, rec, data)):
-      records[i] = got
-    else:
-      arrays.append(_zarr_array(i, rec, data, kv_spec, data_dir, codecs))
-      records[i] = arrays[-1].rec
-      if holders[-1] == "local" and me != 0:
-        arrays[-1].units = []  # a non-global array: process 0's value, written by it alone
-  values = None
-  try:
-    values = _perprocess.encode(per_process) if per_process else None
-  except CheckpointError as e:
-    problems.append(str(e))
-  if problems:
-    raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
-  _set_inline(records, inline, me)
-  reusable = _candidates(base, records, pieced.meshes)
-  maybe = [c for c in candidates if c[0] in reusable.packed]
-  owners = _packing.assign([c[2] for c in maybe], nproc).where
-  packs, packed = _assign_packs(
-    records,
-    [c for c in candidates if c[0] not in reusable.packed],
-    data_dir,
-    nproc,
-    me,
-    pieced.finish(reusable.pieced),
-  )
-  mine = [p for p in packs if p.dir == f"{data_dir}/p/{me}"]
-  parts = pieced.parts(cast(int, mine[0].pieces), me) if pieced.regions is not None and mine else []
-  return _Plan(
-    records=tuple(records),
-    arrays=arrays,
-    packed=packed,
-    packs=packs,
-    my_pack=mine[0] if mine else None,
-    data_dir=data_dir,
-    values=values,
-    holders=holders,
-    reusable=reusable,
-    maybe_packed=[(i, d) for i, d, _ in maybe if owners[i][0] == me],
-    pieces=parts,
-    meshes=tuple(pieced.meshes),
-    layout=pieced.layout,
-    regions=pieced.regions,
-    maybe_runs=pieced.runs(me) if reusable.pieced else [],
-  )
-
-
-def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
-  """The inline leaves' bytes into their records (process 0's; the others' stay empty). A
-  jax leaf's bytes are staged as larger leaves are (``copies``): every copy started before
-  any is waited for, and none left cached on the caller's array (``np.array(x)`` would cache
-  its copy there: on CPU too, for a sharded array)."""
-  copies = Copies()
-  staged = [
-    (
-      i,
-      data
-      if isinstance(data, np.ndarray) or me != 0
-      else Staged.of(data, copies.at(records[i].path)),
-    )
-    for i, data in inline
-  ]
-  copies.wait()
-  for i, data in staged:
-    raw = (
-      b""
-      if me != 0
-      else _leaves.host_bytes(data)
-      if isinstance(data, np.ndarray)
-      else data.raw().tobytes()
-    )
-    records[i] = _records.evolve(records[i], inline=raw)
-
-
-def _candidates(
-  base: _Base | None, records: list[_records.Leaf], meshes: list[np.ndarray]
-) -> _refs.Candidates:
-  """The leaves that may reuse the base's data; (process 0) one warning for those that cannot
-  because their layout differs (``(key path, why)``)."""
-  if base is None:
-    return _refs.Candidates()
-  reusable = base.candidates(records, meshes)
-  leaves = reusable.not_compared
-  if not leaves or jax.process_index() != 0:
-    return reusable
-  where, why = leaves[0]
-  more = f" (and {len(leaves) - 1} more leaves)" if len(leaves) > 1 else ""
-  warnings.warn(
-    f"save(base={base.where!r}): {where}{more} cannot reuse the base's data: {why}. Such "
-    "leaves are written in full; save with the same settings and shardings as the base to "
-    "write only what changed.",
-    RuntimeWarning,
-    stacklevel=5,
-  )
-  return reusable
-
-
-def _assign_packs(
-  records: list[_records.Leaf],
-  candidates,
-  data_dir: str,
-  nproc: int,
-  me: int,
-  regions: dict[int, int],
-) -> tuple[tuple[_records.Pack, ...], list]:
-  """Every process's pack (for the manifest; each candidate's record in ``records`` replaced
-  by one with its ``packed``) and the (record index, data) this process packs. ``regions``:
-  each process's pieces bytes."""
-  plan = _packing.assign(
-    [c[2] for c in candidates],
-    nproc,
-    extra=regions,
-    chunk_bytes=_pieces.PACK_CHUNK_BYTES if regions else _packing.PACK_CHUNK_BYTES,
-  )
-  packs: list[_records.Pack] = []
-  index_of = {}
-  for p, (nbytes, chunk, inner) in sorted(plan.sizes.items()):
-    index_of[p] = len(packs)
-    packs.append(
-      _records.Pack(
-        f"{data_dir}/p/{p}",
-        nbytes,
-        chunk,
-        inner,
-        None,
-        *((p, plan.pieces[p]) if regions else (None, None)),
-      )
-    )
-  packed = []
-  for i, data, item in candidates:
-    p, offset = plan.where[i]
-    records[i] = _records.evolve(
-      records[i], packed=_records.Packed(index_of[p], offset, item.nbytes)
-    )
-    if p == me:
-      packed.append((i, data))
-  return tuple(packs), packed
-
-
-def _zarr_array(
-  i: int, rec: _records.Leaf, data, kv_spec, data_dir: str, codecs: _arrays.Codecs
-) -> _Array:
-  """A large leaf's zarr array (its record with ``stored``) and the chunks this process
-  writes: planned from the sharding's structure (O(local devices), cached), ``salt=i``
-  spreading replicated leaves' writes over processes."""
-  dtype, shape = np.dtype(data.dtype), tuple(data.shape)
-  if isinstance(data, np.ndarray):
-    whole = tuple((0, n) for n in shape)
-    chunks = _chunks.chunk_shape(shape, 1, dtype.itemsize)
-    units = [_chunks.WriteUnit(whole, "host", whole)] if jax.process_index() == 0 else []
-  else:
-    chunks, units = _chunks.plan_write(data.sharding, shape, dtype.itemsize, salt=i)
-  inner = _chunks.inner_chunk_shape(chunks, dtype.itemsize)
-  stored = _records.Stored(
-    f"{data_dir}/a/{i}", tuple(int(c) for c in chunks), tuple(int(c) for c in inner), *codecs
-  )
-  units = units if _chunks.nbytes(shape, 1) else []
-  return _Array(
-    i,
-    _records.evolve(rec, stored=stored),
-    data,
-    _arrays.zarr_spec(kv_spec, stored, cast(str, rec.dtype), shape),
-    units,
-  )
 
 
 def save(
@@ -482,64 +215,36 @@ def start(
   options = options if options is not None else SaveOptions()
   location = where.display
   handle = begin(location)  # (once the save before it to this location has finished)
-  writer: Writer | None
-  session, writer, phase = None, None, "planning"
   key = _paths.display(barrier_location) if barrier_location else location
+  run = _Attempt(handle, location, key, t0)
   try:
     # The session first: from here on any failure is published to the other processes (and
     # every process counts this attempt, so the next one pairs up again).
-    session = _collective.Session(key, options.barrier_timeout_s)
+    run.session = session = _collective.Session(key, options.barrier_timeout_s)
     if metadata is not None:
       _manifest.check_msgpackable(metadata, "save(metadata=...)")
     opened = _paths.resolve(where)
     kv_spec, ctx, kv = opened
     data_dir = f"{_manifest.DATA_PREFIX}{session.nonce}"
-    phase = "reading the base checkpoint"
+    run.phase = "reading the base checkpoint"
     based = _base_of(base, base_state, session, where, kv_spec)
-    phase = "planning"
+    run.phase = "planning"
     with _state.collector.paused():  # (the caller waits: docs/performance.md)
-      plan = _plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)
+      plan = _plan.plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)
     handle.planned = plan.records  # (a later save's base, while in flight)
     _agree(session, plan.records, plan.holders)
-    phase = "checking the location"
+    run.phase = "checking the location"
     _prepare_location(kv, location, options.overwrite, session, handle)
-    budget = _process_budget(
-      _arrays.budget_arg(options.budget_bytes, "save", default_budget_bytes())
-    )
-    writer = Writer(
-      location,
-      session,
-      budget,
-      lambda p: _reached(key, p),
-      lambda err: _done(handle, cast(Writer, writer), err, t0),
-    )
-    writer.delta = _delta.Delta(
-      kv_spec,
-      ctx,
-      data_dir,
-      jax.process_index(),
-      budget.release,
-      min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
-      budget=budget,
-    )
-    _attach_pending(based, writer)
-    writer.start()
-    phase = "staging the arrays"
+    writer = _start_writer(run, session, options, opened, data_dir, based)
+    run.phase = "staging the arrays"
     _reached(key, "staging")
     with _state.collector.paused():
       commit = _stage_all(
-        plan, opened, writer=writer, budget=budget, handle=handle, metadata=metadata, based=based
+        plan, opened, writer=writer, handle=handle, metadata=metadata, based=based
       )
   except BaseException as e:
-    err = wrap(e, location, phase)
-    if writer is not None:
-      writer.abort(err)  # drains what was staged, publishes the error, walks the barriers
-      writer.join()
-    else:
-      if session is not None:
-        session.fail(err)
-        _walk_in_background(session)
-    handle._finish(err, committed=False, reported=True)
+    err = wrap(e, location, run.phase)
+    _abandon(run, err)
     if err is e:
       raise  # (its traceback and cause as they are)
     raise err from e
@@ -547,6 +252,69 @@ def start(
   _reached(key, "staged")
   handle.stats.blocking_s = time.perf_counter() - t0
   return handle
+
+
+@dataclasses.dataclass
+class _Attempt:
+  """A call of ``start`` as far as it got: the phase it is in (for the error's wording) and
+  the session and writer once made (what a failure must abort)."""
+
+  handle: SaveHandle
+  location: str
+  key: str  # what the barriers are keyed on
+  t0: float
+  phase: str = "planning"
+  session: _collective.Session | None = None
+  writer: Writer | None = None
+
+
+def _start_writer(
+  run: _Attempt,
+  session: _collective.Session,
+  options: SaveOptions,
+  opened: _paths.Opened,
+  data_dir: str,
+  based: _Base | None,
+) -> Writer:
+  """The process's budget and the background writer (with its ``delta``, and the base in
+  flight's items), started. ``run.writer`` as soon as it is made: a failure from then on
+  aborts it."""
+  kv_spec, ctx, _ = opened
+  budget = _process_budget(_arrays.budget_arg(options.budget_bytes, "save", default_budget_bytes()))
+  handle, key, t0 = run.handle, run.key, run.t0
+  run.writer = writer = Writer(
+    run.location,
+    session,
+    budget,
+    lambda p: _reached(key, p),
+    lambda err: _done(handle, writer, err, t0),
+  )
+  writer.delta = _delta.Delta(
+    kv_spec,
+    ctx,
+    data_dir,
+    jax.process_index(),
+    budget.release,
+    min(_packing.PACK_CHUNK_BYTES, max(budget.limit // 4, 1)),
+    budget=budget,
+  )
+  _attach_pending(based, writer)
+  writer.start()
+  return writer
+
+
+def _abandon(run: _Attempt, err: BaseException) -> None:
+  """A failed ``start``: abort the writer (it drains what was staged, publishes the error and
+  walks the barriers), or without one publish the error and walk the barriers in the
+  background; the handle fails with ``err``."""
+  if run.writer is not None:
+    run.writer.abort(err)
+    run.writer.join()
+  else:
+    if run.session is not None:
+      run.session.fail(err)
+      _walk_in_background(run.session)
+  run.handle._finish(err, committed=False, reported=True)
 
 
 def _attach_pending(based: _Base | None, writer: Writer) -> None:
@@ -626,17 +394,17 @@ def _done(handle: SaveHandle, writer: Writer, error: BaseException | None, t0: f
 
 
 def _stage_all(
-  plan: _Plan,
+  plan: _plan.Plan,
   opened: _paths.Opened,
   writer: Writer,
-  budget,
   handle: SaveHandle,
   metadata: Any,
   based: _Base | None = None,
 ) -> Commit:
-  """Stage this process's chunks and pack into the writer (to the ``opened`` location);
-  return what committing needs."""
+  """Stage this process's chunks and pack into the writer (to the ``opened`` location), under
+  its budget; return what committing needs."""
   kv_spec, ctx, kv = opened
+  budget = writer.budget
   is_main = jax.process_index() == 0
   creating = (
     [
@@ -668,6 +436,21 @@ def _stage_all(
     creating.append(
       kv.write(_perprocess.values_key(plan.data_dir, jax.process_index()), plan.values)
     )
+  return _commit_of(plan, opened, writer, creating, metadata, based)
+
+
+def _commit_of(
+  plan: _plan.Plan,
+  opened: _paths.Opened,
+  writer: Writer,
+  creating: list,
+  metadata: Any,
+  based: _Base | None,
+) -> Commit:
+  """What committing a staged save needs: the files process 0 creates (``creating``) and
+  concluding it (``delta.conclude``: the hashes compared, the manifest written by process 0)."""
+  kv_spec, ctx, kv = opened
+  is_main = jax.process_index() == 0
   maybe_stored = [a for a in plan.arrays if a.index in plan.reusable.stored]
   delta_plan = _delta.Plan(
     records=plan.records,
@@ -701,13 +484,15 @@ def _stage_all(
   )
 
 
-def _encode(plan: _Plan, metadata: Any, records, packs, bases) -> bytes:
+def _encode(plan: _plan.Plan, metadata: Any, records, packs, bases) -> bytes:
   """The manifest's bytes (in the writer thread, so the collector is not paused here: that
   would pause it for the caller's threads too, while nobody waits for this)."""
   return _manifest.encode(_manifest_record(plan, metadata, records, packs, bases))
 
 
-def _stage_apart(plan: _Plan, writer: Writer, budget, handle: SaveHandle, copies: Copies) -> None:
+def _stage_apart(
+  plan: _plan.Plan, writer: Writer, budget, handle: SaveHandle, copies: Copies
+) -> None:
   """The items that may equal the base's, each staged whole for the writer to hash and
   compare: packed leaves, and this process's runs of pieced leaves (their bytes count as
   written once written: ``_done``)."""
@@ -835,7 +620,7 @@ def _disagreement(location: str, mine, theirs) -> str:
 
 
 def _manifest_record(
-  plan: _Plan,
+  plan: _plan.Plan,
   metadata,
   records: tuple[_records.Leaf, ...],
   packs: tuple[_records.Pack, ...],
