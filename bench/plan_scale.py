@@ -62,7 +62,7 @@ if REPO not in sys.path:
 
 from fnckpt._layout import chunks as _layout, packing as _packing, pieces as _pieces  # noqa: E402
 
-INLINE_BYTES = 16 << 10          # fnckpt._save.save.INLINE_BYTES (imported there with jax)
+INLINE_BYTES = 16 << 10          # fnckpt._save.options.INLINE_BYTES (imported there with jax)
 
 # dim_axes of the specs on mesh axes ("data", "model")
 DATA, MODEL, REPLICATED = ((0,), (1,)), ((1,), (0,)), ()
@@ -110,7 +110,7 @@ def classify(state, mesh) -> list[str]:
 
 def plan_save(state, mesh, process: int, per: int, procs: np.ndarray
               ) -> tuple[float, list[list[_layout.WriteUnit]], dict[str, Any]]:
-  """One process's save plan, as ``_save._plan`` makes it: ``plan_write`` per stored leaf
+  """One process's save plan, as ``fnckpt._save.plan.plan`` makes it: ``plan_write`` per stored leaf
   (salt = leaf index); the pieces layout of every process (``_pieces.build``, O(devices) per
   distinct structure) and this process's chunks of each pieced leaf (``local_writes``); every
   process's pack (``_packing.assign``). The time includes building the ShardingInfo records,

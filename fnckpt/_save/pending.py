@@ -216,7 +216,7 @@ class Pending:
     self._check_of: Callable[[Any], Callable[[], None]] | None = None
 
   def candidates(self, records: Sequence[_records.Leaf], meshes: Sequence = ()) -> _refs.Candidates:
-    """The plan's candidates (``save._plan``): by layout, expectations pending."""
+    """The plan's candidates (``plan.plan``): by layout, expectations pending."""
     self.records, self.meshes = tuple(records), tuple(meshes)
     self.planned_reusable = by_layout(records, self.planned)
     self.planned = ()

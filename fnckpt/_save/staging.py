@@ -1,7 +1,7 @@
 """Staging off the devices, under the process's host-byte budget: each chunk this process
 writes (of a zarr array, or of its pack) is charged to the budget, copied into host memory the
 save owns (or held as a view of a CPU buffer: :mod:`.copies`) and queued for the writer
-thread, which writes it. ``plan`` is save's plan (``save._Plan``: its arrays, packed leaves
+thread, which writes it. ``plan`` is save's plan (``plan.Plan``: its arrays, packed leaves
 and pieces)."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def stage_array(
   handle: SaveHandle,
   copies: Copies,
 ) -> None:
-  """Stage the chunks of one zarr array (``a``: save's ``_Array``) this process writes (each
+  """Stage the chunks of one zarr array (``a``: the plan's ``Array``) this process writes (each
   hashed by the writer; a candidate's chunk equal to the base's is not written)."""
   shard_data = (
     {s.device: s.data for s in a.data.addressable_shards}
