@@ -619,3 +619,28 @@ def test_an_array_that_cannot_be_opened_is_a_read_error_naming_the_leaf(tmp_path
       rf"^Cannot restore \['w'\] from {re.escape(repr(path))[:-1]}/data-[^']+': reading failed "
       r"\(ValueError: INVALID_ARGUMENT: refused by the test\)")):
     fnckpt.restore(path)
+
+
+def test_storage_options_that_are_not_a_mapping_are_refused_by_name(tmp_path):
+  for call in (lambda: fnckpt.save({"w": np.arange(3)}, str(tmp_path / "c"), storage_options="x"),
+               lambda: fnckpt.metadata(str(tmp_path / "c"), storage_options=5)):
+    with pytest.raises(fnckpt.CheckpointError, match=r"storage_options must be a dict of "
+                       r"storage settings or None, found (str 'x'|int 5); e\.g\. "
+                       r"storage_options=\{'endpoint': "):
+      call()
+  assert not (tmp_path / "c").exists()
+
+
+def test_a_location_survives_copy_and_pickle():
+  import copy
+  import pickle
+
+  from fnckpt._io.paths import Location
+  loc = Location.of("s3://bucket/run", {"endpoint": "http://127.0.0.1:9"})
+  for twin in (copy.copy(loc), copy.deepcopy(loc), pickle.loads(pickle.dumps(loc))):
+    assert twin == loc and hash(twin) == hash(loc) and dict(twin.options) == dict(loc.options)
+
+
+def test_restore_reports_a_missing_checkpoint_before_a_bad_budget(tmp_path):
+  with pytest.raises(fnckpt.CheckpointError, match="No checkpoint at"):
+    fnckpt.restore(str(tmp_path / "none"), None, budget_bytes=-1)

@@ -298,6 +298,11 @@ def test_manager_arguments_are_checked():
     fnckpt.CheckpointManager("memory://x", save_interval_steps=0)
   with pytest.raises(ValueError, match="may not set 'overwrite'"):
     fnckpt.CheckpointManager("memory://x", save_options={"overwrite": True})
+  with pytest.raises(TypeError, match=r"save_options \['budget', 'zst'\]: not options of "
+                     r"fnckpt.save; it takes \['barrier_timeout_s', 'budget_bytes', "):
+    fnckpt.CheckpointManager("memory://x", save_options={"zst": 3, "budget": 1, "zstd": 3})
+  with pytest.raises(fnckpt.CheckpointError, match=r"save\(pack_bytes=-1\): expected an int"):
+    fnckpt.CheckpointManager("memory://x", save_options={"pack_bytes": -1})
   mgr = fnckpt.CheckpointManager("memory://x")
   mgr.close()
   with pytest.raises(fnckpt.CheckpointError, match="is closed"):

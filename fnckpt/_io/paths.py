@@ -137,6 +137,13 @@ def kvstore_spec(path: str, options: Mapping[str, Any] | None = None) -> dict[st
 
 
 def _frozen(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+  """A read-only copy of the user's ``storage_options`` (a mapping or None)."""
+  if options is not None and not isinstance(options, Mapping):
+    raise CheckpointError(
+      f"storage_options must be a dict of storage settings or None, found "
+      f"{type(options).__name__} {options!r:.60}; e.g. storage_options={{'endpoint': "
+      "'http://127.0.0.1:8333'}."
+    )
   return types.MappingProxyType(dict(options or {}))
 
 
@@ -182,6 +189,10 @@ class Location:
   def spec(self) -> dict[str, Any]:
     """The kvstore spec of the directory (:func:`kvstore_spec`; it validates the options)."""
     return kvstore_spec(self.path, self.options)
+
+  def __reduce__(self) -> tuple[Any, ...]:
+    # (copy, deepcopy and pickle: the read-only options view itself cannot be copied)
+    return (Location.of, (self.path, dict(self.options)))
 
 
 # Local file system errors, by the OS's words (TensorStore reports them as PERMISSION_DENIED /

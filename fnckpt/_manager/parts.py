@@ -165,6 +165,13 @@ def _checked_options(
   for bad in ("overwrite", "metadata", "storage_options"):
     if bad in options:
       raise ValueError(f"save_options may not set {bad!r}; the manager decides it.")
+  known = {f.name for f in dataclasses.fields(_save_options.SaveOptions) if f.init}
+  unknown = sorted(set(options) - known)
+  if unknown:
+    raise TypeError(
+      f"save_options {unknown}: not options of fnckpt.save; it takes "
+      f"{sorted(known - {'overwrite'})}."
+    )
   return _save_options.SaveOptions(overwrite=True, **options)
 
 

@@ -16,8 +16,9 @@ __all__ = ["RestoreOptions"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RestoreOptions:
-  """The keyword options of :func:`fnckpt.restore` (see there). A bad ``budget_bytes``
-  raises the :class:`~fnckpt.CheckpointError` ``restore`` raises. Hashable, compared by value.
+  """The keyword options of :func:`fnckpt.restore` (see there). Hashable, compared by value.
+  ``budget_bytes`` is checked where the reads start (:meth:`budget`), after the checkpoint is
+  opened and the target matched: a missing checkpoint or a damaged step is reported first.
 
   >>> RestoreOptions(partial=True) == RestoreOptions(partial=True, cast=False)
   True
@@ -29,9 +30,6 @@ class RestoreOptions:
   per_process_from: int | None = None
   broadcast: bool | None = None
   barrier_timeout_s: float = _commit.DEFAULT_BARRIER_TIMEOUT_S
-
-  def __post_init__(self) -> None:
-    self.budget()
 
   def budget(self) -> int:
     """Bytes of reads in flight (``budget_bytes``, else the default read window)."""
