@@ -1074,3 +1074,28 @@ def test_packed_candidates_are_copied_off_the_devices_up_front(tmp_path, monkeyp
   assert [len(s) for s in seen] == [20, 20]
   assert _records_of(str(tmp_path / "2")).bases   # (the packed leaves were candidates)
   assert_same(fnckpt.restore(str(tmp_path / "2")), t)
+
+
+def test_a_base_deleted_while_it_is_chosen_is_looked_for_again(tmp_path, monkeypatch):
+  """A listing taken just before a newer step committed names an older step that retention
+  then deletes: the save looks again and refers to the newer step instead of writing in full
+  (the race CI saw under load: a fork's step 5 written in full)."""
+  import dataclasses
+  d = str(tmp_path)
+  mgr = fnckpt.CheckpointManager(d, incremental=True)
+  for s in (1, 2):
+    mgr.save(s, lora_tree(s))
+    mgr.wait()
+  real, looks = mgr._index.list, []
+
+  def stale(*a, **k):
+    out = real(*a, **k)
+    looks.append(out.steps)
+    return dataclasses.replace(out, committed={0: b"gone"}) if len(looks) == 1 else out
+
+  monkeypatch.setattr(mgr._index, "list", stale)
+  stats = mgr.save(3, lora_tree(3)).wait()
+  monkeypatch.undo()
+  assert len(looks) >= 2 and stats.bytes_reused > 0
+  assert_same(mgr.restore(3), lora_tree(3))
+  mgr.close()

@@ -19,6 +19,9 @@ from . import fork as _fork
 
 __all__ = ["Incremental", "Base", "fork"]
 
+# How often a save looks for its base when the one it chose was deleted while it looked.
+_LOOKS = 3
+
 
 @dataclasses.dataclass
 class Base:
@@ -71,20 +74,23 @@ class Incremental:
     def decide() -> list | None:
       if full:
         return None
-      older = [s for s in index.list(in_flight=claims.saving()).steps if s < step]
-      flying = _flying(index, claims, step)
-      if not older and not flying:
-        return None
-      chosen = max(older[-1:] + flying)
-      cm = claims.reading(chosen)
-      cm.__enter__()
-      if chosen not in flying and not _commit.is_committed(_paths.open_kvstore(index.at(chosen))):
-        cm.__exit__(None, None, None)  # deleted meanwhile: a full save then
-        return None
-      claimed.append(cm)
-      with self._lock:
-        self._bases[chosen] += 1
-      return [chosen, chosen in flying]
+      for _ in range(_LOOKS):
+        older = [s for s in index.list(in_flight=claims.saving()).steps if s < step]
+        flying = _flying(index, claims, step)
+        if not older and not flying:
+          return None
+        chosen = max(older[-1:] + flying)
+        cm = claims.reading(chosen)
+        cm.__enter__()
+        if chosen in flying or _commit.is_committed(_paths.open_kvstore(index.at(chosen))):
+          claimed.append(cm)
+          with self._lock:
+            self._bases[chosen] += 1
+          return [chosen, chosen in flying]
+        # Deleted meanwhile: a newer step committed between the listing and the look at the
+        # saves in flight (it was in neither), and retention removed this one. Look again.
+        cm.__exit__(None, None, None)
+      return None  # (still moving after a few looks: a full save, which is always right)
 
     chosen = _coordination.from_process_0(index.path(step), "base", decide, timeout_s)
     with self._lock:
