@@ -191,7 +191,7 @@ class Location:
     return kvstore_spec(self.path, self.options)
 
   def __reduce__(self) -> tuple[Any, ...]:
-    # (copy, deepcopy and pickle: the read-only options view itself cannot be copied)
+    # (copy and deepcopy: the read-only options view itself cannot be copied)
     return (Location.of, (self.path, dict(self.options)))
 
 

@@ -82,15 +82,7 @@ def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
       manifest, reader = _safetensors_in.open_index(kv, name, prefix)
     else:
       manifest, reader = _safetensors_in.open_file(kv, name, location, prefix)
-    return Opened(
-      location=location,
-      format="safetensors",
-      kv_spec=kv_spec,
-      ctx=ctx,
-      kv=kv,
-      manifest=manifest,
-      reader=reader,
-    )
+    return _safetensors(location, (kv_spec, ctx, kv), manifest, reader)
   kv_spec, ctx, kv = _resolve(path, options)
   found = _present(
     kv, (_orbax_in.METADATA, _orbax_in.CHECKPOINT_METADATA, _safetensors_in.INDEX_NAME)
@@ -101,15 +93,7 @@ def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
     return _open_orbax(path, location, kv_spec, ctx, kv, options)
   if _safetensors_in.INDEX_NAME in found:
     manifest, reader = _safetensors_in.open_index(kv, _safetensors_in.INDEX_NAME, location + "/")
-    return Opened(
-      location=location,
-      format="safetensors",
-      kv_spec=kv_spec,
-      ctx=ctx,
-      kv=kv,
-      manifest=manifest,
-      reader=reader,
-    )
+    return _safetensors(location, (kv_spec, ctx, kv), manifest, reader)
   try:
     files = [k.decode("utf-8", "replace") for k in kv.list().result()]
   except Exception:
@@ -117,15 +101,7 @@ def open_foreign(path: str, options: Mapping[str, Any] | None) -> Opened | None:
   files = [f for f in files if "/" not in f and f.endswith(".safetensors")]
   if files:
     manifest, reader = _safetensors_in.open_dir(kv, files, location)
-    return Opened(
-      location=location,
-      format="safetensors",
-      kv_spec=kv_spec,
-      ctx=ctx,
-      kv=kv,
-      manifest=manifest,
-      reader=reader,
-    )
+    return _safetensors(location, (kv_spec, ctx, kv), manifest, reader)
   return None
 
 
@@ -223,3 +199,17 @@ def _check_committed(kv: ts.KvStore, path: str, options, location: str) -> None:
       f"has {_orbax_in.COMMIT_SUCCESS} or a commit time in "
       f"{_orbax_in.CHECKPOINT_METADATA}. The save was interrupted; restore an earlier step."
     )
+
+
+def _safetensors(location: str, opened: tuple, manifest: Any, reader: Any) -> Opened:
+  """A safetensors file or index opened at ``location`` (``opened``: spec, context, kvstore)."""
+  kv_spec, ctx, kv = opened
+  return Opened(
+    location=location,
+    format="safetensors",
+    kv_spec=kv_spec,
+    ctx=ctx,
+    kv=kv,
+    manifest=manifest,
+    reader=reader,
+  )
