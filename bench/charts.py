@@ -206,7 +206,7 @@ def _bars(r: Report) -> list[tuple[str, str, float, str]]:
 def save_restore(out: str) -> None:
   r = newest_full_report(RESULTS)
   bars = _bars(r)
-  fig, ax = plt.subplots(figsize=(9, 5.6))
+  fig, ax = plt.subplots(figsize=(9, 6.2))
   y, ticks, prev = 0.0, [], None
   for label, series, v, text in bars:
     if label != prev:
@@ -223,14 +223,16 @@ def save_restore(out: str) -> None:
   ax.set_xlabel("seconds (log scale; shorter is better)")
   legend = {"fnckpt": "fnckpt", "orbax": "Orbax (async CheckpointManager, defaults)",
             "limit": "machine limit, same run", "raw": "raw TensorStore, same run"}
+  # above the bars, under the title: clear of the data whatever the values (issue 35)
   ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in legend],
-            labels=list(legend.values()), loc="lower right", frameon=False)
+            labels=list(legend.values()), loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2,
+            frameon=False)
   fig.suptitle(f"Transformer-like state: save and restore, fnckpt vs Orbax vs the machine's "
                f"limits\n{r.state_mib:,.0f} MiB in {r.leaves} leaves, 8 virtual CPU devices, "
                f"medians of {r.runs} runs", x=0.01, ha="left")
   _note(fig, NOTE.format(src=f"{r.source} (bench/run.py, {r.mode} run of {_when(r.date)}; "
                          f"{r.machine})"))
-  fig.subplots_adjust(left=0.16, right=0.98, top=0.86, bottom=0.15)
+  fig.subplots_adjust(left=0.19, right=0.98, top=0.79, bottom=0.14)
   _save(fig, os.path.join(out, "save_restore.svg"))
 
 

@@ -99,3 +99,81 @@ def test_page_code_runs(page, tmp_path):
   r = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "blocks.json")],
                      capture_output=True, text=True, env=ENV, cwd=work, timeout=300)
   assert r.returncode == 0, f"{name(page)}: a block failed\n{r.stdout}\n{r.stderr}"
+
+
+# --- read as a new user would: short blocks, code that fits (issue 35) ------------------------
+
+MAX_WORDS = 150  # a paragraph or list item longer than this is a wall of text
+MAX_COLUMNS = 88  # a code line longer than this does not fit the page's code box at 1280 px
+TASK_PAGES = [ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "concepts").glob(
+  "*.md")), *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+ANY_FENCE = re.compile(r"^(\s*)(```|~~~)[^\n]*\n(.*?)^\1\2[ \t]*$", re.S | re.M)
+
+
+def long_blocks(page: Path) -> list[tuple[int, str]]:
+  """[(words, first words)] of the page's paragraphs and list items over MAX_WORDS words (a
+  list item's words are its own, without those of a list nested in it)."""
+  import html.parser
+
+  import markdown
+
+  body = markdown.markdown(page.read_text(), extensions=[
+    "admonition", "attr_list", "md_in_html", "tables", "pymdownx.superfences"])
+
+  class Blocks(html.parser.HTMLParser):
+    def __init__(self):
+      super().__init__()
+      self.open: list[str] = []  # the open p / li elements (a p inside a li is the li's)
+      self.stack: list[list[str]] = []  # their text
+      self.skip = 0  # inside <pre>: code is measured by columns, not words
+      self.found: list[tuple[int, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+      if tag == "pre":
+        self.skip += 1
+      elif tag == "li" or (tag == "p" and not (self.open and self.open[-1] == "li")):
+        self.stack.append([])
+        self.open.append(tag)
+
+    def handle_endtag(self, tag):
+      if tag == "pre":
+        self.skip -= 1
+      elif tag in ("p", "li") and self.open and self.open[-1] == tag:
+        self.open.pop()
+        words = " ".join(self.stack.pop()).split()
+        if len(words) > MAX_WORDS:
+          self.found.append((len(words), " ".join(words[:8])))
+
+    def handle_data(self, data):
+      if self.stack and not self.skip:
+        self.stack[-1].append(data)
+
+  parser = Blocks()
+  parser.feed(body)
+  return parser.found
+
+
+def wide_code_lines(page: Path) -> list[tuple[int, int]]:
+  """[(line number, columns)] of the page's fenced code lines over MAX_COLUMNS columns."""
+  text = page.read_text()
+  out = []
+  for m in ANY_FENCE.finditer(text):
+    first = text.count("\n", 0, m.start(3)) + 1
+    for i, line in enumerate(m.group(3).split("\n")):
+      if len(line) > MAX_COLUMNS:
+        out.append((first + i, len(line)))
+  return out
+
+
+@pytest.mark.parametrize("page", TASK_PAGES, ids=name)
+def test_no_wall_of_text(page):
+  found = long_blocks(page)
+  assert not found, (f"{name(page)}: paragraphs or list items over {MAX_WORDS} words "
+                     f"(expected none): " + "; ".join(f"{n} words: {w}..." for n, w in found))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_code_lines_fit(page):
+  found = wide_code_lines(page)
+  assert not found, (f"{name(page)}: code lines over {MAX_COLUMNS} columns (expected none): "
+                     + ", ".join(f"line {line} ({cols} columns)" for line, cols in found))
