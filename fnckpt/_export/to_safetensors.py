@@ -89,7 +89,8 @@ def export_safetensors(
 
   >>> import numpy as np, fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
-  >>> _ = fnckpt.save({"params": {"w": np.ones((2, 3), np.float32)}, "step": 7}, f"{d}/c").wait()
+  >>> state = {"params": {"w": np.ones((2, 3), np.float32)}, "step": 7}
+  >>> _ = fnckpt.save(state, f"{d}/c").wait()
   >>> r = fnckpt.export_safetensors(f"{d}/c", f"{d}/model.safetensors", select="params")
   >>> r.tensors, r.bytes, dict(r.metadata)
   (1, 24, {'format': 'pt'})

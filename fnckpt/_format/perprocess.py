@@ -36,7 +36,8 @@ class PerProcess:
 
   >>> import fnckpt, tempfile
   >>> d = tempfile.mkdtemp()
-  >>> _ = fnckpt.save({"loader": fnckpt.PerProcess({"epoch": 3, "offset": 17})}, f"{d}/c").wait()
+  >>> loader = fnckpt.PerProcess({"epoch": 3, "offset": 17})
+  >>> _ = fnckpt.save({"loader": loader}, f"{d}/c").wait()
   >>> fnckpt.restore(f"{d}/c", {"loader": fnckpt.PerProcess(None)})["loader"].value
   {'epoch': 3, 'offset': 17}
   """
