@@ -174,5 +174,6 @@ if __name__ == "__main__":  # the measurement: findings page by page, and their 
       totals[kind] = totals.get(kind, 0) + len(found)
       for f in found:
         print(f"{page}\t{kind}\t{f}")
-  print(f"{len(result)} pages;", "; ".join(f"{k}: {v} (on {sum(1 for r in result.values() if r[k])} "
-                                          f"pages)" for k, v in totals.items()))
+  on = {k: sum(1 for r in result.values() if r[k]) for k in totals}
+  print(f"{len(result)} pages;",
+        "; ".join(f"{k}: {v} (on {on[k]} pages)" for k, v in totals.items()))
