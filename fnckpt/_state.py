@@ -19,6 +19,10 @@ data:
   the attempt number per save location. Barrier ids depend on it, so it is alike on every
   process (the same saves in the same order; the least recently used of ``MAX_LOCATIONS``
   locations is dropped alike).
+``plans`` (``_save.plan_cache``, ``_restore``)
+  the plans of the latest saves and restores, by the structure they were made for (a training
+  loop saves and restores one structure again and again): at most ``MAX_PLANS`` each, the
+  least recently used dropped; they hold no arrays.
 ``pieces`` (``_layout.pieces``)
   the last pieces layout built (a training loop saves one tree again and again).
 ``reads`` (``_sources.piece_reads``)
@@ -66,6 +70,7 @@ __all__ = [
   "saves",
   "storage",
   "sessions",
+  "plans",
   "pieces",
   "reads",
   "hooks",
@@ -74,10 +79,13 @@ __all__ = [
   "memo",
   "memos",
   "MAX_LOCATIONS",
+  "MAX_PLANS",
 ]
 
 # The most save locations whose attempt numbers are remembered (``sessions``).
 MAX_LOCATIONS = 4096
+# The most plans kept per kind (saves, restores): a loop uses one or two structures.
+MAX_PLANS = 8
 
 
 class _Saves:
@@ -107,6 +115,45 @@ class _Sessions:
   def __init__(self) -> None:
     self.lock = threading.Lock()
     self.attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+
+class _Plans:
+  """Plans by the structure they were made for, saves' and restores' apart (bounded LRUs)."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.saves: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    self.restores: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    self.hits = 0  # plans reused (tests and bench/call_cost.py read it)
+    self.misses = 0
+
+  def get(self, kind: str, key: Any) -> Any:
+    """The plan of ``kind`` ("saves" or "restores") made for ``key``, or None."""
+    table = getattr(self, kind)
+    with self.lock:
+      got = table.get(key)
+      if got is None:
+        self.misses += 1
+        return None
+      self.hits += 1
+      table.move_to_end(key)
+      return got
+
+  def put(self, kind: str, key: Any, plan: Any) -> None:
+    """Keep ``plan`` for ``key``, dropping the least recently used beyond ``MAX_PLANS``."""
+    table = getattr(self, kind)
+    with self.lock:
+      table[key] = plan
+      table.move_to_end(key)
+      while len(table) > MAX_PLANS:
+        table.popitem(last=False)
+
+  def clear(self) -> None:
+    """Forget every plan, and the counts (tests)."""
+    with self.lock:
+      self.saves.clear()
+      self.restores.clear()
+      self.hits = self.misses = 0
 
 
 class _Slot:
@@ -192,6 +239,7 @@ def _no_op(name: str) -> None:
 saves = _Saves()
 storage = _Storage()
 sessions = _Sessions()
+plans = _Plans()
 pieces = _Slot()
 reads = _PieceReads()
 hooks = _Hooks()

@@ -30,7 +30,7 @@ import numpy as np
 from .. import _state
 from .errors import at_leaf
 
-__all__ = ["ASARRAY_PLATFORMS", "MODES", "Copies", "Owned", "mode", "host", "to_host"]
+__all__ = ["ASARRAY_PLATFORMS", "MODES", "Copies", "Owned", "buffers", "mode", "host", "to_host"]
 
 MODES = ("owned", "asarray")
 # Platforms staged with "asarray" by default: on CPU, views of the device buffers (no copy).
@@ -85,6 +85,17 @@ class Owned:
       host = self._host = np.asarray(array)
       self.array = None
     return host
+
+
+def buffers(x: jax.Array) -> list[tuple[Any, jax.Array]]:
+  """``(device, one-device array)`` of each of this process's shards of ``x``: from
+  ``x._arrays`` where JAX has it, each device read off its array's own sharding (4x faster
+  than ``addressable_shards`` on a fresh array: 36 against 150 us for 8 shards, measured in
+  bench/call_cost.py's states); else through ``addressable_shards``."""
+  try:
+    return [(a.sharding._device, a) for a in x._arrays]  # type: ignore[attr-defined]
+  except AttributeError:
+    return [(s.device, s.data) for s in x.addressable_shards]
 
 
 def to_host(part: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ from .._layout import pieces as _pieces
 from .copies import Copies
 from .staged_leaf import Staged
 
-__all__ = ["PackPart", "Planner", "mesh_processes"]
+__all__ = ["PackPart", "Planner", "mesh_processes", "stage_buffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +213,11 @@ def _units(leaf: _Leaf) -> list[tuple[int, _chunks.WriteUnit]]:
 
 def _stage_shard(shard: Any, dtype: Any, copies: Copies) -> Any:
   """One device shard staged (a copy the save owns, or a view of a CPU buffer: ``copies``)."""
-  shape = tuple(shard.data.shape)
+  return stage_buffer(shard.data, shard.device, dtype, copies)
+
+
+def stage_buffer(buffer: jax.Array, device: Any, dtype: Any, copies: Copies) -> Any:
+  """One device's array (a shard on ``device``) staged whole."""
+  shape = tuple(buffer.shape)
   whole = tuple(slice(0, n) for n in shape)
-  return Staged(shape, np.dtype(dtype), [(whole, copies.get(shard.data, device=shard.device))])
+  return Staged(shape, np.dtype(dtype), [(whole, copies.get(buffer, device=device))])

@@ -28,7 +28,7 @@ from .copies import Copies
 from .options import SaveOptions
 from .staged_leaf import Staged
 
-__all__ = ["Array", "Base", "Plan", "plan"]
+__all__ = ["Array", "Base", "Plan", "deleted", "plan", "problems_error", "set_inline"]
 
 
 @dataclasses.dataclass
@@ -67,6 +67,8 @@ class Plan:
   maybe_runs: list[tuple[int, list[_piece_writes.PackPart]]] = dataclasses.field(
     default_factory=list
   )  # mine, of pieced leaves that may reuse the base's runs
+  # what the processes compare (``agreement.entries``); None: not made yet
+  agreement: list[tuple[str, str, str]] | None = None
 
 
 class Base(Protocol):
@@ -80,6 +82,19 @@ class Base(Protocol):
   def where(self) -> str:
     """The base's location, for messages."""
     ...
+
+
+def deleted(path: Any) -> str:
+  """The problem of a leaf whose array was deleted or donated before the save."""
+  return (
+    f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
+    "save the state before the step that donates it."
+  )
+
+
+def problems_error(problems: list[str]) -> CheckpointError:
+  """Every problem that keeps a tree from being saved, in one error."""
+  return CheckpointError("Cannot save this tree:\n  " + "\n  ".join(problems))
 
 
 def _holders(data: Any) -> str:
@@ -139,10 +154,7 @@ class _Sorted:
     if data is None:
       return
     if isinstance(data, jax.Array) and data.is_deleted():
-      self.problems.append(
-        f"The array at {_tree.keystr(path)} was deleted (or donated) before save; "
-        "save the state before the step that donates it."
-      )
+      self.problems.append(deleted(path))
       return
     self._place(i, rec, data)
 
@@ -174,7 +186,7 @@ class _Sorted:
     except CheckpointError as e:
       self.problems.append(str(e))
     if self.problems:
-      raise CheckpointError("Cannot save this tree:\n  " + "\n  ".join(self.problems))
+      raise problems_error(self.problems)
     return values
 
 
@@ -191,7 +203,7 @@ def plan(
   for path, leaf in leaves:
     sorting.add(path, leaf)
   values = sorting.values()
-  _set_inline(sorting.records, sorting.inline, me)
+  set_inline(sorting.records, sorting.inline, me)
   reusable = _candidates(base, sorting.records, pieced.meshes)  # (here: its stacklevel)
   return _packed(sorting, values, reusable)
 
@@ -232,7 +244,7 @@ def _packed(leaves: _Sorted, values: bytes | None, reusable: _refs.Candidates) -
   )
 
 
-def _set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
+def set_inline(records: list[_records.Leaf], inline: list[tuple[int, Any]], me: int) -> None:
   """The inline leaves' bytes into their records (process 0's; the others' stay empty). A
   jax leaf's bytes are staged as larger leaves are (``copies``): every copy started before
   any is waited for, and none left cached on the caller's array (``np.array(x)`` would cache

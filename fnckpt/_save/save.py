@@ -7,17 +7,14 @@ pending saves are ``handle``'s."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import threading
 import time
 import warnings
-import zlib
 from typing import Any, Callable, cast
 
 import jax
-import msgpack
 import tensorstore as ts
 
 from .. import _state
@@ -36,9 +33,11 @@ from .._io import paths as _paths
 from .._layout import packing as _packing
 from .._sources import source as _source
 from .._version import __version__
+from . import agreement as _agreement
 from . import delta as _delta
 from . import pending as _pending
 from . import plan as _plan
+from . import plan_cache as _plan_cache
 from .copies import Copies
 from .errors import at_leaf as _at
 from .errors import wrap
@@ -230,9 +229,14 @@ def start(
     based = _base_of(base, base_state, session, where, kv_spec)
     run.phase = "planning"
     with _state.collector.paused():  # (the caller waits: docs/performance.md)
-      plan = _plan.plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)
+      leaves = _tree.flatten(tree)[0]
+      plan = (
+        _plan.plan(leaves, kv_spec, data_dir, options, based)  # (what it reuses: per base)
+        if based is not None
+        else _plan_cache.plan(leaves, kv_spec, data_dir, options)
+      )
     handle.planned = plan.records  # (a later save's base, while in flight)
-    _agree(session, plan.records, plan.holders)
+    _agreement.agree(session, _entries(plan))
     run.phase = "checking the location"
     _prepare_location(kv, location, options.overwrite, session, handle)
     writer = _start_writer(run, session, options, opened, data_dir, based)
@@ -525,98 +529,11 @@ def _stage_apart(
     writer.put(_delta.PackLeaf(i, staged, CHUNK_COST * n, expect))
 
 
-def _skeleton(rec: _records.Leaf) -> bytes:
-  """What every process must agree on for one leaf: the record without its values."""
-  keep = _records.encode(rec)
-  for k in ("value", "pack", "subtype"):
-    keep.pop(k, None)
-  if "inline" in keep:
-    keep["inline"] = True
-  return msgpack.packb(keep, use_bin_type=True)
-
-
-def _agree(
-  session: _collective.Session, records: tuple[_records.Leaf, ...], holders: list[str | None]
-) -> None:
-  """Every process saves the same tree (key paths, kinds, shapes, dtypes, shardings, what is
-  inline): compare each leaf's digest with process 0's; a difference fails every process,
-  naming the first differing key path (save() publishes the error; the others raise it at the
-  'agreed' barrier)."""
-  if not session.multi:
-    return
-  mine = [
-    (
-      r.where,
-      hashlib.sha256(_skeleton(r) + str(h).encode()).hexdigest()[:16],
-      _brief(r) + (f" ({_HELD[h]})" if h else ""),
-    )
-    for r, h in zip(records, holders)
-  ]
-  shared = session.share("tree", zlib.compress(msgpack.packb(mine), 1))
-  theirs = [tuple(x) for x in msgpack.unpackb(zlib.decompress(shared), use_list=False)]
-  if [m[:2] for m in mine] != [t[:2] for t in theirs]:
-    raise CheckpointError(_disagreement(session.location, mine, theirs))
-  session.barrier("agreed")
-
-
-_HELD = {
-  "host": "numpy",
-  "local": "on this process only",
-  "all": "on every process",
-  "some": "on some processes",
-}
-
-
-def _brief(rec: _records.Leaf) -> str:
-  """A leaf as a disagreement shows it, e.g. ``jax float32[64, 128] P('x', None) on mesh
-  {'x': 2, 'y': 4}``."""
-  parts = [rec.source or rec.kind] + ([rec.type] if rec.type is not None else [])
-  if rec.dtype is not None:
-    parts.append(f"{rec.dtype}{list(rec.shape)}" if rec.shape is not None else rec.dtype)
-  sharding = rec.sharding
-  if sharding is not None and sharding.type == "named":
-    spec = ", ".join(repr(e) for e in sharding.spec)
-    parts.append(f"P({spec}) on mesh {dict(zip(sharding.axes, sharding.sizes))}")
-  elif sharding is not None:
-    parts.append(f"{sharding.type} sharding")
-  return " ".join(map(str, parts))
-
-
-def _disagreement(location: str, mine, theirs) -> str:
-  """The first difference between this process's leaves and process 0's, each a (key path,
-  digest, brief)."""
-  me = jax.process_index()
-  first = next(
-    (i for i, (a, b) in enumerate(zip(mine, theirs)) if a[:2] != b[:2]), min(len(mine), len(theirs))
-  )
-  a = mine[first] if first < len(mine) else None
-  b = theirs[first] if first < len(theirs) else None
-  if a is not None and b is not None and a[0] == b[0]:
-    what = (
-      f"the leaf at {a[0]} is {a[2]} on process {me} but {b[2]} on process 0"
-      if a[2] != b[2]
-      else f"the leaf at {a[0]} ({a[2]}) is stored differently on "
-      f"process {me} than on process 0 (what is inline, or the chunk layout)"
-    )
-  elif b is not None and b[0] not in {m[0] for m in mine}:
-    what = f"process 0 has a leaf at {b[0]} ({b[2]}) that process {me} lacks" + (
-      f" (it has {a[0]} there)" if a is not None else ""
-    )
-  elif a is not None and a[0] not in {t[0] for t in theirs}:
-    what = f"process {me} has a leaf at {a[0]} ({a[2]}) that process 0 lacks" + (
-      f" (it has {b[0]} there)" if b is not None else ""
-    )
-  else:
-    what = (
-      f"leaf #{first} is {a[0] if a else '<none>'} on process {me} but "
-      f"{b[0] if b else '<none>'} on process 0 (the same keys in another order)"
-    )
-  return (
-    f"Saving to {location!r}: processes {me} and 0 passed different trees: {what}. "
-    "Every process must pass the same tree structure, shapes, dtypes and shardings to "
-    "save (values of non-global leaves may differ; process 0's are kept; wrap "
-    "per-process values in fnckpt.PerProcess). Nothing was written."
-  )
+def _entries(plan: _plan.Plan) -> list[_agreement.Entry]:
+  """What this process's plan says the processes must agree on (a reused plan carries it)."""
+  if plan.agreement is not None:
+    return plan.agreement
+  return _agreement.entries(plan.records, plan.holders, plan.data_dir)
 
 
 def _manifest_record(

@@ -11,7 +11,7 @@ import numpy as np
 from .. import _state
 from .._format import leaves as _leaves
 from .._layout import chunks as _chunks
-from .copies import Copies, to_host
+from .copies import Copies, buffers, to_host
 
 __all__ = ["Staged", "Run"]
 
@@ -41,9 +41,9 @@ class Staged:
       shape,
       dtype,
       [
-        (index, copies.get(s.data, device=s.device))
-        for s in data.addressable_shards
-        if (index := distinct.get(s.device)) is not None
+        (index, copies.get(a, device=device))
+        for device, a in buffers(data)
+        if (index := distinct.get(device)) is not None
       ],
     )
 

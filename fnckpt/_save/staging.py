@@ -20,7 +20,7 @@ from .._layout import chunks as _chunks
 from .._layout.shard import ShardImage
 from . import buffers as _buffers
 from . import piece_writes as _piece_writes
-from .copies import Copies
+from .copies import Copies, buffers
 from .copies import mode as _mode
 from .errors import at_leaf
 from .handle import SaveHandle
@@ -57,11 +57,7 @@ def stage_array(
 ) -> None:
   """Stage the chunks of one zarr array (``a``: the plan's ``Array``) this process writes (each
   hashed by the writer; a candidate's chunk equal to the base's is not written)."""
-  shard_data = (
-    {s.device: s.data for s in a.data.addressable_shards}
-    if isinstance(a.data, jax.Array) and a.units
-    else {}
-  )
+  shard_data = dict(buffers(a.data)) if isinstance(a.data, jax.Array) and a.units else {}
   itemsize = np.dtype(a.data.dtype).itemsize
   chunks, shape = a.rec.stored.chunks, a.rec.shape
   for unit in a.units:
@@ -249,11 +245,17 @@ def start_copies(plan: Any, budget: _arrays.ByteBudget) -> None:
   device-to-host copy of this save at once (when they fit in the budget), so the caller
   waits for about the total transfer time, not a sum of serial round trips. ``"owned"``
   copies start as staging charges them (:class:`Copies`); on CPU views copy nothing."""
-  shards = [
-    s
-    for s in to_copy(plan)
-    if next(iter(s.devices())).platform != "cpu" and _mode(next(iter(s.devices()))) == "asarray"
-  ]
+  asked: dict[Any, bool] = {}  # per sharding (a device's), whether its shards copy so
+
+  def forced(s: jax.Array) -> bool:
+    try:
+      return asked[s.sharding]
+    except KeyError:
+      device = next(iter(s.devices()))
+      got = asked[s.sharding] = device.platform != "cpu" and _mode(device) == "asarray"
+      return got
+
+  shards = [s for s in to_copy(plan) if forced(s)]
   total = sum(s.nbytes for s in shards)
   if total and CHUNK_COST * total <= budget.limit:
     for s in shards:
@@ -267,7 +269,7 @@ def to_copy(plan: Any) -> list[jax.Array]:
   for a in plan.arrays:
     if isinstance(a.data, jax.Array) and a.units:
       writers = {u.device for u in a.units}
-      shards += [s.data for s in a.data.addressable_shards if s.device in writers]
+      shards += [b for device, b in buffers(a.data) if device in writers]
   for _, data in [*plan.packed, *plan.maybe_packed]:
     if isinstance(data, jax.Array):
       shards += [data.addressable_data(0)] if data.is_fully_replicated else [data]

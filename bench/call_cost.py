@@ -1,0 +1,211 @@
+"""What one save or restore call costs when a training loop makes it again and again: the same
+structure, shapes, dtypes and shardings every time, new values.
+
+    python bench/call_cost.py                       # the three states, 6 saves + 3 restores each
+    python bench/call_cost.py --states transformer --saves 11 --profile /tmp/prof
+
+One process, 8 virtual CPU devices (where staging is a zero-copy view, so what a save blocks
+for is the library's own work). Per state, in the same run:
+
+- ``blocked``: ``fnckpt.save(tree, path)`` wall time (what a training loop waits for), each
+  save with new values (``tree + k``, computed on the devices before the call and not timed);
+  ``first`` is save 1 (it makes the plan), ``steady`` the median of saves 2..N;
+- ``floor``: ``np.asarray`` of every addressable shard (each shard's bytes on the host: what
+  any checkpointer must do before the caller may change the arrays), median over the saves;
+- ``restore``: ``fnckpt.restore(path, target)`` onto the saved shardings (first, then the
+  median of the later ones), each bitwise checked against the tree saved;
+- ``device_put``: ``jax.device_put`` of the same values as host arrays onto the target's
+  shardings (what a restore must at least do after reading).
+
+States: ``100m`` (examples/lm.py's 100m model: params + AdamW moments + key, 8-way data
+parallel), ``mixed`` and ``transformer`` (``bench/states.py``, quick, mesh (2, 4)). The
+target of issue 33: steady blocked <= 1.5 x floor + 5 ms. ``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if sys.path and os.path.abspath(sys.path[0]) == str(ROOT / "bench"):
+  del sys.path[0]  # (run as a script: bench/ on the path shadows modules jax imports)
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+
+import fnckpt  # noqa: E402
+from bench import states  # noqa: E402
+
+STATES = ("100m", "mixed", "transformer")
+
+
+def build_state(name: str):
+  """(tree, target) of ``name`` on 8 CPU devices."""
+  if name == "100m":
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lm
+
+    run = lm.build(lm.SIZES["100m"], lm.make_mesh(None))
+    state = run.init()
+    tree = {k: state[k] for k in ("params", "opt_state", "key")}
+    target = {k: run.target[k] for k in ("params", "opt_state", "key")}
+    return tree, target
+  leaves = states.leaves_for(name, "quick")
+  mesh = states.make_mesh("a")
+  return states.build(leaves, mesh), states.target(leaves, mesh, "a")
+
+
+def _bump(x):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.split(x, 1)[0]
+  return x + 1
+
+
+def new_values(tree):
+  """The same arrays plus one (keys split), on the same shardings."""
+  shardings = jax.tree.map(lambda x: x.sharding, tree)
+  return jax.jit(lambda t: jax.tree.map(_bump, t), out_shardings=shardings)(tree)
+
+
+def floor_s(tree) -> float:
+  """``np.asarray`` of every addressable shard of every array leaf."""
+  t0 = time.perf_counter()
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    for s in x.addressable_shards:
+      np.asarray(s.data)
+  return time.perf_counter() - t0
+
+
+def _host(x):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return x  # (a key array is put as it is)
+  return np.asarray(x)
+
+
+def equal(a, b) -> bool:
+  def same(x, y):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    return x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y))
+
+  return all(jax.tree.leaves(jax.tree.map(same, a, b)))
+
+
+def bench_state(name: str, saves: int, restores: int, root: str, profile: str | None) -> dict:
+  tree, target = build_state(name)
+  leaves = jax.tree.leaves(tree)
+  out: dict = {"state": name, "arrays": len(leaves),
+               "shards": sum(len(x.addressable_shards) for x in leaves),
+               "bytes": sum(x.nbytes for x in leaves if hasattr(x, "nbytes")),
+               "blocked": [], "committed": [], "floor": [], "restore": [], "device_put": []}
+  prof = cProfile.Profile() if profile else None
+  saved = []
+  for k in range(saves):
+    tree = new_values(tree)
+    jax.block_until_ready(tree)
+    out["floor"].append(floor_s(tree))
+    path = f"{root}/{name}-{k}"
+    if prof is not None and k > 0:
+      prof.enable()
+    t0 = time.perf_counter()
+    handle = fnckpt.save(tree, path)
+    out["blocked"].append(time.perf_counter() - t0)
+    if prof is not None:
+      prof.disable()
+    out["committed"].append(handle.wait().total_s)
+    saved.append((path, tree))
+  host = jax.tree.map(_host, saved[-1][1])
+  shardings = jax.tree.map(lambda x: x.sharding, target)
+  out["verified"] = True
+  for k in range(restores):
+    path, want = saved[-1 - (k % len(saved))]
+    t0 = time.perf_counter()
+    got = fnckpt.restore(path, target)
+    jax.block_until_ready(got)
+    out["restore"].append(time.perf_counter() - t0)
+    out["verified"] &= equal(got, want)
+    del got
+    t0 = time.perf_counter()
+    put = jax.device_put(host, shardings)
+    jax.block_until_ready(put)
+    out["device_put"].append(time.perf_counter() - t0)
+    del put
+  for k in range(saves):
+    shutil.rmtree(f"{root}/{name}-{k}", ignore_errors=True)
+  if prof is not None:
+    prof.dump_stats(f"{profile}-{name}.prof")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+  return out
+
+
+def summary(r: dict) -> dict:
+  steady = statistics.median(r["blocked"][1:]) if len(r["blocked"]) > 1 else r["blocked"][0]
+  floor = statistics.median(r["floor"])
+  rest = r["restore"][1:] or r["restore"]
+  return {"state": r["state"], "arrays": r["arrays"], "shards": r["shards"],
+          "first_ms": 1e3 * r["blocked"][0], "steady_ms": 1e3 * steady, "floor_ms": 1e3 * floor,
+          "target_ms": 1e3 * (1.5 * floor + 0.005), "meets": steady <= 1.5 * floor + 0.005,
+          "committed_ms": 1e3 * statistics.median(r["committed"]),
+          "restore_first_s": r["restore"][0], "restore_s": statistics.median(rest),
+          "device_put_s": statistics.median(r["device_put"]), "verified": r["verified"]}
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| state | arrays / shards | first save blocked | steady blocked | floor | target "
+           "(1.5 x floor + 5 ms) | committed | restore first / steady | device_put | bitwise |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+  for s in rows:
+    lines.append(
+        f"| {s['state']} | {s['arrays']:,} / {s['shards']:,} | {s['first_ms']:.1f} ms | "
+        f"{s['steady_ms']:.1f} ms | {s['floor_ms']:.1f} ms | {s['target_ms']:.1f} ms "
+        f"({'met' if s['meets'] else 'NOT met'}) | {s['committed_ms']:.0f} ms | "
+        f"{s['restore_first_s']:.2f} / {s['restore_s']:.2f} s | {s['device_put_s']:.2f} s | "
+        f"{'yes' if s['verified'] else 'NO'} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--states", default=",".join(STATES))
+  p.add_argument("--saves", type=int, default=6)
+  p.add_argument("--restores", type=int, default=3)
+  p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+  p.add_argument("--profile", default=None, help="cProfile saves 2..N into PREFIX-<state>.prof")
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  print(f"fnckpt {fnckpt.__version__}, jax {jax.__version__}, {jax.device_count()} CPU devices, "
+        f"load {os.getloadavg()[0]:.2f}", flush=True)
+  root = tempfile.mkdtemp(prefix="fnckpt-call-cost-", dir=args.dir)
+  try:
+    rows = []
+    for name in args.states.split(","):
+      rows.append(summary(bench_state(name, args.saves, args.restores, root, args.profile)))
+      print(table(rows[-1:]).splitlines()[-1], flush=True)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  print(table(rows))
+  print(f"load at end {os.getloadavg()[0]:.2f}")
+  if args.json:
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+  return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
