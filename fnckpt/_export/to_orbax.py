@@ -136,8 +136,17 @@ def export_orbax(
 
 
 def _device() -> str:
-  """This process's first device as Orbax names it (``cpu:0``): where a single-device
-  array is restored without a target."""
+  """The device a single-device array is restored onto when Orbax restores without a
+  target (fnckpt records none): this process's first device as Orbax names it (``cpu:0``,
+  ``cuda:0``); ``cpu:0`` when JAX has started no backend (the CLI starts none)."""
+  try:
+    from jax._src import xla_bridge  # (no public way to ask without starting one)
+
+    started = bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):
+    started = False
+  if not started:
+    return "cpu:0"
   import jax
 
   return str(jax.local_devices()[0]).replace("TFRT_CPU_", "cpu:")
