@@ -52,7 +52,8 @@ _SEQ_KINDS = ("seq", "flat")  # Orbax's key_type 1; "dict" and "attr" are 2
 class OrbaxArray:
   """One zarr array to write: ``leaf`` (an array or key leaf, or a number: ``value`` holds
   it as a 0-d array), Orbax's parameter ``name`` and ``value_type``, the zarr ``chunks``;
-  a ``jax.Array``'s shard shape (``write_shape``) and ``_sharding`` JSON text."""
+  a ``jax.Array``'s shard shape (``write_shape``) and ``_sharding`` JSON text; ``whole``:
+  read in one piece (a leaf stored inline or in a pack, small enough), else chunk by chunk."""
 
   leaf: _records.Leaf
   name: str
@@ -63,6 +64,7 @@ class OrbaxArray:
   write_shape: tuple[int, ...] | None = None
   sharding: str | None = None
   value: np.ndarray | None = None
+  whole: bool = False
 
   @property
   def nbytes(self) -> int:
@@ -80,22 +82,29 @@ class OrbaxPlan:
 
 
 def write_shape(leaf: _records.Leaf) -> tuple[int, ...]:
-  """The shape of one device's shard of a leaf saved with a named sharding (the whole shape
-  for any other): each dimension divided by the mesh axes its PartitionSpec entry names.
+  """What one device writes of a leaf saved with a named sharding, as Orbax's
+  replica-parallel save cuts it (the whole shape for any other sharding): each dimension
+  divided by the mesh axes its PartitionSpec entry names, then the first dimension the
+  number of replicas (the other axes' sizes multiplied) divides, divided by it.
 
   >>> s = _records.Sharding("named", ("data", "model"), (2, 4), ("data", None))
   >>> write_shape(_records.Leaf(0, (), "array", "float32", (64, 32), sharding=s))
-  (32, 32)
+  (8, 32)
   """
   assert leaf.shape is not None
   s = leaf.sharding
   if s is None or s.type != "named":
     return tuple(leaf.shape)
-  out = list(leaf.shape)
+  out, used = list(leaf.shape), 1
   for d, entry in enumerate(s.spec[: len(out)]):
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     div = math.prod(s.sizes[s.axes.index(n)] for n in names if n in s.axes)
-    out[d] = -(-out[d] // div)
+    out[d], used = -(-out[d] // div), used * div
+  replicas = math.prod(s.sizes) // used
+  if replicas > 1 and math.prod(out) > 0:
+    axis = next((k for k, n in enumerate(out) if n % replicas == 0), None)
+    if axis is not None:
+      out[axis] //= replicas
   return tuple(out)
 
 
@@ -125,10 +134,12 @@ def _name_of(path: tuple[tuple[str, Any], ...]) -> tuple[str, ...]:
   return tuple(str(k) for _, k in path)
 
 
-def _sharding_json(leaf: _records.Leaf, device: str) -> str:
-  """Orbax's ``_sharding`` text: a NamedSharding's mesh shape, axis names and
-  PartitionSpec (no device ids: Orbax then lays the mesh over ``jax.devices()``), else
-  a SingleDeviceSharding on ``device``."""
+def _sharding_json(leaf: _records.Leaf) -> str:
+  """Orbax's ``_sharding`` text: a NamedSharding's mesh shape, axis names and PartitionSpec
+  (no device ids: Orbax then lays the mesh over ``jax.devices()``, in order). Any other
+  sharding (one device; fnckpt records no device) is one device's: a one-device mesh of the
+  device with id 0, which every JAX platform has, where Orbax's SingleDeviceSharding would
+  name a platform's device (``cpu:0``)."""
   s = leaf.sharding
   if s is not None and s.type == "named":
     spec = [e if e is None or isinstance(e, str) else list(e) for e in s.spec]
@@ -140,7 +151,15 @@ def _sharding_json(leaf: _records.Leaf, device: str) -> str:
         "partition_spec": spec,
       }
     )
-  return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": device})
+  return json.dumps(
+    {
+      "sharding_type": "NamedSharding",
+      "shape": [1],
+      "axis_names": ["device"],
+      "partition_spec": [],
+      "device_mesh": {"mesh": [{"id": 0}]},
+    }
+  )
 
 
 def _scalar_value(leaf: _records.Leaf) -> np.ndarray | None:
@@ -172,8 +191,7 @@ def _why_not(leaf: _records.Leaf) -> str:
 class _Build:
   """What :func:`plan` collects, leaf by leaf."""
 
-  chunk_bytes: int
-  device: str
+  window: int
   arrays: list[OrbaxArray] = dataclasses.field(default_factory=list)
   numbers: list[OrbaxArray] = dataclasses.field(default_factory=list)
   tree: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -222,15 +240,22 @@ class _Build:
     assert leaf.shape is not None and leaf.dtype is not None
     jax_array = leaf.source == "jax" or leaf.kind == "key"
     shard = write_shape(leaf) if jax_array else tuple(leaf.shape)
+    size, limit = _records.itemsize(leaf.dtype), max(1, self.window // 16)
+    # Inline and packed bytes are read as C-order ranges only: such a leaf is read whole
+    # when that fits in the window, else in chunks that are C-order ranges of it.
+    ranges_only = leaf.inline is not None or leaf.packed is not None
+    whole = ranges_only and 3 * leaf.nbytes <= self.window
+    chunks = chunk_shape(leaf.shape if ranges_only and not whole else shard, size, limit)
     a = OrbaxArray(
       leaf,
       name,
       "jax.Array" if jax_array else "np.ndarray",
       leaf.dtype,
       tuple(leaf.shape),
-      chunk_shape(shard, _records.itemsize(leaf.dtype), self.chunk_bytes),
+      chunks,
       write_shape=tuple(max(1, n) for n in shard) if jax_array else None,
-      sharding=_sharding_json(leaf, self.device) if jax_array else None,
+      sharding=_sharding_json(leaf) if jax_array else None,
+      whole=whole,
     )
     self.arrays.append(a)
     self._entry(leaf, keys, a.value_type, shape=a.write_shape)
@@ -290,25 +315,20 @@ def _custom_metadata(metadata: Any) -> Any:
 
 
 def plan(
-  leaves: Sequence[_records.Leaf],
-  location: str,
-  *,
-  chunk_bytes: int,
-  device: str = "cpu:0",
-  metadata: Any = None,
+  leaves: Sequence[_records.Leaf], location: str, *, window: int, metadata: Any = None
 ) -> OrbaxPlan:
-  """The Orbax checkpoint of ``leaves`` (a checkpoint's records), zarr chunks of at most
-  ``chunk_bytes`` (a shard that fits is one chunk, as Orbax writes it); ``device`` names the
-  device of a saved single-device sharding (fnckpt records none).
+  """The Orbax checkpoint of ``leaves`` (a checkpoint's records), read through a window of
+  ``window`` bytes: zarr chunks of at most a sixteenth of it (a shard that fits is one
+  chunk, as Orbax writes it); ``metadata``: the checkpoint's own, kept when it is JSON.
 
   >>> from fnckpt._format import records as _records
   >>> w = _records.Leaf(0, (("dict", "w"),), "array", "float32", (2,), "numpy", inline=bytes(8))
   >>> step = _records.Leaf(1, (("dict", "step"),), "scalar", type="int", value=7)
-  >>> p = plan([w, step], "ckpt", chunk_bytes=1 << 20)
+  >>> p = plan([w, step], "ckpt", window=1 << 20)
   >>> [(a.name, a.value_type, a.chunks) for a in p.arrays], sorted(p.files)
   ([('w', 'np.ndarray', (2,)), ('step', 'scalar', ())], ['_METADATA'])
   """
-  b = _Build(chunk_bytes, device)
+  b = _Build(window)
   for leaf in leaves:
     b.add(leaf)
   if b.refused:

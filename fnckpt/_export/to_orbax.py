@@ -118,11 +118,7 @@ def export_orbax(
   window = _st._read_window(budget_bytes)
   src = _source.open_source(checkpoint, storage_options)
   p = _plan.plan(
-    src.manifest.leaves,
-    src.location,
-    chunk_bytes=max(1, window.limit // 16),
-    device=_device(),
-    metadata=src.manifest.metadata,
+    src.manifest.leaves, src.location, window=window.limit, metadata=src.manifest.metadata
   )
   _check_target(target, overwrite)
   _write_export(src, p, target, window, overwrite)
@@ -133,23 +129,6 @@ def export_orbax(
     seconds=time.monotonic() - started,
     peak_read_bytes=window.peak,
   )
-
-
-def _device() -> str:
-  """The device a single-device array is restored onto when Orbax restores without a
-  target (fnckpt records none): this process's first device as Orbax names it (``cpu:0``,
-  ``cuda:0``); ``cpu:0`` when JAX has started no backend (the CLI starts none)."""
-  try:
-    from jax._src import xla_bridge  # (no public way to ask without starting one)
-
-    started = bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    started = False
-  if not started:
-    return "cpu:0"
-  import jax
-
-  return str(jax.local_devices()[0]).replace("TFRT_CPU_", "cpu:")
 
 
 def _output(out: str | os.PathLike) -> str:
@@ -270,18 +249,14 @@ def _open_array(a: _plan.OrbaxArray, directory: str, ctx: ts.Context) -> ts.Futu
 
 def _regions(opener: _read.Opener, p: _plan.OrbaxPlan) -> Iterator[_read.Region]:
   """Each array's zarr chunks in order, charged three times their bytes (the read's raw and
-  decoded bytes, then TensorStore's copy being written); a leaf stored inline or in a pack
-  (read only as one C-order range, at most 64 MiB) in one read."""
+  decoded bytes, then TensorStore's copy being written); a leaf the plan reads whole (stored
+  inline or in a pack, read as C-order ranges only) in one read."""
   for k, a in enumerate(p.arrays):
     if a.value is not None:
       continue
     leaf = opener.leaf(a.leaf)
     size = _records.itemsize(a.dtype)
-    boxes = (
-      [tuple((0, n) for n in a.shape)]
-      if leaf.kind in ("inline", "packed")
-      else _blocks.grid(a.shape, a.chunks)
-    )
+    boxes = [tuple((0, n) for n in a.shape)] if a.whole else _blocks.grid(a.shape, a.chunks)
     for box in boxes:
       yield _read.Region(leaf, box, 3 * size * _box_size(box), (k, box))
 
