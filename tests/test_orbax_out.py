@@ -252,8 +252,16 @@ def test_bad_input_is_a_checkpoint_error_and_out_is_untouched(exported, tmp_path
   with pytest.raises(fnckpt.CheckpointError, match="is not an Orbax checkpoint \\(it holds "
                      "'notes.txt'\\); overwrite=True replaces only an Orbax checkpoint"):
     fnckpt.export_orbax(ckpt, str(tmp_path / "busy"), overwrite=True)
-  with pytest.raises(fnckpt.CheckpointError, match="is not an Orbax checkpoint"):
-    fnckpt.export_orbax(ckpt, ckpt, overwrite=True)  # (never over the checkpoint itself)
+  for inside in (ckpt, os.path.join(ckpt, "orbax"), str(root)):  # never over or in it
+    with pytest.raises(fnckpt.CheckpointError, match="overlap \\(one is the other or inside "
+                       "it\\). Export to a directory outside the checkpoint"):
+      fnckpt.export_orbax(ckpt, inside, overwrite=True)
+  assert not os.path.exists(os.path.join(ckpt, "orbax"))
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(fnckpt.CheckpointError, match="is a file or a link, not an Orbax"):
+    fnckpt.export_orbax(ckpt, str(tmp_path / "file"), overwrite=True)
+  with pytest.raises(fnckpt.CheckpointError, match=r"export_orbax\(budget_bytes=0\)"):
+    fnckpt.export_orbax(ckpt, str(tmp_path / "o"), budget_bytes=0)
   assert _tree_of(tmp_path / "busy") == before
   assert os.listdir(tmp_path / "busy") == ["notes.txt"]
   with pytest.raises(fnckpt.CheckpointError, match="writes local files only"):

@@ -29,6 +29,7 @@ import tensorstore as ts
 
 from .._errors import CheckpointError
 from .._format import records as _records
+from .._io import arrays as _arrays
 from .._io import paths as _paths
 from .._layout import blocks as _blocks
 from .._sources import read as _read
@@ -115,8 +116,13 @@ def export_orbax(
   """
   started = time.monotonic()
   target = _output(out)
-  window = _st._read_window(budget_bytes)
+  window = _read.Window(
+    _arrays.budget_arg(
+      budget_bytes, "export_orbax", _source.READ_WINDOW_BYTES, _st.MIN_WINDOW_BYTES
+    )
+  )
   src = _source.open_source(checkpoint, storage_options)
+  _check_apart(target, src.location)
   p = _plan.plan(
     src.manifest.leaves, src.location, window=window.limit, metadata=src.manifest.metadata
   )
@@ -156,16 +162,29 @@ def _check_target(target: str, overwrite: bool) -> None:
       f"{target!r} already exists and is not empty. Pass overwrite=True (CLI: --overwrite) "
       "to replace an Orbax checkpoint there, or choose another path."
     )
-  others = (
-    [n for n in os.listdir(target) if not _ORBAX_NAME.fullmatch(n)]
-    if os.path.isdir(target) and not os.path.islink(target)
-    else [os.path.basename(target)]
-  )
+  if not os.path.isdir(target) or os.path.islink(target):
+    raise CheckpointError(
+      f"{target!r} is a file or a link, not an Orbax checkpoint; overwrite=True replaces "
+      "only an Orbax checkpoint. Export to a new or empty directory."
+    )
+  others = [n for n in os.listdir(target) if not _ORBAX_NAME.fullmatch(n)]
   if others:
     raise CheckpointError(
       f"{target!r} is not an Orbax checkpoint (it holds {sorted(others)[0]!r}); "
       "overwrite=True replaces only an Orbax checkpoint. Export to a new or empty "
       "directory, or remove that one yourself."
+    )
+
+
+def _check_apart(target: str, location: str) -> None:
+  """``target`` must be neither the checkpoint, inside it, nor hold it (a local one)."""
+  if "://" in location:
+    return
+  here, there = os.path.realpath(target), os.path.realpath(location)
+  if os.path.commonpath([here, there]) in (here, there):
+    raise CheckpointError(
+      f"out={target!r} and the checkpoint {location!r} overlap (one is the other or "
+      "inside it). Export to a directory outside the checkpoint."
     )
 
 
