@@ -361,3 +361,21 @@ def test_a_checkpoint_saved_by_2_processes_is_exported_by_one(tmp_path):
     assert same(got[k], want[k]), k
     assert got[k].sharding == target[k].sharding
   assert json.loads((tmp_path / "o" / "_sharding").read_text())  # the saved mesh axes
+
+
+def test_the_export_imports_no_orbax_and_starts_no_backend(exported, tmp_path):
+  """In a fresh process (the CLI's case): the export neither imports orbax nor starts a JAX
+  backend (a single-device array needs no device name: see orbax_plan._sharding_json)."""
+  import subprocess
+  root, _, _, _ = exported
+  code = ("import sys, fnckpt\n"
+          "from jax._src import xla_bridge\n"  # (the test may look; the package may not)
+          f"fnckpt.export_orbax({str(root / 'ckpt')!r}, {str(tmp_path / 'o')!r})\n"
+          "assert not [m for m in sys.modules if m.split('.')[0] == 'orbax'], 'orbax imported'\n"
+          "assert not xla_bridge.backends_are_initialized(), 'a backend was started'\n"
+          "print('ok')\n")
+  here = os.path.dirname(os.path.dirname(fnckpt.__file__))
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**hp.child_env(), "PYTHONPATH": here}, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+  assert json.loads((tmp_path / "o" / "_METADATA").read_text())["tree_metadata"]

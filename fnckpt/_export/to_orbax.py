@@ -206,13 +206,13 @@ def _write_export(
   tmp = os.path.join(
     os.path.dirname(target), f".{os.path.basename(target)}.tmp-{secrets.token_hex(8)}"
   )
+  started = time.time_ns()
   try:
     os.mkdir(tmp)
     ctx = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}})
     _write_arrays(src, p, tmp, ctx, window, target)
     _merge(tmp, ctx, target)
     os.mkdir(os.path.join(tmp, "array_metadatas"))
-    started = time.time_ns()
     for name, data in p.files.items():
       _st._write_bytes(os.path.join(tmp, name), data, target)
     _st._write_bytes(
