@@ -1,22 +1,25 @@
-"""Export throughput and peak memory of fnckpt.export_safetensors on a state larger than the
-read window.
+"""Export throughput and peak memory of fnckpt.export_safetensors (and export_orbax) on a
+state larger than the read window.
 
     python bench/export.py                        # 1 GiB state, 64 MiB window, 3 runs per mode
     python bench/export.py --gib 0.25 --runs 1 --dir /mnt/nvme/tmp
+    python bench/export.py --gib 0.5 --runs 1 --modes single,orbax   # 64 MiB leaves
 
 The state is bench/blocking.py's: 8 float32 arrays of 128 MiB sharded over a (2, 4) mesh in
 four ways, saved once. Each run is a fresh process (so RSS is its own) that exports the whole
 checkpoint after evicting it from the page cache (a cold read) and resetting the kernel's peak
 RSS counter (``/proc/self/clear_refs``), and reports:
 
-- ``MB/s``: tensor bytes written / wall time of ``export_safetensors`` (fsync included);
+- ``MB/s``: tensor bytes exported / wall time of the export (fsync included);
 - ``peak RSS over baseline``: VmHWM after the export minus VmRSS just before it;
 - ``CPU seconds``: user + system time of the process during the export (less sensitive than
   wall time to other work on the machine);
 - ``window peak``: the most bytes the export's reads held at once (``peak_read_bytes``; each
   read charged twice its size).
 
-Modes: one ``.safetensors`` file; a directory of 256 MB shards; one file cast to bfloat16.
+Modes: one ``.safetensors`` file; a directory of 256 MB shards; one file cast to bfloat16;
+``orbax``: ``export_orbax`` (an Orbax PyTree checkpoint, zstd-compressed zarr in OCDBT; not
+in the default modes).
 For contrast, ``restore + save_file`` does what a user would write without export: restore
 the checkpoint to host numpy arrays, then ``safetensors.numpy.save_file`` (fsynced). Machine
 limits measured in the same run: disk write + fsync, cold read (bench/limits.py).
@@ -64,8 +67,11 @@ if mode == "restore+save_file":
   fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
   nbytes, peak = sum(v.nbytes for v in tree.values()), None
 else:
-  kw = {"single": {}, "shards": {"max_shard_size": "256MB"}, "bf16": {"dtype": "bfloat16"}}[mode]
-  r = fnckpt.export_safetensors(ckpt, out, budget_bytes=window, **kw)
+  if mode == "orbax":
+    r = fnckpt.export_orbax(ckpt, out, budget_bytes=window)
+  else:
+    kw = {"single": {}, "shards": {"max_shard_size": "256MB"}, "bf16": {"dtype": "bfloat16"}}
+    r = fnckpt.export_safetensors(ckpt, out, budget_bytes=window, **kw[mode])
   nbytes, peak = r.bytes, r.peak_read_bytes
 seconds = time.perf_counter() - t
 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -122,7 +128,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
       runs = []
       for i in range(args.runs if mode != "restore+save_file" else 1):
-        out = os.path.join(root, f"out-{i}" + ("" if mode == "shards" else ".safetensors"))
+        out = os.path.join(root, f"out-{i}" + ("" if mode in ("shards", "orbax") else
+                                               ".safetensors"))
         runs.append(run_one(ckpt, out, mode, window))
         shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else os.unlink(out)
       results["modes"][mode] = runs

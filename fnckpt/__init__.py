@@ -15,6 +15,7 @@ from ._errors import BarrierTimeoutError as BarrierTimeoutError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TreeMismatchError as TreeMismatchError
+from ._export.to_orbax import export_orbax as export_orbax
 from ._export.to_safetensors import export_safetensors as export_safetensors
 from ._format.perprocess import PerProcess as PerProcess
 from ._manager.interval import optimal_interval_s as optimal_interval_s
@@ -39,6 +40,7 @@ __all__ = [
   "CheckpointManager",
   "PerProcess",
   "export_safetensors",
+  "export_orbax",
   "optimal_interval_s",
   "SaveHandle",
   "SaveStats",

@@ -323,6 +323,35 @@ def box_bytes(chunks, index, itemsize: int) -> int:
   return n
 
 
+def _key_impls(kv: ts.KvStore, location: str) -> dict[str, str]:
+  """The typed PRNG keys' implementations (parameter name -> impl) that Orbax records in
+  ``array_metadatas/process_N`` (``ext_metadata.random_key_impl``; Orbax reads the first
+  file, so do we); only implementations fnckpt knows. Absent or unreadable: none."""
+  try:
+    names = sorted(kv.list(ts.KvStore.KeyRange("array_metadatas/", "array_metadatas0")).result())
+    raw = _read_json(kv, names[0].decode(), location, required=False) if names else None
+  except (CheckpointError, ValueError, UnicodeDecodeError):
+    return {}
+  entries = raw.get("array_metadatas") if isinstance(raw, dict) else None
+  out = {}
+  for entry in entries if isinstance(entries, list) else ():
+    m = entry.get("array_metadata") if isinstance(entry, dict) else None
+    ext = m.get("ext_metadata") if isinstance(m, dict) else None
+    impl = ext.get("random_key_impl") if isinstance(ext, dict) else None
+    if isinstance(m, dict) and isinstance(m.get("param_name"), str) and impl in _records.PRNG_IMPLS:
+      out[m["param_name"]] = impl
+  return out
+
+
+def _key_impl(impls: dict[str, str], e: Entry, store: ts.TensorStore) -> str | None:
+  """A jax.Array's PRNG implementation, if it is a typed key's data (uint32, its last
+  dimension the implementation's key words)."""
+  impl = impls.get(e.name) if e.value_type == "jax.Array" else None
+  if impl is None or store.dtype.name != "uint32" or store.rank == 0:
+    return None
+  return impl if int(store.shape[-1]) == _records.PRNG_IMPLS[impl] else None
+
+
 def _open_arrays(kv_spec, ctx, entries, options) -> dict[int, ts.Future]:
   return {
     i: ts.open(_array_spec(kv_spec, e.name, options), read=True, context=ctx)
@@ -346,6 +375,7 @@ def open_item(
     else {}
   )
   shardings = _shardings(kv, location)
+  impls = _key_impls(kv, location)
   leaves: list[_records.Leaf | None] = []  # (None: a scalar's, until it is read)
   stores, names, scalars = {}, {}, {}
   for i, e in enumerate(entries):
@@ -370,11 +400,13 @@ def open_item(
         leaves.append(None)
         continue
       shape = tuple(store.shape)
+      impl = _key_impl(impls, e, store)
       leaves.append(
         _records.Leaf(
           index=i,
           path=e.path,
-          kind="array",
+          kind="array" if impl is None else "key",
+          impl=impl,
           dtype=store.dtype.name,
           shape=shape,
           source="jax" if e.value_type == "jax.Array" else "numpy",

@@ -5,6 +5,7 @@
     fnckpt verify PATH       read every chunk, check every checksum (PATH may be a run DIR)
     fnckpt diff A B          key paths added / removed / changed; --values compares the data
     fnckpt export CKPT OUT   the arrays as safetensors (OUT.safetensors, or a directory of shards)
+                             or, with --format orbax, the tree as an Orbax checkpoint
     fnckpt --version         fnckpt's version, and JAX's, TensorStore's and Python's
 
 Exit status: 0 all is well; 1 damage found (verify), differences found (diff) or nothing to
@@ -13,7 +14,7 @@ list (ls); 2 a usage error or a location that cannot be read.
 Only the manifest, the commit marker, the zarr3 chunks and the ``pp/<process>`` files of
 ``fnckpt.PerProcess`` values are read (through TensorStore), so any location fnckpt writes
 works: local paths, ``memory://`` (same process only), ``gs://``, ``s3://``. No JAX backend
-is started. ``export`` writes local files only (``fnckpt._export.to_safetensors``).
+is started. ``export`` writes local files only (``fnckpt._export``).
 ``--storage-option KEY=VALUE`` (repeatable, before or after the command) sets the
 ``storage_options`` of fnckpt.save/restore for every location the command reads; a checkpoint
 is opened as restore opens it (``fnckpt._sources.source.open_source``) and its arrays read
@@ -196,14 +197,22 @@ def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
   exp = sub.add_parser(
     "export",
     parents=[common],
-    help="write the arrays as safetensors",
+    help="write the arrays as safetensors (or the tree as an Orbax checkpoint)",
     description="Write a checkpoint's arrays as safetensors, streamed in "
     "a bounded window: OUT ending in .safetensors is one file, anything "
     "else a directory of model-0000i-of-0000N.safetensors shards with "
-    "model.safetensors.index.json. Names are key paths joined with '.'.",
+    "model.safetensors.index.json. Names are key paths joined with '.'. "
+    "With --format orbax: the whole tree as an Orbax PyTree checkpoint in the "
+    "directory OUT (what orbax-checkpoint's StandardCheckpointer restores).",
   )
   exp.add_argument("checkpoint")
   exp.add_argument("out")
+  exp.add_argument(
+    "--format",
+    choices=("safetensors", "orbax"),
+    default="safetensors",
+    help="safetensors (default) or orbax",
+  )
   exp.add_argument(
     "--select",
     help="export this subtree only (e.g. params, params.dense); names are relative to it",

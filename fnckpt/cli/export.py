@@ -1,4 +1,5 @@
-"""``fnckpt export CKPT OUT``: a checkpoint's arrays as safetensors (``fnckpt._export``)."""
+"""``fnckpt export CKPT OUT``: a checkpoint's arrays as safetensors, or (``--format orbax``)
+its tree as an Orbax PyTree checkpoint (``fnckpt._export``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from typing import Sequence
 
 from .._errors import CheckpointError
+from .._export.to_orbax import export_orbax
 from .._export.to_safetensors import export_safetensors
 from .text import compact, human
 
@@ -32,7 +34,12 @@ def renames(pairs: Sequence[str] | None) -> dict[str, str]:
   return out
 
 
+_SAFETENSORS_ONLY = ("select", "dtype", "prefix", "rename", "max_shard_size")
+
+
 def run(args: argparse.Namespace) -> int:
+  if args.format == "orbax":
+    return _run_orbax(args)
   r = export_safetensors(
     args.checkpoint,
     args.out,
@@ -57,4 +64,23 @@ def run(args: argparse.Namespace) -> int:
   )
   if extra:
     print(f"__metadata__: {compact(json.dumps(extra), -200)}")
+  return 0
+
+
+def _run_orbax(args: argparse.Namespace) -> int:
+  given = [n for n in _SAFETENSORS_ONLY if getattr(args, n, None)]
+  if given:
+    flag = "--" + given[0].replace("_", "-")
+    raise CheckpointError(
+      f"{flag} applies to --format safetensors; --format orbax exports the whole tree as "
+      "it is. Drop it, or export to safetensors."
+    )
+  r = export_orbax(
+    args.checkpoint, args.out, overwrite=args.overwrite, storage_options=args.storage_options
+  )
+  rate = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
+  print(
+    f"wrote an Orbax checkpoint of {r.arrays} array(s), {human(r.bytes)}, to {r.out} in "
+    f"{r.seconds:.2f} s ({rate:.0f} MB/s)"
+  )
   return 0
