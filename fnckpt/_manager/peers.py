@@ -65,42 +65,50 @@ def _prefix(name: str) -> Any:
   return ts.KvStore.KeyRange(name, name + "\xff")
 
 
-def _record(kv: Any, process: int, count: int, step: int) -> _held.HeldRecord | None:
+def _record(kv: Any, process: int, count: int, step: int) -> tuple[_held.HeldRecord | None, str]:
   """This process's record of ``step`` if it is there, matches, and names only pieces that
-  are there; else None."""
+  are there; else None and why it cannot be used (empty: no record of ``step`` at all)."""
   got = kv.read(_held.record_key(process)).result()
   if got.state != "value":
-    return None
+    return None, ""
   try:
     rec = _held.HeldRecord.decode(bytes(got.value))
   except Exception:
-    return None
-  if (rec.process, rec.count, rec.step) != (process, count, step):
-    return None
+    return None, "its record of what this process holds is unreadable"
+  if rec.step != step:
+    return None, ""
+  if (rec.process, rec.count) != (process, count):
+    return None, (
+      f"it was saved by {rec.count} processes and this job has {count} (recovery from "
+      "peers needs the same processes holding the same shards; it does not reshard)"
+    )
   have = {
     k.decode("utf-8", "surrogateescape")
     for k in kv.list(range=_prefix(f"held/{process}/")).result()
   }
   want = {_held.piece_key(process, i, j) for i, h in enumerate(rec.held) for j in h}
-  return rec if want <= have else None
+  return (rec, "") if want <= have else (None, "some of its held pieces are missing")
 
 
 def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
-  """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of."""
+  """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of (and
+  those it holds one of that cannot be used, with why)."""
   import socket
 
   p, n = jax.process_index(), jax.process_count()
   listing = local_index.list(in_flight=saving)
-  steps = {}
+  steps, unusable = {}, {}
   for step in sorted(set(listing.steps) | set(listing.uncommitted)):
     kv = _paths.open_kvstore(local_index.at(step))
     try:
-      rec = _record(kv, p, n, step)
+      rec, why = _record(kv, p, n, step)
     except Exception:  # an unreadable fast tier holds nothing
-      rec = None
+      rec, why = None, ""
     if rec is not None:
       steps[step] = (rec.layout, rec.counts, rec.held)
-  return _held.HeldReport(p, socket.gethostname(), steps)
+    elif why:
+      unusable[step] = why
+  return _held.HeldReport(p, socket.gethostname(), steps, unusable)
 
 
 def _read_mine(
@@ -112,7 +120,7 @@ def _read_mine(
     return {}
   kv = _paths.open_kvstore(where)
   step_path = where.path
-  rec = _record(kv, process, count, step)
+  rec, _ = _record(kv, process, count, step)
   if rec is None:
     raise CheckpointError(
       f"the record of step {step} in {_paths.display(step_path)!r} vanished or changed"
