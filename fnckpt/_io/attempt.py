@@ -53,6 +53,11 @@ _current: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
 )
 
 
+class PeerFailedError(_collective.PeerFailedError):
+  """Another process failed during the same collective restore (or recovery from peers).
+  (Where it found damaged data, the error is a :class:`DamagedError`.)"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Failure:
   """A failure another process published: ``process``, ``damaged`` (it found damaged data:
@@ -81,6 +86,7 @@ class Attempt:
     self.multi = multi and jax.process_count() > 1
     self.count = 0
     self.closed = self.broken = self.failed = False
+    self.learned: BaseException | None = None
     if not self.multi:
       return
     self.client = _commit._client()
@@ -100,7 +106,7 @@ class Attempt:
     found = self.failure(i)
     if found is not None:
       self.closed = True  # every process stops at this barrier: none goes further
-      raise (explain or self.default_error)(found, f"at barrier '{label}'")
+      raise self._learned((explain or self.default_error)(found, f"at barrier '{label}'"))
 
   def gather(self, label: str, value: str) -> list[str]:
     """Every process's ``value``, in process order, on every process: each posts its own,
@@ -145,7 +151,13 @@ class Attempt:
     if self.multi and not self.closed:
       found = self.failure()
       if found is not None:
-        raise (explain or self.default_error)(found, when)
+        raise self._learned((explain or self.default_error)(found, when))
+
+  def _learned(self, error: CheckpointError) -> CheckpointError:
+    """``error``, remembered as another process's failure (:meth:`fail` does not publish
+    it as this process's own)."""
+    self.learned = error
+    return error
 
   def fail(self, error: BaseException) -> None:
     """This process failed: publish ``error`` for the next barrier (unless it is another
@@ -154,7 +166,7 @@ class Attempt:
     if not self.multi or self.closed or self.broken or self.failed:
       return
     self.failed = True
-    if not isinstance(error, PeerFailure):
+    if error is not self.learned and not isinstance(error, _collective.PeerFailedError):
       kind = "damaged" if isinstance(error, DamagedError) else "error"
       text = f"{type(error).__name__}: {_paths.error_text(error)}"[:_MAX_ERROR_CHARS]
       if not _commit.publish(self.location, self._errors(self.count), f"{kind}:{text}"):
@@ -168,7 +180,7 @@ class Attempt:
 
   def default_error(self, found: Failure, when: str) -> CheckpointError:
     who = f"process {found.process}" if found.process >= 0 else "another process (unknown)"
-    error: type[CheckpointError] = PeerDamagedError if found.damaged else PeerFailedError
+    error: type[CheckpointError] = DamagedError if found.damaged else PeerFailedError
     return error(
       f"Collective {self.kind} of {_paths.display(self.location)!r} failed on {who} "
       f"({found.text}); process {jax.process_index()} learned of it {when} and stops too. "
@@ -187,17 +199,6 @@ class Attempt:
         self.client.key_value_delete(f"{self.base}/{self.attempt - 1}")
       except Exception:  # tidiness only
         pass
-
-
-class PeerFailedError(_collective.PeerFailedError):
-  """Another process failed during the same collective restore (or recovery from peers)."""
-
-
-class PeerDamagedError(DamagedError):
-  """Another process found the data damaged during the same collective restore."""
-
-
-PeerFailure = (PeerFailedError, PeerDamagedError, _collective.PeerFailedError)
 
 
 @contextlib.contextmanager

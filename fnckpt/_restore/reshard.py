@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, DamagedError
 from .._io import attempt as _attempt
 from .._io import commit as _commit
 from .._io import paths as _paths
@@ -76,13 +76,13 @@ def _explain(location: str, phase: str, where: Sequence[str]) -> _attempt.Explai
 
   def explain(found: _attempt.Failure, when: str) -> CheckpointError:
     who = f"process {found.process}" if found.process >= 0 else "another process (unknown)"
-    error = _attempt.PeerDamagedError if found.damaged else _attempt.PeerFailedError
+    error = DamagedError if found.damaged else _attempt.PeerFailedError
     return error(
       f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
       f"({_keys(where)}): {who} could not read its parts ({found.text}). This "
-      f"process (process {jax.process_index()}) stops at the same wave ({when}). Fix or "
-      f"restore another checkpoint (the manager's restore() falls back to an older step on "
-      f"every process when the data is damaged)."
+      f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
+      f"another checkpoint (the manager's restore() falls back to an older step on every "
+      f"process when the data is damaged). (Learned {when}.)"
     )
 
   return explain
@@ -111,9 +111,9 @@ def reshard(
   try:
     out = jax.jit(_identity, out_shardings=tuple(shardings))(*arrays)
     _wait(out, deadline, lambda: attempt.poll(f"in {phase}'s collective", explain))
-  except _attempt.PeerFailure:
-    raise
   except Exception as e:
+    if e is attempt.learned:  # (another process failed instead of joining: it said why)
+      raise
     raise _failure(location, phase, where, e, timeout_s) from None
   for x in arrays:
     x.delete()
@@ -146,9 +146,9 @@ def _failure(
   try:
     _attempt.current().barrier(f"{phase}-failed", timeout_s=min(timeout_s, FAILED_WAIT_S))
     who = "every process is still there: the failure is not a lost process"
-  except _attempt.PeerFailure as p:  # (one failed outside the collective and said why)
-    return p
   except CheckpointError as b:
+    if b is _attempt.current().learned:  # (one failed outside the collective and said why)
+      return b
     who = _lost(str(b))
   _attempt.close()  # every survivor raises here: no further barrier
   return CheckpointError(
