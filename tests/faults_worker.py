@@ -6,11 +6,13 @@ process, none synchronized with the others between calls (as a training job's re
 ``leaves``, ``path``) plus ``tries``: a list of ``{"op": "restore" | "save", "fail": {"process",
 "how"}, "barrier_s"}``; ``how``: ``shape`` (one leaf of the target has a wrong shape:
 TreeMismatchError before any read), ``manifest`` (opening the checkpoint fails), ``read`` (its
-reads fail), ``assemble`` (making a read leaf one array fails), ``late`` (the call starts
+reads fail), ``assemble`` (making a read leaf one array fails), ``kill`` (exits at its
+reads, printing ``KILLED_AT <time>``), ``late`` (the call starts
 ``late_s`` after the others', past their ``barrier_s``), ``tree`` (a save of a different tree).
 Each try reports ``ok`` (shards checked) or ``error`` and ``message``, ``elapsed_s``, and
 ``raised_at``/``failed_at`` (``time.time()`` when the call raised and when this process's
-injected fault fired): the others' delay is ``raised_at`` minus the failing one's ``failed_at``.
+injected fault fired): the others' delay is ``raised_at`` minus the failing one's ``failed_at``;
+``agree_s``: how long each agreement (barrier 0 of a collective restore) took on this process.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def _inject(how: str, target: dict, leaves: dict) -> list:
 
   def fire(*_a, **_k):
     FIRED.append(time.time())
+    if how == "kill":  # (gone without a word: the others learn of it from the service)
+      print(f"KILLED_AT {FIRED[0]}", flush=True)
+      os._exit(9)
     raise RuntimeError(f"injected {how} failure")
 
   if how == "shape":
@@ -45,6 +50,7 @@ def _inject(how: str, target: dict, leaves: dict) -> list:
     FIRED.append(time.time())
   for how_, module, name in (("manifest", restore._source, "open_any"),
                              ("read", place, "read_arrays"),
+                             ("kill", place, "read_arrays"),
                              ("assemble", restore, "_assembled")):
     if how == how_:
       real = getattr(module, name)
@@ -90,10 +96,30 @@ def _one(cfg, t, mesh) -> dict:
   return got
 
 
+def _time_agreement() -> list[float]:
+  """Record how long each agreement (a collective restore's barrier 0) takes here."""
+  from fnckpt._io import attempt
+  real, took = attempt.agree, []
+
+  def timed(*a, **k):
+    t0 = time.perf_counter()
+    try:
+      return real(*a, **k)
+    finally:
+      took.append(time.perf_counter() - t0)
+
+  attempt.agree = timed
+  return took
+
+
 def mode_tries(cfg):
   import jax
   mesh = make_mesh(*cfg["mesh"])
-  out = [_one(cfg, t, mesh) for t in cfg["tries"]]
+  took = _time_agreement()
+  out = []
+  for t in cfg["tries"]:
+    took.clear()
+    out.append(_one(cfg, t, mesh) | {"agree_s": list(took)})
   result({"process": jax.process_index(), "tries": out})
 
 
