@@ -43,7 +43,7 @@ from . import collective as _collective
 from . import commit as _commit
 from . import paths as _paths
 
-__all__ = ["Attempt", "Failure", "collective", "current", "agree", "close", "POLL_S"]
+__all__ = ["Attempt", "Failure", "collective", "keyed", "current", "agree", "close", "POLL_S"]
 
 POLL_S = 0.25  # while in a collective: how often the next barrier's published errors are read
 _MAX_ERROR_CHARS = 4000
@@ -51,6 +51,7 @@ _MAX_ERROR_CHARS = 4000
 _current: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
   "fnckpt_attempt", default=None
 )
+_keyed: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnckpt_keyed", default=None)
 
 
 class PeerFailedError(_collective.PeerFailedError):
@@ -205,7 +206,7 @@ class Attempt:
 def collective(location: str, kind: str, timeout_s: float, on: bool) -> Iterator[Attempt]:
   """The current attempt (``on``: this call is collective with several processes) for the
   block: an exception leaving it is published (:meth:`Attempt.fail`) before it is raised."""
-  attempt = Attempt(location, kind, timeout_s, multi=on)
+  attempt = Attempt(_keyed.get() or location, kind, timeout_s, multi=on)
   token = _current.set(attempt)
   try:
     yield attempt
@@ -215,6 +216,18 @@ def collective(location: str, kind: str, timeout_s: float, on: bool) -> Iterator
   finally:
     attempt.closed = True
     _current.reset(token)
+
+
+@contextlib.contextmanager
+def keyed(name: str) -> Iterator[None]:
+  """Collective calls in the block key their attempts on ``name`` instead of their location
+  (a manager's restore of a step: per-host fast-tier paths differ between processes, and one
+  process may read its local copy while another reads the durable one)."""
+  token = _keyed.set(name)
+  try:
+    yield
+  finally:
+    _keyed.reset(token)
 
 
 def current() -> Attempt:
