@@ -373,11 +373,13 @@ def mode_peers(cfg):
   """Recovery from peers: mesh ``(R, n*2/R)`` ``("r", "s")``, ``cfg["spec"]`` for "w" (e.g.
   ``[null, "s"]``: replicated over "r"; ``["r", "s"]``: no replicas). "save": steps 0-5, every
   step to the local tier, every 2nd to durable storage (so 5 is local-only, 4 durable).
-  "recover": ``cfg["wipe"]`` processes delete their local tier first, then restore()."""
+  "recover": ``cfg["wipe"]`` processes delete their local tier first, then restore().
+  ``cfg["s"]``: the size of "s" (default ``2n/R``: 2 devices a process; another process count
+  over the same global mesh sets it and ``devices``)."""
   import jax
   import fnckpt
   n, groups = jax.process_count(), cfg.get("groups", 2)
-  mesh = mp_worker.make_mesh([groups, 2 * n // groups], ["r", "s"])
+  mesh = mp_worker.make_mesh([groups, cfg.get("s", 2 * n // groups)], ["r", "s"])
   leaves = {"w": {"shape": [8, 16], "spec": cfg["spec"]}, "b": {"shape": [16], "spec": ["s"]},
             "e": {"shape": [4, 4], "kind": "numpy"}}
   local = cfg["local"][jax.process_index()]

@@ -63,3 +63,20 @@ def test_wiped_fast_tier_without_replicas_falls_back_to_durable(tmp_path):
     assert len(r["warnings"]) == 1, r
     msg = r["warnings"][0]
     assert "Step 5" in msg and "process(es) 1 (host" in msg and "step 4" in msg, msg
+
+
+def test_after_a_change_of_process_count_the_fallback_is_never_silent(tmp_path):
+  """Issue 34: steps saved by 4 processes (2 devices each, mesh (2, 4)); a new job of 2
+  processes (4 devices each, the same global mesh) opens managers on the old processes 0 and
+  1's fast tiers. Step 5 is held there (a whole replica of it, "w" replicated over "r"), but
+  recovery from peers does not reshard: every process restores the durable step 4, bitwise,
+  and warns naming step 5 and why (before: no warning)."""
+  cfg = saved(tmp_path, 4, [None, "s"])
+  out = run({**cfg, "phase": "recover", "devices": 4, "s": 4,
+             "local": cfg["local"][:2]}, 2)
+  for r in out:
+    assert r["restored"] == 4 and r["checked"] == 4 + 4 + 1, r
+    (msg,) = r["warnings"]
+    assert msg.startswith("Step 5 is held in the fast tier of some processes but cannot be "
+                          "restored from them: it was saved by 4 processes and this job has 2"), msg
+    assert "step 5 is skipped and step 4 is restored from the durable tier." in msg, msg

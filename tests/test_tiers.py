@@ -4,6 +4,7 @@ restorable from either tier; a damaged copy in one tier is read from the other; 
 tier falls back to durable. (Multi-process cases: tests/test_manager_mp.py.)"""
 
 import os
+import threading
 import shutil
 import uuid
 
@@ -370,3 +371,28 @@ def test_a_wiped_local_tier_does_not_let_an_older_or_durable_step_be_shadowed(tm
   with pytest.raises(fnckpt.CheckpointError, match=rf"Step 1 is older than step 3, already in "
                                                    rf"'{durable}'"):
     again.save(1, state_of(1))                    # local-only, but durable holds 3
+
+
+def test_a_save_failing_after_its_commit_is_recorded_committed(tmp_path, monkeypatch):
+  """Issue 34: the local save of step 3 (a durable step) fails after its commit marker is
+  written. ``wait()`` still reports the error, and the manager records the step as committed
+  (before: as not committed, so it was never copied to the durable tier)."""
+  from fnckpt import _state
+  real = _state.hooks.on_phase
+
+  def phase(name):
+    if name == "committed" and threading.current_thread().name.endswith("/3"):
+      raise RuntimeError("simulated failure after the commit")
+    real(name)
+
+  monkeypatch.setattr(_state.hooks, "on_phase", phase)
+  durable, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+  mgr = fnckpt.CheckpointManager(durable, local_directory=fast, local_save_interval_steps=1,
+                                 save_interval_steps=3)
+  for s in range(4):
+    mgr.save(s, state_of(s))
+  with pytest.raises(fnckpt.CheckpointError, match="simulated failure after the commit"):
+    mgr.wait()
+  assert fnckpt.CheckpointManager(durable).all_steps() == [0, 3]   # copied: committed
+  assert mgr.latest_step() == 3 and mgr.restore()["step"] == 3
+  mgr.close()

@@ -119,11 +119,13 @@ class HeldRecord:
 @dataclasses.dataclass(frozen=True)
 class HeldReport:
   """What one process tells the others at recovery: its host and, per step whose record it
-  holds intact, ``(layout digest, counts, held positions)``."""
+  holds intact, ``(layout digest, counts, held positions)``; ``unusable``: steps it holds a
+  record of that recovery from peers cannot use, with why (saved by another process count)."""
 
   process: int
   host: str
   steps: dict[int, tuple[str, tuple[int, ...], tuple[tuple[int, ...], ...]]]
+  unusable: dict[int, str] = dataclasses.field(default_factory=dict)
 
   def as_json(self) -> dict:
     return {
@@ -132,6 +134,7 @@ class HeldReport:
       "steps": {
         str(s): [d, list(c), [list(h) for h in held]] for s, (d, c, held) in self.steps.items()
       },
+      "unusable": {str(s): why for s, why in self.unusable.items()},
     }
 
   @staticmethod
@@ -140,6 +143,7 @@ class HeldReport:
       int(d["process"]),
       str(d["host"]),
       {int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2])) for s, v in d["steps"].items()},
+      {int(s): str(why) for s, why in d.get("unusable", {}).items()},
     )
 
 
@@ -266,7 +270,7 @@ def choose(
   """PURE: the newest step every process can restore, and from where: its own complete
   local copy on every process (``local_common``), the processes' held shards together
   (``layout``: the target's digest, None: any), or the durable tier; not in ``skipped``.
-  A newer step held in some fast tier but not restorable is named in a warning.
+  A newer step held in some fast tier but not restorable is named in a warning, with why.
 
   >>> r0 = HeldReport(0, "a", {25: ("L", (1,), ((0,),))})
   >>> choose([r0, HeldReport(1, "b", {})], [], [20], set(), "L").source
@@ -274,26 +278,49 @@ def choose(
   >>> c = choose([r0, HeldReport(1, "b", {})], [], [20], set(), "other")
   >>> c.step, c.source, "process(es) 1 (host b)" in c.warning
   (20, 'durable', True)
+  >>> c = choose([HeldReport(0, "a", {}, {25: "it was saved by 4 processes"})], [], [20],
+  ...            set(), "L")
+  >>> c.step, "Step 25 " in c.warning and "saved by 4 processes" in c.warning
+  (20, True)
   """
   local, durable_steps = set(local_common) - skipped, set(durable) - skipped
   peers = {s for r in reports for s in r.steps if s not in skipped and covered(reports, s, layout)}
   step = max(local | peers | durable_steps, default=None)
   source = "local" if step in local else "peers" if step in peers else "durable"
-  newest = max({s for r in reports for s in r.steps} - skipped, default=None)
-  warning = None
-  if newest is not None and (step is None or newest > step):
-    lacking = [f"{r.process} (host {r.host})" for r in reports if newest not in r.steps]
-    why = (
-      "process(es) " + ", ".join(lacking) + " hold no copy of it"
-      if lacking
-      else "its records do not match the target's shardings"
-    )
-    warning = (
-      f"Step {newest} is held in the fast tier of some processes but not every "
-      f"shard of it is held by some process ({why}); step {newest} is skipped and "
-      f"step {step} is restored" + (" from the durable tier." if source == "durable" else ".")
+  warning = _skipped(reports, skipped, step)
+  if warning is not None:
+    warning += f"step {step} is restored" + (
+      " from the durable tier." if source == "durable" else "."
     )
   return Choice(step, source, warning)
+
+
+def _skipped(reports: Sequence[HeldReport], skipped: set[int], step: int | None) -> str | None:
+  """PURE: why the newest step some fast tier holds, if newer than ``step``, is skipped (the
+  start of :func:`choose`'s warning), else None."""
+  newest = max({s for r in reports for s in r.steps} - skipped, default=None)
+  unusable = max({s for r in reports for s in r.unusable} - skipped, default=None)
+  if unusable is not None and (step is None or unusable > step):
+    if newest is None or unusable >= newest:
+      who = [(r.process, r.host, r.unusable[unusable]) for r in reports if unusable in r.unusable]
+      return (
+        f"Step {unusable} is held in the fast tier of some processes but cannot be restored "
+        f"from them: {who[0][2]} (process {who[0][0]}, host {who[0][1]}"
+        + (f", and {len(who) - 1} more" if len(who) > 1 else "")
+        + f"); step {unusable} is skipped and "
+      )
+  if newest is None or (step is not None and newest <= step):
+    return None
+  lacking = [f"{r.process} (host {r.host})" for r in reports if newest not in r.steps]
+  why = (
+    "process(es) " + ", ".join(lacking) + " hold no copy of it"
+    if lacking
+    else "its records do not match the target's shardings"
+  )
+  return (
+    f"Step {newest} is held in the fast tier of some processes but not every "
+    f"shard of it is held by some process ({why}); step {newest} is skipped and "
+  )
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ travel through the coordination service from their reader.
 from __future__ import annotations
 
 import base64
+import json
 import time
 import warnings
 import zlib
@@ -25,8 +26,8 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError
+from .._io import attempt as _attempt
 from .._io import commit as _commit
-from .._io import coordination as _coordination
 from .._io import paths as _paths
 from . import held as _held
 
@@ -64,42 +65,50 @@ def _prefix(name: str) -> Any:
   return ts.KvStore.KeyRange(name, name + "\xff")
 
 
-def _record(kv: Any, process: int, count: int, step: int) -> _held.HeldRecord | None:
+def _record(kv: Any, process: int, count: int, step: int) -> tuple[_held.HeldRecord | None, str]:
   """This process's record of ``step`` if it is there, matches, and names only pieces that
-  are there; else None."""
+  are there; else None and why it cannot be used (empty: no record of ``step`` at all)."""
   got = kv.read(_held.record_key(process)).result()
   if got.state != "value":
-    return None
+    return None, ""
   try:
     rec = _held.HeldRecord.decode(bytes(got.value))
   except Exception:
-    return None
-  if (rec.process, rec.count, rec.step) != (process, count, step):
-    return None
+    return None, "its record of what this process holds is unreadable"
+  if rec.step != step:
+    return None, ""
+  if (rec.process, rec.count) != (process, count):
+    return None, (
+      f"it was saved by {rec.count} processes and this job has {count} (recovery from "
+      "peers needs the same processes holding the same shards; it does not reshard)"
+    )
   have = {
     k.decode("utf-8", "surrogateescape")
     for k in kv.list(range=_prefix(f"held/{process}/")).result()
   }
   want = {_held.piece_key(process, i, j) for i, h in enumerate(rec.held) for j in h}
-  return rec if want <= have else None
+  return (rec, "") if want <= have else (None, "some of its held pieces are missing")
 
 
 def report(local_index: Any, saving: set[int]) -> _held.HeldReport:
-  """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of."""
+  """This process's :class:`HeldReport`: the steps of its fast tier it holds a record of (and
+  those it holds one of that cannot be used, with why)."""
   import socket
 
   p, n = jax.process_index(), jax.process_count()
   listing = local_index.list(in_flight=saving)
-  steps = {}
+  steps, unusable = {}, {}
   for step in sorted(set(listing.steps) | set(listing.uncommitted)):
     kv = _paths.open_kvstore(local_index.at(step))
     try:
-      rec = _record(kv, p, n, step)
+      rec, why = _record(kv, p, n, step)
     except Exception:  # an unreadable fast tier holds nothing
-      rec = None
+      rec, why = None, ""
     if rec is not None:
       steps[step] = (rec.layout, rec.counts, rec.held)
-  return _held.HeldReport(p, socket.gethostname(), steps)
+    elif why:
+      unusable[step] = why
+  return _held.HeldReport(p, socket.gethostname(), steps, unusable)
 
 
 def _read_mine(
@@ -111,7 +120,7 @@ def _read_mine(
     return {}
   kv = _paths.open_kvstore(where)
   step_path = where.path
-  rec = _record(kv, process, count, step)
+  rec, _ = _record(kv, process, count, step)
   if rec is None:
     raise CheckpointError(
       f"the record of step {step} in {_paths.display(step_path)!r} vanished or changed"
@@ -139,11 +148,25 @@ def restore(
   timeout_s: float,
 ) -> Any:
   """Collective: ``step`` restored into ``target`` from the processes' held shards, or None
-  on every process (with a warning) when some process could not read its pieces."""
+  on every process (with a warning) when some process could not read its pieces. One
+  attempt (:mod:`fnckpt._io.attempt`): its first barrier exchanges the reads' outcomes, its
+  second starts the collective; a failure on any process fails every process at once."""
+  with _attempt.collective(f"{location}#peers", "peers", timeout_s, on=True) as attempt:
+    return _restore(attempt, location, where, step, reports, target, timeout_s)
+
+
+def _restore(
+  attempt: _attempt.Attempt,
+  location: str,
+  where: _paths.Location,
+  step: int,
+  reports: Sequence[_held.HeldReport],
+  target: Any,
+  timeout_s: float,
+) -> Any:
   layouts = _held.layouts_of(target)
   assert layouts is not None  # (peers are chosen only for a target they can restore)
-  layout = _held.digest(layouts)
-  readers = _held.holders(reports, step, layout)
+  readers = _held.holders(reports, step, _held.digest(layouts))
   p, n = jax.process_index(), jax.process_count()
   try:
     mine, error = _read_mine(where, readers, p, n, step), None
@@ -154,16 +177,16 @@ def restore(
     for i, l in enumerate(layouts)
     if l.dtype == "host" and readers[i][0] == p and (i, 0) in mine
   }
-  outcome = _coordination.all_gather(
-    location, f"peers-read-{step}", {"error": error, "host": hosts}, timeout_s
-  )
+  mine_json = json.dumps({"error": error, "host": hosts})
+  outcome = [json.loads(o) for o in attempt.gather(f"peers-read-{step}", mine_json)]
   errors = [o["error"] for o in outcome if o["error"]]
   if errors:
+    attempt.closed = True  # (every process returns None here)
     warnings.warn(
       f"Restoring step {step} from the processes' fast tiers failed ("
       f"{'; '.join(errors)}); falling back to the durable tier.",
       RuntimeWarning,
-      stacklevel=4,
+      stacklevel=5,
     )
     return None
   host = {
@@ -175,7 +198,7 @@ def restore(
     for i, leaf in enumerate(leaves)
     if layouts[i].dtype != "host"
   }
-  moved = _spread(location, step, list(arrays.values()), timeout_s)
+  moved = _spread(attempt, location, step, list(arrays.values()), timeout_s)
   out = dict(zip(arrays, moved))
   return jax.tree_util.tree_unflatten(
     treedef, [host[i] if i in host else out[i] for i in range(len(leaves))]
@@ -212,13 +235,18 @@ def _assemble(
 
 
 def _spread(
-  location: str, step: int, arrays: list[tuple[jax.Array, np.dtype]], timeout_s: float
+  attempt: _attempt.Attempt,
+  location: str,
+  step: int,
+  arrays: list[tuple[jax.Array, np.dtype]],
+  timeout_s: float,
 ) -> list[jax.Array]:
   """Every array summed over its replica axes (one jitted computation), bitcast back to
-  its dtype; collective, behind a barrier, with a deadline."""
+  its dtype; collective, behind the attempt's barrier, with a deadline."""
   phase = f"peers-{step}"
-  _commit.report(location, f"{phase}: spreading")
-  _commit.barrier(location, phase, timeout_s)
+  _commit.report(attempt.location, f"{phase}: spreading")
+  attempt.barrier(phase)
+  attempt.closed = True  # (the last barrier: a failure in the collective is each one's own)
   deadline = time.monotonic() + timeout_s
   fns = [_summed(x.sharding, dtype) for x, dtype in arrays]
   try:
@@ -236,7 +264,7 @@ def _spread(
       f"{jax.process_index()}: {type(e).__name__}: {e}"
     ) from None
   finally:
-    _commit.forget(location)
+    _commit.forget(attempt.location)
   for x, _ in arrays:
     x.delete()
   return list(out)

@@ -15,7 +15,9 @@ import warnings
 from typing import Any
 
 from .._errors import DamagedError
+from .._io import attempt as _attempt
 from .._io import coordination as _coordination
+from .._io import paths as _paths
 from .._restore import restore as _restore
 from . import health as _health
 from . import held as _held
@@ -150,7 +152,9 @@ class Recovery:
     """Restore ``step`` on this process: the local copy if it has one (unmarked), else the
     durable one; a damaged local copy is marked, with a warning, and the durable one read."""
     self.claims.wait_saved(step)
-    with self.claims.reading(step):  # retention and delete() leave it alone meanwhile
+    # (a collective restore's attempts keyed on the durable step: per-host local paths differ)
+    key = _paths.join(self.index.path(step), "(restore)")
+    with self.claims.reading(step), _attempt.keyed(key):  # (retention, delete(): not meanwhile)
       if self.local is not None and step in self.local.index.list().steps:
         try:
           return _restore_at(self.local.index, step, target, kwargs)

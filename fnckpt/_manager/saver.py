@@ -236,7 +236,7 @@ class Saver:
     process. The base stays claimed until then."""
     try:
       try:
-        handle.wait()
+        reported = _wait_committed(handle)
       finally:  # the claim covers the commit, not the copy (pending guards the copy)
         self.claims.release_save(step, handle)
       index.note_committed(step)
@@ -249,6 +249,8 @@ class Saver:
         self.index.note_committed(step)
       if durable:
         self.cadence.committed(cost)
+      if reported is not None:  # (committed all the same: recorded as such above)
+        raise reported
     except BaseException as e:
       self.background.record(e)
       return
@@ -261,6 +263,19 @@ class Saver:
         self.retention.run()
     if self.local:
       self.local.retain(self.claims)
+
+
+def _wait_committed(handle: Any) -> CheckpointError | None:
+  """Wait for a save; ``None`` once committed, or the error it raised *after* its commit
+  (``error.outcome.committed``: the step is committed, the error is still reported); any
+  other error is raised (not committed)."""
+  try:
+    handle.wait()
+  except CheckpointError as e:
+    if e.outcome is None or e.outcome.committed is not True:
+      raise
+    return e
+  return None
 
 
 def _copy_error(step: int, local: _tiers.LocalTier, error: BaseException) -> RetentionError:

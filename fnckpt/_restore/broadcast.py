@@ -21,7 +21,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, cast
+from typing import Any, Sequence, Sized, cast
 
 import jax
 import numpy as np
@@ -120,7 +120,7 @@ def _reader(
   return Reader(reader, sharding, _spread.replica_groups(grid, spec), factor, cost)
 
 
-def decide(broadcast: bool | None, readers: dict[int, Reader], *, cpu: bool, remote: bool) -> bool:
+def decide(broadcast: bool | None, readers: Sized, *, cpu: bool, remote: bool) -> bool:
   """Whether to read once and broadcast: as asked; by default (None) when several processes
   hold copies of some target array (``readers`` not empty) and the bytes would travel faster
   between devices than from storage: accelerators (ICI, NVLink, IB), or storage over a

@@ -2,31 +2,33 @@
 moved onto the targets' shardings by one jitted identity (XLA's collectives carry the bytes:
 ICI/NVLink/IB on accelerators, Gloo over TCP between CPU processes).
 
-Collective and bounded: every process enters a wave through a barrier of the restore's
-deadline (a process that died or never came is named there, before any collective can wait
-on it); a collective that fails (a peer's connection closed) or does not finish by the
-deadline ends in a second, short barrier whose absentees are the lost processes, and every
-surviving process raises a :class:`CheckpointError` naming them and the wave's key paths.
+Collective and bounded, inside the restore's attempt (:mod:`fnckpt._io.attempt`: barriers
+numbered per attempt, failures published for the barrier they stop at): every process enters
+a wave through the attempt's next barrier (a process that died or never came is named there,
+before any collective can wait on it); a collective that fails (a peer's connection closed)
+or does not finish by the deadline ends in a second, short barrier whose absentees are the
+lost processes, and every surviving process raises a :class:`CheckpointError` naming them and
+the wave's key paths. While waiting in the collective, each process reads the errors published
+for the next barrier: a process that failed instead of joining is seen within
+``attempt.POLL_S``.
 
-A process that fails before a wave's collective (its reads, the leaves read without
-broadcast before the first wave, the previous wave's leaves finished) publishes its error and
-still arrives at the wave's barrier (:func:`failed`), so the others learn of it there, before
-any collective, and raise at once instead of waiting for the deadline: every process fails
-the same wave, with a :class:`DamagedError` on all of them where one found damage (so the
-manager's self-healing restore takes the same way on all of them). Barrier ids are the
-location's and the wave's, counted by the coordination service: a process that never reaches
-a barrier (lost, or unable to publish) leaves the counts apart for later restores of that
-location (known limit).
+A process that fails before a wave's collective (its reads, the leaves read without broadcast
+before the first wave, the previous wave's leaves finished) publishes its error and still
+arrives at the wave's barrier (:func:`failed`), so the others learn of it there, before any
+collective, and raise at once instead of waiting for the deadline: every process fails the
+same wave, with a :class:`DamagedError` on all of them where one found damage (so the
+manager's self-healing restore takes the same way on all of them).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 from .._errors import CheckpointError, DamagedError
+from .._io import attempt as _attempt
 from .._io import commit as _commit
 from .._io import paths as _paths
 
@@ -34,7 +36,6 @@ __all__ = ["start", "reading", "failed", "reshard", "done", "FAILED_WAIT_S"]
 
 FAILED_WAIT_S = 5.0  # after a failed collective: how long the survivors wait for each other
 POLL_S = 0.05  # how often a wave's results are checked against the deadline
-ERRORS = "broadcast-error"  # where a process's read failure is published
 
 
 def _identity(*xs: Any) -> tuple[Any, ...]:
@@ -42,11 +43,7 @@ def _identity(*xs: Any) -> tuple[Any, ...]:
 
 
 def start(location: str) -> None:
-  """Before the first wave: drop the error this process published in an earlier broadcast
-  restore of ``location`` (before it arrives at any barrier of this one, so no other process,
-  which reads errors only past a barrier, can take it for this restore's)."""
-  if jax.process_count() > 1:
-    _commit.unpublish(location, ERRORS)
+  """Before the first wave (nothing to do: the attempt's barriers and errors are its own)."""
 
 
 def reading(location: str, wave: int) -> None:
@@ -56,60 +53,39 @@ def reading(location: str, wave: int) -> None:
 
 
 def done(location: str) -> None:
-  """Drop this process's progress entry (the broadcast is over)."""
+  """The broadcast is over: the attempt's last barrier is passed; drop this process's
+  progress entry."""
+  _attempt.close()
   _commit.forget(location)
 
 
 def failed(location: str, wave: int, error: BaseException, timeout_s: float) -> None:
   """This process could not read its parts of ``wave``: publish ``error`` and arrive at the
-  wave's barrier, so every other process raises there (:func:`reshard`) rather than wait for
-  this one until the deadline. The caller raises ``error`` afterwards."""
-  if jax.process_count() == 1:
-    return
-  kind = "damaged" if isinstance(error, DamagedError) else "error"
-  text = f"{type(error).__name__}: {_paths.error_text(error)}"[:4000]
-  if not _commit.publish(location, ERRORS, f"{kind}:{text}"):
-    return  # fail closed: unpublished, the others time out at the barrier (naming this one)
-  phase = f"broadcast-wave-{wave}"
-  _commit.report(location, f"{phase}: failed reading")
-  try:
-    _commit.barrier(location, phase, timeout_s)
-  except CheckpointError:  # the others are gone or late: they time out and say so
-    pass
+  wave's barrier (:meth:`fnckpt._io.attempt.Attempt.fail`), so every other process raises
+  there (:func:`reshard`) rather than wait for this one until the deadline. The caller
+  raises ``error`` afterwards."""
+  _commit.report(location, f"broadcast-wave-{wave}: failed reading")
+  _attempt.current().fail(error)
 
 
-def _raise_published(location: str, phase: str, where: Sequence[str]) -> None:
-  """Raise if another process published a failure of this restore (past the wave's barrier
-  every process has either published or not): a :class:`DamagedError` where that process
-  found damage (so every process takes the same way: the manager reads another copy or an
-  older step on all of them), else a :class:`CheckpointError`."""
-  found = _read_published(location)
-  if not found:
-    return
-  p, published = found[0]
-  kind, _, text = published.partition(":")
-  who = f"process {p}" if p >= 0 else "another process (unknown)"
-  error = DamagedError if kind == "damaged" else CheckpointError
-  raise error(
-    f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
-    f"({_keys(where)}): {who} could not read its parts ({text}). This "
-    f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
-    f"another checkpoint (the manager's restore() falls back to an older step on every "
-    f"process when the data is damaged)."
-  )
+def _explain(location: str, phase: str, where: Sequence[str]) -> _attempt.Explain:
+  """The error every process raises where another published a failure of this restore: a
+  :class:`DamagedError` where that process found damage (so every process takes the same
+  way: the manager reads another copy or an older step on all of them), else a
+  :class:`CheckpointError`."""
 
+  def explain(found: _attempt.Failure, when: str) -> CheckpointError:
+    who = f"process {found.process}" if found.process >= 0 else "another process (unknown)"
+    error = DamagedError if found.damaged else _attempt.PeerFailedError
+    return error(
+      f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
+      f"({_keys(where)}): {who} could not read its parts ({found.text}). This "
+      f"process (process {jax.process_index()}) stops at the same wave. Fix or restore "
+      f"another checkpoint (the manager's restore() falls back to an older step on every "
+      f"process when the data is damaged). (Learned {when}.)"
+    )
 
-def _read_published(location: str) -> list[tuple[int, str]]:
-  """The others' published failures, read with retries; unreadable reads as a failure
-  (fail closed: not knowing is not "no failure")."""
-  for attempt in range(3):
-    try:
-      return _commit.published(location, ERRORS)
-    except Exception as e:
-      if attempt == 2:
-        return [(-1, f"error:the coordination service cannot be read ({type(e).__name__})")]
-      time.sleep(0.2)
-  return []
+  return explain
 
 
 def _keys(where: Sequence[str]) -> str:
@@ -129,26 +105,34 @@ def reshard(
   key paths (for messages)."""
   phase = f"broadcast-wave-{wave}"
   _commit.report(location, f"{phase}: resharding")
-  _commit.barrier(location, phase, timeout_s)  # (names who did not come)
-  _raise_published(location, phase, where)
+  attempt, explain = _attempt.current(), _explain(location, phase, where)
+  attempt.barrier(phase, explain)  # (names who did not come)
   deadline = time.monotonic() + timeout_s
   try:
     out = jax.jit(_identity, out_shardings=tuple(shardings))(*arrays)
-    _wait(out, deadline)
+    _wait(out, deadline, lambda: attempt.poll(f"in {phase}'s collective", explain))
   except Exception as e:
+    if e is attempt.learned:  # (another process failed instead of joining: it said why)
+      raise
     raise _failure(location, phase, where, e, timeout_s) from None
   for x in arrays:
     x.delete()
   return list(out)
 
 
-def _wait(out: Sequence[jax.Array], deadline: float) -> None:
+def _wait(out: Sequence[Any], deadline: float, poll: Callable[[], None]) -> None:
   """Until every result is ready; a TimeoutError at ``deadline`` (a collective waiting on a
-  peer that will not come cannot be cancelled, but this process need not wait with it)."""
+  peer that will not come cannot be cancelled, but this process need not wait with it);
+  ``poll()`` every ``attempt.POLL_S`` (raises when another process failed instead)."""
+  polled = time.monotonic()
   for x in out:
-    while not x.is_ready():  # type: ignore[attr-defined]  # (jax's stubs)
-      if time.monotonic() > deadline:
+    while not x.is_ready():
+      now = time.monotonic()
+      if now > deadline:
         raise TimeoutError("the collective did not finish by the deadline")
+      if now - polled >= _attempt.POLL_S:
+        poll()
+        polled = now
       time.sleep(POLL_S)
     x.block_until_ready()  # (raises the collective's error, if any)
 
@@ -160,10 +144,13 @@ def _failure(
   absentees of a short barrier the survivors all reach), the key paths, the cause."""
   cause = f"{type(e).__name__}: {_paths.error_text(e)}".splitlines()[0][:400]
   try:
-    _commit.barrier(location, f"{phase}-failed", min(timeout_s, FAILED_WAIT_S))
+    _attempt.current().barrier(f"{phase}-failed", timeout_s=min(timeout_s, FAILED_WAIT_S))
     who = "every process is still there: the failure is not a lost process"
   except CheckpointError as b:
+    if b is _attempt.current().learned:  # (one failed outside the collective and said why)
+      return b
     who = _lost(str(b))
+  _attempt.close()  # every survivor raises here: no further barrier
   return CheckpointError(
     f"The broadcast restore of {_paths.display(location)!r} failed in {phase} "
     f"({_keys(where)}) on process {jax.process_index()}: {who}. Restore again once every "

@@ -19,6 +19,7 @@ from .._format import leaves as _leaves
 from .._format import perprocess as _perprocess
 from .._format import records as _records
 from .._format import tree as _tree
+from .._io import attempt as _attempt
 from .._io import commit as _commit
 from .._io import paths as _paths
 from .._layout import chunks as _chunks
@@ -497,7 +498,30 @@ def restore_at(
 
 
 def _restore(where: _paths.Location, target: Any, options: RestoreOptions) -> Any:
-  """:func:`restore`, the collector paused."""
+  """:func:`restore`, the collector paused; a collective one (:func:`_collective`) inside
+  its attempt (:mod:`fnckpt._io.attempt`: a failure on any process fails every process)."""
+  on = _collective(where, target, options)
+  with _attempt.collective(where.display, "restore", options.barrier_timeout_s, on):
+    return _restore_in(where, target, options)
+
+
+def _collective(where: _paths.Location, target: Any, options: RestoreOptions) -> bool:
+  """Whether this restore may broadcast (so is collective), from what every process has
+  before anything can fail: several processes, a target, and ``broadcast`` (or its
+  default's rule) on. Then it always starts with the attempt's agreement."""
+  return (
+    jax.process_count() > 1
+    and target is not None
+    and _broadcast.decide(
+      options.broadcast,
+      [None],  # (as if some leaf were replicated across processes)
+      cpu=jax.devices()[0].platform == "cpu",
+      remote=where.display.startswith(("gs://", "s3://")),
+    )
+  )
+
+
+def _restore_in(where: _paths.Location, target: Any, options: RestoreOptions) -> Any:
   src = _source.open_any(where)
   location, records = src.location, list(src.manifest.leaves)
   if target is None:
@@ -538,6 +562,7 @@ def _read_all(
     remote=src.location.startswith(("gs://", "s3://")),
   ):
     readers = {}
+  _attempt.agree(waves=bool(readers))  # (a collective restore's barrier 0)
   local = {i: r for i, r in reads.items() if i not in readers}
 
   def read_local() -> None:

@@ -1,0 +1,250 @@
+"""One attempt of a collective restore (or a recovery from peers): barriers numbered within the
+attempt, failures published for the barrier they stop at, so every failure fails every process.
+
+A save has :class:`fnckpt._io.collective.Session` (its barriers are a fixed list). A restore's
+barriers depend on its plan (one per broadcast wave), so here they are *numbered*: the i-th
+barrier of attempt k at a location is ``fnckpt/<location hash>/<kind>/<k>/b<i>``, where k is
+the k-th such attempt on this process (every process makes the same collective calls in the
+same order, so k agrees without a message, as for saves). Nothing is counted by the
+coordination service: an attempt that failed anywhere leaves nothing the next one meets.
+
+The rule that makes every failure fail every process at once: a process that fails while the
+attempt is open publishes its error under the number of the barrier it has not reached yet
+(``e<i>/<process>``) and then arrives at that barrier; every process, past each barrier, looks
+for errors published for it and raises (all of them stop at barrier i: none goes further).
+Every open attempt starts with barrier 0, the *agreement* (:func:`agree`), reached once each
+process has done everything that can fail on it alone before the first collective (opening
+the checkpoint, reading its manifest, matching the target, planning the waves): a failure in
+any of those is seen by every process there. While a process waits in a collective (a
+reshard), it polls the errors of the next barrier every ``POLL_S``: a process that failed
+outside the collective (so never joined it) is seen within that, not at the deadline. A
+process that cannot publish its error arrives nowhere (fail closed: the others time out at the
+barrier, naming it). Past the attempt's last barrier (:func:`close`) a failure waits for no
+one and is not published. With one process everything here is a no-op.
+
+>>> with collective("memory://doc/attempt", "restore", 10.0, on=True) as a:
+...   agree(waves=False)
+>>> a.multi, a.closed
+(False, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+import jax
+
+from .._errors import CheckpointError, DamagedError
+from . import collective as _collective
+from . import commit as _commit
+from . import paths as _paths
+
+__all__ = ["Attempt", "Failure", "collective", "keyed", "current", "agree", "close", "POLL_S"]
+
+POLL_S = 0.25  # while in a collective: how often the next barrier's published errors are read
+_MAX_ERROR_CHARS = 4000
+
+_current: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
+  "fnckpt_attempt", default=None
+)
+_keyed: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnckpt_keyed", default=None)
+
+
+class PeerFailedError(_collective.PeerFailedError):
+  """Another process failed during the same collective restore (or recovery from peers).
+  (Where it found damaged data, the error is a :class:`DamagedError`.)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  """A failure another process published: ``process``, ``damaged`` (it found damaged data:
+  every process then raises a :class:`DamagedError`, so a manager heals the same way on all)
+  and ``text`` (its error's type and message)."""
+
+  process: int
+  damaged: bool
+  text: str
+
+  @staticmethod
+  def parse(process: int, value: str) -> Failure:
+    kind, _, text = value.partition(":")
+    return Failure(process, kind == "damaged", text)
+
+
+Explain = Callable[[Failure, str], CheckpointError]
+
+
+class Attempt:
+  """One collective attempt at ``location`` (``kind``: ``"restore"``, ``"peers"``); ``count``:
+  barriers entered so far. Made by :func:`collective`."""
+
+  def __init__(self, location: str, kind: str, timeout_s: float, multi: bool = True):
+    self.location, self.kind, self.timeout_s = location, kind, timeout_s
+    self.multi = multi and jax.process_count() > 1
+    self.count = 0
+    self.closed = self.broken = self.failed = False
+    self.learned: BaseException | None = None
+    if not self.multi:
+      return
+    self.client = _commit._client()
+    self.base = f"fnckpt/{_commit._key(location)}/{kind}"
+    self.attempt = _collective._next_attempt(self.base)
+    self.prefix = f"{self.base}/{self.attempt}"
+
+  def barrier(self, label: str, explain: Explain | None = None, timeout_s: float = 0) -> None:
+    """The attempt's next barrier (``label``: its name in messages); past it, raise what
+    another process published for it (``explain`` makes the error; default
+    :meth:`default_error`). ``timeout_s``: a shorter deadline than the attempt's."""
+    if not self.multi or self.closed:
+      return
+    i = self._arrive(label, timeout_s or self.timeout_s)
+    if i == 0 and jax.process_index() == 0:
+      self._tidy()
+    found = self.failure(i)
+    if found is not None:
+      self.closed = True  # every process stops at this barrier: none goes further
+      raise self._learned((explain or self.default_error)(found, f"at barrier '{label}'"))
+
+  def gather(self, label: str, value: str) -> list[str]:
+    """Every process's ``value``, in process order, on every process: each posts its own,
+    then the attempt's next barrier (``label``), then the reads. One process: ``[value]``."""
+    if not self.multi:
+      return [value]
+    key = f"{self.prefix}/g{self.count}"
+    self.client.key_value_set(f"{key}/{jax.process_index()}", value, allow_overwrite=True)
+    self.barrier(label)
+    ms = max(1, int(self.timeout_s * 1000))
+    return [
+      self.client.blocking_key_value_get(f"{key}/{p}", ms) for p in range(jax.process_count())
+    ]
+
+  def _arrive(self, label: str, timeout_s: float) -> int:
+    i, self.count = self.count, self.count + 1
+    try:
+      _commit.barrier_id(f"{self.prefix}/b{i}", self.location, label, timeout_s)
+    except BaseException:
+      self.broken = True  # the service failed it for every process: no walking on
+      raise
+    return i
+
+  def failure(self, index: int | None = None) -> Failure | None:
+    """The first failure another process published for barrier ``index`` (default: the next
+    one). Unreadable reads as a failure (fail closed: not knowing is not "no failure")."""
+    i = self.count if index is None else index
+    for attempt in range(3):
+      try:
+        found = _commit.published(self.location, self._errors(i))
+        return Failure.parse(*found[0]) if found else None
+      except Exception as e:
+        if attempt == 2:
+          return Failure(-1, False, f"the coordination service cannot be read ({e!r})")
+        time.sleep(0.2)
+    return None
+
+  def poll(self, when: str, explain: Explain | None = None) -> None:
+    """(Waiting in a collective.) Raise if another process published a failure for the next
+    barrier: it will not join the collective. The attempt stays open, so this process's
+    :meth:`fail` then meets that process at that barrier."""
+    if self.multi and not self.closed:
+      found = self.failure()
+      if found is not None:
+        raise self._learned((explain or self.default_error)(found, when))
+
+  def _learned(self, error: CheckpointError) -> CheckpointError:
+    """``error``, remembered as another process's failure (:meth:`fail` does not publish
+    it as this process's own)."""
+    self.learned = error
+    return error
+
+  def fail(self, error: BaseException) -> None:
+    """This process failed: publish ``error`` for the next barrier (unless it is another
+    process's failure, already published) and arrive there, once. Nothing past the last
+    barrier, after a failed barrier, or when it could not be published (fail closed)."""
+    if not self.multi or self.closed or self.broken or self.failed:
+      return
+    self.failed = True
+    if error is not self.learned and not isinstance(error, _collective.PeerFailedError):
+      kind = "damaged" if isinstance(error, DamagedError) else "error"
+      text = f"{type(error).__name__}: {_paths.error_text(error)}"[:_MAX_ERROR_CHARS]
+      if not _commit.publish(self.location, self._errors(self.count), f"{kind}:{text}"):
+        return
+    _commit.report(self.location, f"{self.kind}: failed")
+    try:
+      self._arrive(f"{self.kind}-failed", self.timeout_s)
+    except CheckpointError:  # the others are gone or late: they time out and say so
+      pass
+    self.closed = True
+
+  def default_error(self, found: Failure, when: str) -> CheckpointError:
+    who = f"process {found.process}" if found.process >= 0 else "another process (unknown)"
+    error: type[CheckpointError] = DamagedError if found.damaged else PeerFailedError
+    return error(
+      f"Collective {self.kind} of {_paths.display(self.location)!r} failed on {who} "
+      f"({found.text}); process {jax.process_index()} learned of it {when} and stops too. "
+      f"Fix the cause on {who} and call it again on every process (a failed attempt "
+      "leaves nothing behind)."
+    )
+
+  def _errors(self, index: int) -> str:
+    return f"{self.kind}/{self.attempt}/e{index}"
+
+  def _tidy(self) -> None:
+    """(Process 0, past barrier 0.) Every process has finished the previous attempt: drop
+    its keys (the errors it published)."""
+    if self.attempt > 0:
+      try:
+        self.client.key_value_delete(f"{self.base}/{self.attempt - 1}")
+      except Exception:  # tidiness only
+        pass
+
+
+@contextlib.contextmanager
+def collective(location: str, kind: str, timeout_s: float, on: bool) -> Iterator[Attempt]:
+  """The current attempt (``on``: this call is collective with several processes) for the
+  block: an exception leaving it is published (:meth:`Attempt.fail`) before it is raised."""
+  attempt = Attempt(_keyed.get() or location, kind, timeout_s, multi=on)
+  token = _current.set(attempt)
+  try:
+    yield attempt
+  except BaseException as e:
+    attempt.fail(e)
+    raise
+  finally:
+    attempt.closed = True
+    _current.reset(token)
+
+
+@contextlib.contextmanager
+def keyed(name: str) -> Iterator[None]:
+  """Collective calls in the block key their attempts on ``name`` instead of their location
+  (a manager's restore of a step: per-host fast-tier paths differ between processes, and one
+  process may read its local copy while another reads the durable one)."""
+  token = _keyed.set(name)
+  try:
+    yield
+  finally:
+    _keyed.reset(token)
+
+
+def current() -> Attempt:
+  """The attempt of the collective call this thread is in (a no-op one outside any)."""
+  got = _current.get()
+  return got if got is not None else Attempt("", "none", 0.0, multi=False)
+
+
+def agree(waves: bool) -> None:
+  """Barrier 0 of the current attempt: every process has done what can fail on it alone
+  before the first collective. ``waves``: whether barriers follow (else it closes)."""
+  attempt = current()
+  attempt.barrier(f"{attempt.kind}-agreed")
+  if not waves:
+    attempt.closed = True
+
+
+def close() -> None:
+  """Past the attempt's last barrier: a failure from here on waits for no one."""
+  current().closed = True
