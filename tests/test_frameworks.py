@@ -10,12 +10,15 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "frameworks.
 
 
 def _blocks() -> dict[str, str]:
-  """{heading: code} for the ```python block under each '## ' heading of the page."""
+  """{framework: code}: the page's opening block is Flax NNX's (the guide's first example);
+  each '### ' heading (under '## Other frameworks') has one ```python block."""
   text = PAGE.read_text()
-  blocks = {}
-  for part in text.split("\n## ")[1:]:
+  opening = re.findall(r"```python\n(.*?)```", text.split("\n## ")[0], re.S)
+  assert len(opening) == 1, f"one python block before the first section, found {len(opening)}"
+  blocks = {"Flax NNX": opening[0]}
+  for part in text.split("\n### ")[1:]:
     heading = part.splitlines()[0].strip()
-    code = re.findall(r"```python\n(.*?)```", part, re.S)
+    code = re.findall(r"```python\n(.*?)```", part.split("\n## ")[0], re.S)
     assert len(code) == 1, f"{heading}: one python block expected, found {len(code)}"
     blocks[heading] = code[0]
   return blocks
