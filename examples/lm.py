@@ -30,6 +30,12 @@ last line is a JSON summary. ``--preempt-at-step K`` sends SIGTERM to itself aft
 ``--kill-at-step K`` SIGKILLs it. On GPUs/TPUs the mesh is built from ``jax.devices()`` and
 ``--devices`` is ignored.
 
+A checkpoint every step: ``--local-dir /dev/shm/lm`` saves every step (``--local-every K``:
+every K-th) to a fast local tier, and every ``--save-every``-th step also to ``--dir``; a
+restart resumes from the newest valid step of either tier:
+
+    python examples/lm.py --size small --local-dir /dev/shm/lm --save-every 50 --dir /tmp/lm
+
 The pieces (``SIZES``, ``build``, ``TextBatches``, ``make_mesh``) are importable:
 ``bench/train_cost.py`` drives ``build(...).train_step`` to measure what saving costs training.
 """
@@ -381,6 +387,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=300, help="train until this step (saved too)")
   p.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
   p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
+  p.add_argument("--local-dir", default=None, help="a fast local tier (e.g. /dev/shm/lm): "
+                 "every --local-every-th step is saved there, every --save-every-th also to "
+                 "--dir (the durable tier)")
+  p.add_argument("--local-every", type=int, default=1, help="with --local-dir: save to the "
+                 "fast tier every K steps (default: every step)")
   p.add_argument("--devices", type=int, default=None,
                  help="number of simulated CPU devices (ignored on GPU/TPU)")
   p.add_argument("--mesh", default=None, help="mesh shape 'DATA,MODEL' (default: all devices "
@@ -397,15 +408,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def resume_or_start(manager: fnckpt.CheckpointManager, run: Run) -> tuple[dict, int | None]:
-  """The newest checkpoint restored onto this job's mesh, or a fresh state."""
+def resume_or_start(manager: fnckpt.CheckpointManager, run: Run,
+                    local_dir: str | None = None) -> tuple[dict, int | None]:
+  """The newest checkpoint (of either tier) restored onto this job's mesh, or a fresh
+  state."""
   t0 = time.perf_counter()
   state, restored = manager.restore_or_init(run.init, target=run.target)
   if restored is None:
     print(f"no checkpoint in {manager.directory}: starting fresh", flush=True)
   else:
-    meta = fnckpt.metadata(manager.path(restored))  # reads only the manifest
-    print(f"resumed from step {restored} ({manager.path(restored)}), saved on mesh "
+    path = manager.path(restored)
+    try:
+      meta = fnckpt.metadata(path)  # reads only the manifest
+    except fnckpt.CheckpointError:  # a step only the fast tier holds
+      path = f"{local_dir}/{restored}"
+      meta = fnckpt.metadata(path)
+    print(f"resumed from step {restored} ({path}), saved on mesh "
           f"{saved_mesh(meta)}, in {time.perf_counter() - t0:.2f}s", flush=True)
   return state, restored
 
@@ -414,10 +432,13 @@ def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
   """Train until ``args.steps``, saving every ``args.save_every`` steps, on SIGTERM and at
   the end; return the summary."""
   t0 = time.perf_counter()
+  tier = {} if args.local_dir is None else {  # a fast tier in front of --dir
+      "local_directory": args.local_dir, "local_save_interval_steps": args.local_every}
   manager = fnckpt.CheckpointManager(args.dir, max_to_keep=args.keep,
                                      save_interval_steps=args.save_every,
-                                     handle_preemption=True)  # SIGTERM: save, then stop
-  state, restored = resume_or_start(manager, run)
+                                     handle_preemption=True,  # SIGTERM: save, then stop
+                                     **tier)
+  state, restored = resume_or_start(manager, run, args.local_dir)
   batches = run.batches(state["data"])
   arrays = {k: state[k] for k in ("params", "opt_state", "key")}
   step, loss, preempted, last_saved = state["step"], float("nan"), False, restored
@@ -441,7 +462,8 @@ def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
     if args.preempt_at_step == step:
       print(f"--preempt-at-step {step}: sending SIGTERM to self", flush=True)
       os.kill(os.getpid(), signal.SIGTERM)
-  if not preempted and last_saved != step:
+  local_only = args.local_dir is not None and step % args.save_every != 0  # (not in --dir)
+  if not preempted and (last_saved != step or local_only):  # the last step, durable too
     manager.save(step, {**arrays, "step": step, "data": batches.state()},
                  metrics={"loss": loss}, force=True)
   manager.close()  # waits until every save is committed

@@ -124,8 +124,9 @@ class _Plans:
     self.lock = threading.Lock()
     self.saves: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     self.restores: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    self.hits = 0  # plans reused (tests and bench/call_cost.py read it)
-    self.misses = 0
+    # plans reused and made, per kind (tests and bench/call_cost.py read them)
+    self.hits = {"saves": 0, "restores": 0}
+    self.misses = {"saves": 0, "restores": 0}
 
   def get(self, kind: str, key: Any) -> Any:
     """The plan of ``kind`` ("saves" or "restores") made for ``key``, or None."""
@@ -133,9 +134,9 @@ class _Plans:
     with self.lock:
       got = table.get(key)
       if got is None:
-        self.misses += 1
+        self.misses[kind] += 1
         return None
-      self.hits += 1
+      self.hits[kind] += 1
       table.move_to_end(key)
       return got
 
@@ -153,7 +154,8 @@ class _Plans:
     with self.lock:
       self.saves.clear()
       self.restores.clear()
-      self.hits = self.misses = 0
+      self.hits = {"saves": 0, "restores": 0}
+      self.misses = {"saves": 0, "restores": 0}
 
 
 class _Slot:

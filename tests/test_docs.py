@@ -24,7 +24,11 @@ FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 SKIP = re.compile(r"<!--\s*skip:\s*(.*?)\s*-->\s*$")
 MAX_SKIPPED = 4
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "NO_MKDOCS_2_WARNING": "1",
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+       # the blocks run in temp dirs: a relative PYTHONPATH (PYTHONPATH=.) made absolute
+       "PYTHONPATH": os.pathsep.join(
+           str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+           if p)}
 
 
 def blocks(page: Path):

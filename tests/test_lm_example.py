@@ -235,3 +235,24 @@ def test_target_errors_say_which_leaf_and_what_to_do(saved, sharding, mesh, erro
   with pytest.raises(error, match=match):
     target_from_metadata(fnckpt.metadata(saved), given.get(sharding, sharding),
                          mesh=given.get(mesh, mesh))
+
+
+def test_a_checkpoint_every_step_into_a_local_tier(straight, tmp_path):
+  """--local-dir: every step saved to the fast tier, every 8th (and the last) also durable;
+  killed just after the save of step 13 is called, the run resumes from local step 13 (or 12,
+  if 13 had not committed; not durable 8) and ends with the uninterrupted run's losses and
+  parameters."""
+  _, straight_losses, straight_summary = straight
+  durable, local = tmp_path / "durable", tmp_path / "fast"
+  args = [*TINY, *ON_8, "--local-dir", local]
+  rc, first, _, log = lm(durable, *args, "--steps", STEPS, "--kill-at-step", 13)
+  assert rc == -9, log
+  rc, second, summary, log = lm(durable, *args, "--steps", STEPS)
+  assert rc == 0, log
+  resumed = int(re.search(r"resumed from step (\d+) \(.*/fast/", log).group(1))
+  assert resumed in (12, 13), log
+  assert {**first, **second} == straight_losses
+  assert summary["params_sha256"] == straight_summary["params_sha256"]
+  committed = lambda d: sorted(int(p.name) for p in d.iterdir() if (p / "COMMIT").exists())
+  assert committed(durable) == [16, 24, 28]  # --keep 3
+  assert committed(local) == [27, 28]  # the fast tier keeps its newest 2 (every step saved)

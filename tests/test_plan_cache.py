@@ -80,8 +80,8 @@ def _check(path, tree):
   assert_trees_all_equal(plain, native)
 
 
-def _counts():
-  return _state.plans.hits, _state.plans.misses
+def _counts(kind="saves"):
+  return _state.plans.hits[kind], _state.plans.misses[kind]
 
 
 def test_a_loop_plans_once_and_every_step_restores_bitwise(tmp_path):
@@ -278,3 +278,85 @@ def test_overwriting_one_path_under_a_reused_plan(tmp_path):
     _save(tree, path, overwrite=True)
     _check(path, tree)
   assert _counts() == (2, 1)
+
+
+# --- restore: the match of target and checkpoint made once per structure -------------------
+
+
+def _target_of(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if isinstance(x, jax.Array)
+    else x,
+    tree,
+  )
+
+
+def _restores():
+  return len(_state.plans.restores)
+
+
+def test_restores_of_one_structure_match_once_and_are_bitwise(tmp_path):
+  trees = [_state_tree(k) for k in range(3)]
+  for k, t in enumerate(trees):
+    _save(t, str(tmp_path / f"s{k}"))
+  target = _target_of(trees[0])
+  _state.plans.clear()
+  for k, t in enumerate(trees):
+    assert_trees_all_equal(fnckpt.restore(str(tmp_path / f"s{k}"), target), t)
+  assert _counts("restores") == (2, 1) and _restores() == 1
+
+
+@pytest.mark.parametrize("kind", ["spec", "dtype", "device order", "memory kind", "scalar"])
+def test_another_target_or_layout_matches_anew(tmp_path, kind):
+  tree = _state_tree(1)
+  _save(tree, str(tmp_path / "a"))
+  fnckpt.restore(str(tmp_path / "a"), _target_of(tree))
+  target = _target_of(tree)
+  want = dict(tree)
+  if kind == "spec":
+    s = NamedSharding(_mesh(), P(None, "data"))
+    target["w"] = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=s)
+    want["w"] = jax.device_put(tree["w"], s)
+  elif kind == "dtype":  # cast to another dtype
+    target["b"] = jax.ShapeDtypeStruct((4096,), jnp.bfloat16, sharding=tree["b"].sharding)
+    want["b"] = tree["b"].astype(jnp.bfloat16)
+  elif kind == "device order":
+    s = NamedSharding(_mesh(order=[7, 6, 5, 4, 3, 2, 1, 0]), P("data", "model"))
+    target["w"] = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=s)
+    want["w"] = jax.device_put(tree["w"], s)
+  elif kind == "memory kind":
+    s = NamedSharding(_mesh(), P(), memory_kind="pinned_host")
+    target["b"] = jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=s)
+    want["b"] = jax.device_put(tree["b"], s)
+  elif kind == "scalar":  # a saved Python int into a 0-d array target, then a plain int
+    target["step"] = jax.ShapeDtypeStruct((), jnp.int32)
+    want["step"] = np.int32(1)
+  got = fnckpt.restore(str(tmp_path / "a"), target, cast=kind == "dtype")
+  assert _restores() == 2, kind
+  assert_trees_all_equal(got, want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if isinstance(b, jax.Array):
+      assert a.sharding == b.sharding
+
+
+def test_a_checkpoint_of_another_layout_under_a_kept_match(tmp_path):
+  """The same target restores a checkpoint whose leaves differ (a dtype saved otherwise):
+  matched anew, and its mismatch is reported, not hidden by the kept match."""
+  tree = _state_tree(1)
+  _save(tree, str(tmp_path / "a"))
+  target = _target_of(tree)
+  fnckpt.restore(str(tmp_path / "a"), target)
+  other = dict(tree, b=tree["b"].astype(jnp.bfloat16))
+  _save(other, str(tmp_path / "b"))
+  with pytest.raises(fnckpt.TreeMismatchError, match=r"\['b'\]: dtype bfloat16 saved"):
+    fnckpt.restore(str(tmp_path / "b"), target)
+
+
+def test_a_saved_value_out_of_range_is_caught_under_a_kept_match(tmp_path):
+  target = {"x": np.zeros(4, np.float32), "n": jax.ShapeDtypeStruct((), jnp.int8)}
+  _save({"x": np.ones(4, np.float32), "n": 5}, str(tmp_path / "a"))
+  assert int(fnckpt.restore(str(tmp_path / "a"), target)["n"]) == 5
+  _save({"x": np.ones(4, np.float32), "n": 1000}, str(tmp_path / "b"))
+  with pytest.raises(fnckpt.TreeMismatchError, match=r"1000 saved, a int8 array"):
+    fnckpt.restore(str(tmp_path / "b"), target)

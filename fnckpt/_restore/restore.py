@@ -26,6 +26,7 @@ from .._layout import chunks as _chunks
 from .._sources import source as _source
 from .._sources.source import Source
 from . import broadcast as _broadcast
+from . import match_cache as _match_cache
 from . import place as _place
 from . import reshard as _reshard
 from . import shardings as _shardings
@@ -260,8 +261,11 @@ def _target_spec(leaf: Any) -> tuple[str, Any, Any]:
   return "value", None, None
 
 
-def _match(location: str, records: list[_records.Leaf], target: Any, partial: bool, cast: bool):
-  pairs, treedef = _tree.flatten(target)
+def _match(
+  location: str, records: list[_records.Leaf], pairs, treedef, partial: bool, cast: bool
+) -> tuple[list[_Want], Any]:
+  """Each target leaf (``pairs``, flattened) matched to its saved leaf: what to read and where
+  it goes; every mismatch raised at once (a TreeMismatchError naming each key path)."""
   rec_keys = [_tree.match_key(r.path) for r in records]
   pair_keys = [_tree.match_key(p) for p, _ in pairs]
   by_key = dict(zip(rec_keys, records))
@@ -529,7 +533,15 @@ def _restore_in(where: _paths.Location, target: Any, options: RestoreOptions) ->
   elif _is_sharding_tree(target):
     wants, treedef = _prefix_shardings(location, target, records, options.partial), None
   else:
-    wants, treedef = _match(location, records, target, options.partial, options.cast)
+    wants, treedef = _match_cache.matched(
+      location,
+      records,
+      target,
+      options.partial,
+      options.cast,
+      _match,
+      lambda leaf, rec: _want(leaf, rec, options.cast, _shardings.Resolver()),
+    )
 
   values = _read_all(src, wants, options.budget(), options.broadcast, options.barrier_timeout_s)
   _fill_per_process(src, wants, values, options.per_process_from)
