@@ -12,6 +12,9 @@ for is the library's own work). Per state, in the same run:
   ``first`` is save 1 (it makes the plan), ``steady`` the median of saves 2..N;
 - ``floor``: ``np.asarray`` of every addressable shard (each shard's bytes on the host: what
   any checkpointer must do before the caller may change the arrays), median over the saves;
+- ``bare pinned copy``: one ``jax.device_put`` of every distinct shard into ``pinned_host``
+  memory, waited for (the floor of owned staging, ``--staging owned``: real copies, as on an
+  accelerator);
 - ``restore``: ``fnckpt.restore(path, target)`` onto the saved shardings (first, then the
   median of the later ones), each bitwise checked against the tree saved;
 - ``device_put``: ``jax.device_put`` of the same values as host arrays onto the target's
@@ -93,6 +96,21 @@ def floor_s(tree) -> float:
   return time.perf_counter() - t0
 
 
+def pinned_s(tree) -> float:
+  """A bare copy of every distinct shard into pinned host memory, one ``jax.device_put`` for
+  all, waited for: what a save with owned staging must at least do (``--staging owned``)."""
+  shards = []
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    shards += [s.data for s in x.addressable_shards if s.replica_id == 0]
+  t0 = time.perf_counter()
+  kinds = [jax.sharding.SingleDeviceSharding(next(iter(s.devices())), memory_kind="pinned_host")
+           for s in shards]
+  jax.block_until_ready(jax.device_put(shards, kinds))
+  return time.perf_counter() - t0
+
+
 def _host(x):
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return x  # (a key array is put as it is)
@@ -114,13 +132,15 @@ def bench_state(name: str, saves: int, restores: int, root: str, profile: str | 
   out: dict = {"state": name, "arrays": len(leaves),
                "shards": sum(len(x.addressable_shards) for x in leaves),
                "bytes": sum(x.nbytes for x in leaves if hasattr(x, "nbytes")),
-               "blocked": [], "committed": [], "floor": [], "restore": [], "device_put": []}
+               "blocked": [], "committed": [], "floor": [], "pinned": [], "restore": [],
+               "device_put": []}
   prof = cProfile.Profile() if profile else None
   saved = []
   for k in range(saves):
     tree = new_values(tree)
     jax.block_until_ready(tree)
     out["floor"].append(floor_s(tree))
+    out["pinned"].append(pinned_s(tree))
     path = f"{root}/{name}-{k}"
     if prof is not None and k > 0:
       prof.enable()
@@ -162,6 +182,7 @@ def summary(r: dict) -> dict:
   return {"state": r["state"], "arrays": r["arrays"], "shards": r["shards"],
           "first_ms": 1e3 * r["blocked"][0], "steady_ms": 1e3 * steady, "floor_ms": 1e3 * floor,
           "target_ms": 1e3 * (1.5 * floor + 0.005), "meets": steady <= 1.5 * floor + 0.005,
+          "pinned_ms": 1e3 * statistics.median(r["pinned"]),
           "committed_ms": 1e3 * statistics.median(r["committed"]),
           "restore_first_s": r["restore"][0], "restore_s": statistics.median(rest),
           "device_put_s": statistics.median(r["device_put"]), "verified": r["verified"]}
@@ -169,13 +190,15 @@ def summary(r: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
   lines = ["| state | arrays / shards | first save blocked | steady blocked | floor | target "
-           "(1.5 x floor + 5 ms) | committed | restore first / steady | device_put | bitwise |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "(1.5 x floor + 5 ms) | bare pinned copy | committed | restore first / steady | "
+           "device_put | bitwise |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
   for s in rows:
     lines.append(
         f"| {s['state']} | {s['arrays']:,} / {s['shards']:,} | {s['first_ms']:.1f} ms | "
         f"{s['steady_ms']:.1f} ms | {s['floor_ms']:.1f} ms | {s['target_ms']:.1f} ms "
-        f"({'met' if s['meets'] else 'NOT met'}) | {s['committed_ms']:.0f} ms | "
+        f"({'met' if s['meets'] else 'NOT met'}) | {s['pinned_ms']:.1f} ms | "
+        f"{s['committed_ms']:.0f} ms | "
         f"{s['restore_first_s']:.2f} / {s['restore_s']:.2f} s | {s['device_put_s']:.2f} s | "
         f"{'yes' if s['verified'] else 'NO'} |")
   return "\n".join(lines)
@@ -188,10 +211,21 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--restores", type=int, default=3)
   p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
   p.add_argument("--profile", default=None, help="cProfile saves 2..N into PREFIX-<state>.prof")
+  p.add_argument("--staging", choices=("default", "owned", "asarray"), default="default",
+                 help="force the staging mode (owned: copies into host memory the save owns, "
+                 "as on accelerators)")
+  p.add_argument("--batch", type=int, default=None, help="owned copies per jax.device_put "
+                 "(default: fnckpt's Copies.BATCH)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
+  if args.staging != "default":
+    from fnckpt import _state
+    _state.hooks.staging = args.staging
+  if args.batch is not None:
+    from fnckpt._save import copies
+    copies.Copies.BATCH = args.batch
   print(f"fnckpt {fnckpt.__version__}, jax {jax.__version__}, {jax.device_count()} CPU devices, "
-        f"load {os.getloadavg()[0]:.2f}", flush=True)
+        f"staging {args.staging}, load {os.getloadavg()[0]:.2f}", flush=True)
   root = tempfile.mkdtemp(prefix="fnckpt-call-cost-", dir=args.dir)
   try:
     rows = []

@@ -2,6 +2,7 @@
 
     python bench/train_cost.py --rounds 3        # small: 6 saves, one every 50 steps (~5 min)
     python bench/train_cost.py --sizes 100m --every 10 --phase-saves 2 --rounds 1 --warmup 2
+    python bench/train_cost.py --every-step --phase-saves 40 --rounds 2  # a save every step
 
 The example's own pieces (``lm.build``: model, optimizer, shardings, jitted train step and data
 iterator) run in this process on ``--devices`` simulated CPU devices (a ``--mesh`` of them).
@@ -33,6 +34,14 @@ file (the kernel's own cost of a write on this
 machine, a floor for any library that writes them). On a CPU-bound host (2 cores, training on
 both) the cost of a save is about its CPU time, so ``floor at 50`` is the slowdown at 50 that a
 save costing no more CPU than the bare write would have: ``cost x write CPU / save CPU``.
+
+``--every-step``: a checkpoint every step. The ``on`` phases save every step (``--phase-saves``
+steps a phase) to a local fast tier (``--local-dir``, tmpfs by default) and every
+``--durable-every``-th step also to ``--dir`` (the manager's two tiers). Reported: the pooled
+slowdown, blocked time per save, and the floor beside it: the CPU seconds of writing the
+checkpoint's bytes to the fast tier once (``write_limits`` there), over one step (a CPU-bound
+host pays at least that per step). The paired figures need quiet steps between saves, which
+every-step saving has none of: they are in the JSON but not the table.
 
 The load average at start and end is printed. ``--json PATH`` writes every figure and step time.
 """
@@ -94,8 +103,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--mesh", default="2,4")
   p.add_argument("--dir", default=str(ROOT / "tmp" / "train_cost"), help="checkpoints "
                  "(deleted at the end)")
+  p.add_argument("--every-step", action="store_true", help="a checkpoint every step: the "
+                 "'on' phases save every step to a local fast tier (--local-dir) and every "
+                 "--durable-every-th to --dir; a phase is --phase-saves steps")
+  p.add_argument("--local-dir", default=None, help="the fast tier of --every-step (default: "
+                 "/dev/shm/fnckpt-train-cost where /dev/shm exists, else under --dir)")
+  p.add_argument("--durable-every", type=int, default=50, help="with --every-step: every "
+                 "K-th step also reaches --dir")
   p.add_argument("--json", default=None, help="write all figures here")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.every_step:
+    args.every = 1
+    if args.local_dir is None:
+      shm = Path("/dev/shm")
+      args.local_dir = str(shm / "fnckpt-train-cost" if shm.is_dir() else
+                           Path(args.dir) / "fast")
+  return args
 
 
 def load_example(devices: int):
@@ -190,7 +213,13 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
 
   directory = Path(args.dir) / name
   shutil.rmtree(directory, ignore_errors=True)
-  manager = fnckpt.CheckpointManager(str(directory), max_to_keep=2)
+  tier: dict[str, Any] = {}
+  if args.every_step:  # every step to the fast tier, every --durable-every-th to --dir
+    local = Path(args.local_dir) / name
+    shutil.rmtree(local, ignore_errors=True)
+    tier = {"save_interval_steps": args.durable_every, "local_directory": str(local),
+            "local_save_interval_steps": 1, "local_max_to_keep": 2}
+  manager = fnckpt.CheckpointManager(str(directory), max_to_keep=2, **tier)
   step, phases = args.warmup, []
   steps = args.phase_saves * args.every
   for r in range(args.rounds):
@@ -199,7 +228,10 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
                                       manager if saving else None)
       phases.append(phase)
       if saving and r == 0:  # what one checkpoint holds, from its metadata
-        saved = lm.checkpoint_size(fnckpt.metadata(manager.path(manager.latest_step())))
+        newest = manager.latest_step()
+        where = (manager.path(newest) if not args.every_step else
+                 str(Path(tier["local_directory"]) / str(newest)))
+        saved = lm.checkpoint_size(fnckpt.metadata(where))
       print(f"[{name}] round {r + 1} {'on ' if saving else 'off'}: "
             f"{rate(phase.step_s):.3f} steps/s"
             + "".join(f"; save {s.step}: blocked {s.blocked_s:.3f}s, written in "
@@ -207,9 +239,15 @@ def bench_size(lm, name: str, args: argparse.Namespace) -> dict[str, Any]:
                       for s in phase.saves), flush=True)
   manager.close()
   limits = write_limits(fnckpt, {**arrays, "step": step}, saved["bytes"], directory)
+  if args.every_step:  # the floor of a save per step: writing its bytes to the fast tier
+    local_limits = write_limits(fnckpt, {**arrays, "step": step}, saved["bytes"], local)
+    limits.update({f"local_{k}": v for k, v in local_limits.items()})
+    shutil.rmtree(local, ignore_errors=True)
   shutil.rmtree(directory, ignore_errors=True)
   return {"size": name, "batch": size.batch, "staging": args.staging or "default",
-          "every": args.every, "checkpoint_bytes": saved["bytes"],
+          "every": args.every, "every_step": args.every_step,
+          "durable_every": args.durable_every if args.every_step else None,
+          "checkpoint_bytes": saved["bytes"],
           "checkpoint_arrays": saved["arrays"], **limits, **summarize(phases, args.every)}
 
 
@@ -249,6 +287,27 @@ def floor_at_50(r: dict[str, Any]) -> float:
   return cost / (50 * r["baseline_step_s"] + cost)
 
 
+def every_step_table(results: list[dict[str, Any]]) -> str:
+  """--every-step: what a checkpoint every step costs, beside the floor of this machine (the
+  CPU seconds of writing the checkpoint's bytes to the fast tier, per step)."""
+  rows = ["| size | checkpoint | fast tier | steps/s off / on (pooled) | slowdown (pooled) "
+          "| blocked per save (stats) | to committed | CPU per step: save / bare write "
+          "(same run) | floor: bare write per step |",
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for r in results:
+    base = 1 / r["steps_per_s_off"]
+    floor = r["local_raw_write_cpu_s"] / (base + r["local_raw_write_cpu_s"])
+    rows.append(
+        f"| {r['size']} (batch {r['batch']}) | {r['checkpoint_bytes'] / 2**20:.1f} MiB, "
+        f"{r['checkpoint_arrays']} arrays | every step (durable every {r['durable_every']}) "
+        f"| {r['steps_per_s_off']:.3f} / {r['steps_per_s_on']:.3f} | "
+        f"{100 * r['slowdown']:.1f}% | {1e3 * r['blocked_s_median']:.1f} ms "
+        f"({1e3 * r['stats_blocking_s_median']:.1f} ms) | {r['write_total_s_median']:.2f} s | "
+        f"{r['local_save_cpu_s']:.3f} s / {r['local_raw_write_cpu_s']:.3f} s | "
+        f"{100 * floor:.1f}% |")
+  return "\n".join(rows)
+
+
 def table(results: list[dict[str, Any]]) -> str:
   rows = ["| size | checkpoint | every | steps/s off / on (pooled) | slowdown (pooled) "
           "| blocked/save (stats) | write | dip: steps, slowdown | cost/save (paired) "
@@ -285,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {load_start[0]:.2f}", flush=True)
   results = [bench_size(lm, name, args) for name in args.sizes.split(",")]
   load_end = os.getloadavg()
-  print(table(results))
+  print(every_step_table(results) if args.every_step else table(results))
   print(f"load average: {load_start[0]:.2f} at start, {load_end[0]:.2f} at end "
         f"({os.cpu_count()} cores)")
   if args.json:

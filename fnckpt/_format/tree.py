@@ -112,8 +112,10 @@ def match_key(path: Sequence[Sequence[Any]]) -> tuple:
   return tuple([key for _, key in path])
 
 
-def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
+def flatten(tree: Any, check: bool = True) -> tuple[list[tuple[Path, Any]], Any]:
   """``[(path, leaf)]`` in pytree order and the treedef; empty containers and None are leaves.
+  ``check``: refuse key paths no reader accepts (``False``: the caller knows these paths
+  passed before, e.g. a save's plan kept for them).
 
   >>> leaves, _ = flatten({"a": 1, "b": [], "c": None})
   >>> [(keystr(p), v) for p, v in leaves]
@@ -129,7 +131,8 @@ def flatten(tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
   out = []
   for kp, leaf in pairs:  # (the key path as users see it is made only for an error)
     path = tuple(_entry(k, kp) for k in kp)
-    _check_path(path, kp)
+    if check:
+      _check_path(path, kp)
     out.append((path, leaf))
   return out, treedef
 

@@ -115,13 +115,15 @@ class _Pending(NamedTuple):
 
 class Copies:
   """One save's owned copies: asked for by :meth:`get` as staging charges each chunk, started
-  in batches (one ``jax.device_put`` for many shards: a call per shard cost ~75 us, 300
-  leaves ~22 ms of a save's blocked time) once ``BATCH`` are pending or ``BATCH_BYTES`` are,
-  when the writer needs one, or at :meth:`wait`, which waits for them all together before
-  ``save`` returns (only those the writer has not taken yet: the list holds weak
-  references, so a written chunk's copy is freed at once)."""
+  in as few ``jax.device_put`` calls as the save allows (a call per shard cost ~75 us, 300
+  leaves ~22 ms of a save's blocked time): when the writer needs one not started yet (every
+  pending one starts with it), at :meth:`wait`, which starts the rest and waits for them all
+  together before ``save`` returns, or past ``BATCH`` shards or ``BATCH_BYTES`` (a bound on
+  one call's size; the budget bounds what is held). A save that fits its budget and whose
+  writer asks for nothing before :meth:`wait` makes one call. The list of started copies
+  holds weak references, so a written chunk's copy is freed at once."""
 
-  BATCH, BATCH_BYTES = 256, 64 << 20
+  BATCH, BATCH_BYTES = 4096, 1 << 30
 
   def __init__(self) -> None:
     self._started: list[weakref.ref] = []

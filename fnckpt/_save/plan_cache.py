@@ -29,6 +29,7 @@ from .._format import leaves as _leaves
 from .._format import perprocess as _perprocess
 from .._format import records as _records
 from .._format import refs as _refs
+from .._format import tree as _tree
 from .._io import arrays as _arrays
 from . import agreement as _agreement
 from . import piece_writes as _piece_writes
@@ -56,16 +57,16 @@ def key(leaves: list[tuple[Any, Any]], options: SaveOptions) -> tuple:
   return (tuple(sig), options, jax.process_index(), jax.process_count())
 
 
-def plan(
-  leaves: list[tuple[Any, Any]], kv_spec: dict, data_dir: str, options: SaveOptions
-) -> _plan.Plan:
-  """The plan of a save of ``leaves`` without a base: the template of an earlier save of the
-  same structure bound to these, else planned and kept as a template."""
+def plan(tree: Any, kv_spec: dict, data_dir: str, options: SaveOptions) -> _plan.Plan:
+  """The plan of a save of ``tree`` without a base: the template of an earlier save of the
+  same structure bound to its leaves, else planned (its key paths checked: a kept template's
+  passed) and kept as a template."""
+  leaves = _tree.flatten(tree, check=False)[0]
   k = key(leaves, options)
   template = _state.plans.get("saves", k)
   if template is not None:
     return template.bind(leaves, kv_spec, data_dir)
-  made = _plan.plan(leaves, kv_spec, data_dir, options)
+  made = _plan.plan(_tree.flatten(tree)[0], kv_spec, data_dir, options)
   _state.plans.put("saves", k, Template.of(made))
   return made
 

@@ -229,11 +229,10 @@ def start(
     based = _base_of(base, base_state, session, where, kv_spec)
     run.phase = "planning"
     with _state.collector.paused():  # (the caller waits: docs/performance.md)
-      leaves = _tree.flatten(tree)[0]
       plan = (
-        _plan.plan(leaves, kv_spec, data_dir, options, based)  # (what it reuses: per base)
+        _plan.plan(_tree.flatten(tree)[0], kv_spec, data_dir, options, based)  # (per base)
         if based is not None
-        else _plan_cache.plan(leaves, kv_spec, data_dir, options)
+        else _plan_cache.plan(tree, kv_spec, data_dir, options)
       )
     handle.planned = plan.records  # (a later save's base, while in flight)
     _agreement.agree(session, _entries(plan))
