@@ -101,3 +101,13 @@ def test_after_a_change_of_process_count_the_fallback_is_never_silent(tmp_path):
                           "restored from them: it was saved by 4 processes (this job has 2) "
                           "and no process holds piece 4 of leaf ['w'] (of 8)"), msg
     assert "step 7 is skipped and step 5 is restored from the durable tier." in msg, msg
+
+
+def test_after_a_change_of_device_order_held_pieces_are_resharded(tmp_path):
+  """The same 2 processes, each opening the other's fast tier (its records name the other
+  process): step 5 is restored from them, bitwise, with no warning."""
+  cfg = saved(tmp_path, 2, [None, "s"])
+  out = run({**cfg, "phase": "recover", "local": cfg["local"][::-1]}, 2)
+  for r in out:
+    assert r["restored"] == 5 and r["latest"] == 5, json.dumps(out)
+    assert r["checked"] == 2 + 2 + 1 and not r["warnings"], r

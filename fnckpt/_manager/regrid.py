@@ -183,6 +183,14 @@ def plan(
   LeafMove(mesh=(4, 1), order=(0, 1, 2, 3), readers=((0, 0), (0, 0), (1, 1), (1, 1)))
   >>> plan({0: f[0]}, g, [[0, 0, 1, 1]])
   'no process holds piece 2 of leaf w (of 4)'
+
+  Process 1's fast tier was wiped; process 0 holds every piece (2 copies of each block):
+
+  >>> every = {0: Foreign(4, g, {0: ((0, 1, 2, 3),)})}
+  >>> plan(every, g, [[0, 0, 0, 0, 1, 1, 1, 1]]).leaves[0].order
+  (0, 4, 1, 5, 2, 6, 3, 7)
+  >>> plan(every, g, [[0, 1, 1, 1]])
+  'the processes holding the pieces of leaf w have too few devices for them'
   """
   if not foreign:
     return "no process holds a record of it"
