@@ -8,7 +8,8 @@ process, none synchronized with the others between calls (as a training job's re
 TreeMismatchError before any read), ``manifest`` (opening the checkpoint fails), ``read`` (its
 reads fail), ``assemble`` (making a read leaf one array fails), ``kill`` (exits at its
 reads, printing ``KILLED_AT <time>``), ``late`` (the call starts
-``late_s`` after the others', past their ``barrier_s``), ``tree`` (a save of a different tree).
+``late_s`` after the others', past their ``barrier_s``), ``tree`` (a save of a different tree),
+``sharding`` (one leaf of the target has another sharding: passes every local check).
 Each try reports ``ok`` (shards checked) or ``error`` and ``message``, ``elapsed_s``, and
 ``raised_at``/``failed_at`` (``time.time()`` when the call raised and when this process's
 injected fault fired): the others' delay is ``raised_at`` minus the failing one's ``failed_at``;
@@ -47,6 +48,13 @@ def _inject(how: str, target: dict, leaves: dict) -> list:
     t = target[name]
     target[name] = jax.ShapeDtypeStruct((t.shape[0] + 1, *t.shape[1:]), t.dtype,
                                         sharding=t.sharding)
+    FIRED.append(time.time())
+  if how == "sharding":  # (passes every local check: only the agreement can see it)
+    import jax
+    name = next(k for k, l in leaves.items() if l.get("kind", "jax") != "numpy")
+    t = target[name]
+    target[name] = jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.sharding.NamedSharding(
+        t.sharding.mesh, jax.sharding.PartitionSpec(t.sharding.mesh.axis_names[0])))
     FIRED.append(time.time())
   for how_, module, name in (("manifest", restore._source, "open_any"),
                              ("read", place, "read_arrays"),

@@ -371,8 +371,9 @@ def _io_counts() -> dict[str, int]:
 
 def mode_peers(cfg):
   """Recovery from peers: mesh ``(R, n*2/R)`` ``("r", "s")``, ``cfg["spec"]`` for "w" (e.g.
-  ``[null, "s"]``: replicated over "r"; ``["r", "s"]``: no replicas). "save": steps 0-5, every
-  step to the local tier, every 2nd to durable storage (so 5 is local-only, 4 durable).
+  ``[null, "s"]``: replicated over "r"; ``["r", "s"]``: no replicas). "save": steps 0-5 (0 to
+  ``cfg["steps"] - 1``), every step to the local tier, every 2nd (``cfg["every"]``-th) to
+  durable storage (so 5 is local-only, 4 durable).
   "recover": ``cfg["wipe"]`` processes delete their local tier first, then restore().
   ``cfg["s"]``: the size of "s" (default ``2n/R``: 2 devices a process; another process count
   over the same global mesh sets it and ``devices``)."""
@@ -386,11 +387,11 @@ def mode_peers(cfg):
   if cfg["phase"] == "recover" and jax.process_index() in cfg.get("wipe", []):
     shutil.rmtree(local, ignore_errors=True)
   mgr = fnckpt.CheckpointManager(cfg["root"], local_directory=local, local_save_interval_steps=1,
-                                 save_interval_steps=2, local_max_to_keep=2,
+                                 save_interval_steps=cfg.get("every", 2), local_max_to_keep=2,
                                  save_options={"barrier_timeout_s": cfg["barrier_s"]})
   out: dict[str, Any] = {"process": jax.process_index()}
   if cfg["phase"] == "save":
-    for step in range(6):
+    for step in range(cfg.get("steps", 6)):
       state = mp_worker.make_state(leaves, mesh, seed=step)
       state["step"] = step
       mgr.save(step, state)
@@ -414,7 +415,7 @@ def mode_peers(cfg):
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     step = int(got["step"])
     out["restored"] = step
-    out["checked"] = mp_worker.check_leaves(leaves, got, step)
+    out["checked"] = mp_worker.check_leaves(leaves, got, step, target)
   mgr.close()
   result(out)
 

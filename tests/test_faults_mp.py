@@ -70,6 +70,21 @@ def test_a_target_mismatch_on_one_of_4_processes_fails_all_at_once(tmp_path):
   assert all(t["error"] == "PeerFailedError" for p, t in enumerate(tries) if p != 1), tries
 
 
+def test_a_target_with_another_sharding_on_one_process_fails_all_at_the_agreement(tmp_path):
+  """Process 1's target shards "w" over "r" instead of "s": every local check passes, so
+  before, the processes went on with different plans until a deadline. Now process 1 compares
+  its plan with process 0's before the agreement and every process raises there, naming
+  process 1 and the leaf; the next restore works."""
+  cfg = saved(tmp_path, 4)
+  tries = group({**cfg, "tries": [
+      {"op": "restore", "fail": {"process": 1, "how": "sharding"}}, {"op": "restore"}]}, 4)
+  first = [t[0] for t in tries]
+  assert first[1]["error"] == "CheckpointError", first[1]
+  assert "process 1's target differs from process 0's at ['w']" in first[1]["message"], first
+  assert_failed_together(first, 1, "differs from process 0's at ['w']")
+  assert [t[1].get("ok") for t in tries] == [2, 2, 2, 2], tries
+
+
 def test_a_failed_broadcast_restore_does_not_poison_the_next(tmp_path):
   """The issue's second case, 2 processes, no synchronization between the calls: process 1
   fails at once; then a correct restore (was: BarrierTimeoutError within 0.02 s, "the

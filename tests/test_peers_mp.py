@@ -65,18 +65,49 @@ def test_wiped_fast_tier_without_replicas_falls_back_to_durable(tmp_path):
     assert "Step 5" in msg and "process(es) 1 (host" in msg and "step 4" in msg, msg
 
 
-def test_after_a_change_of_process_count_the_fallback_is_never_silent(tmp_path):
-  """Issue 34: steps saved by 4 processes (2 devices each, mesh (2, 4)); a new job of 2
+def after_change(tmp_path, spec) -> tuple[dict, list[dict]]:
+  """Issue 34's scenario: 4 processes (2 devices each, mesh (2, 4)) save steps 0-7 with
+  per-process fast tiers (durable: 0 and 5; each fast tier keeps 6 and 7); a new job of 2
   processes (4 devices each, the same global mesh) opens managers on the old processes 0 and
-  1's fast tiers. Step 5 is held there (a whole replica of it, "w" replicated over "r"), but
-  recovery from peers does not reshard: every process restores the durable step 4, bitwise,
-  and warns naming step 5 and why (before: no warning)."""
-  cfg = saved(tmp_path, 4, [None, "s"])
-  out = run({**cfg, "phase": "recover", "devices": 4, "s": 4,
-             "local": cfg["local"][:2]}, 2)
+  1's fast tiers and restores."""
+  cfg = {"mode": "peers", "root": str(tmp_path / "durable"), "spec": spec, "groups": 2,
+         "local": [str(tmp_path / f"fast-host{i}") for i in range(4)], "barrier_s": BARRIER_S,
+         "steps": 8, "every": 5}
+  run({**cfg, "phase": "save"}, 4)
+  assert sorted(os.listdir(cfg["root"]), key=int) == ["0", "5"]
+  out = run({**cfg, "phase": "recover", "devices": 4, "s": 4, "local": cfg["local"][:2]}, 2)
+  return cfg, out
+
+
+def test_after_a_change_of_process_count_held_pieces_are_resharded(tmp_path):
+  """"w" replicated over "r": the old processes 0 and 1 held a whole replica of step 7
+  between them, so the new job reads their pieces and reshards them onto its own layout:
+  step 7 (in no durable tier), bitwise, with no warning."""
+  _, out = after_change(tmp_path, [None, "s"])
   for r in out:
-    assert r["restored"] == 4 and r["checked"] == 4 + 4 + 1, r
+    assert r["restored"] == 7 and r["latest"] == 7, json.dumps(out)
+    assert r["checked"] == 4 + 4 + 1, r
+    assert not r["warnings"], r
+
+
+def test_after_a_change_of_process_count_the_fallback_is_never_silent(tmp_path):
+  """"w" sharded over both axes: the old processes 0 and 1 held half of step 7's "w"; every
+  process restores the durable step 5, bitwise, and warns naming step 7 and why."""
+  _, out = after_change(tmp_path, ["r", "s"])
+  for r in out:
+    assert r["restored"] == 5 and r["checked"] == 4 + 4 + 1, r
     (msg,) = r["warnings"]
-    assert msg.startswith("Step 5 is held in the fast tier of some processes but cannot be "
-                          "restored from them: it was saved by 4 processes and this job has 2"), msg
-    assert "step 5 is skipped and step 4 is restored from the durable tier." in msg, msg
+    assert msg.startswith("Step 7 is held in the fast tier of some processes but cannot be "
+                          "restored from them: it was saved by 4 processes (this job has 2) "
+                          "and no process holds piece 4 of leaf ['w'] (of 8)"), msg
+    assert "step 7 is skipped and step 5 is restored from the durable tier." in msg, msg
+
+
+def test_after_a_change_of_device_order_held_pieces_are_resharded(tmp_path):
+  """The same 2 processes, each opening the other's fast tier (its records name the other
+  process): step 5 is restored from them, bitwise, with no warning."""
+  cfg = saved(tmp_path, 2, [None, "s"])
+  out = run({**cfg, "phase": "recover", "local": cfg["local"][::-1]}, 2)
+  for r in out:
+    assert r["restored"] == 5 and r["latest"] == 5, json.dumps(out)
+    assert r["checked"] == 2 + 2 + 1 and not r["warnings"], r

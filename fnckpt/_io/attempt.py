@@ -33,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
+import json
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import jax
 
@@ -236,13 +238,55 @@ def current() -> Attempt:
   return got if got is not None else Attempt("", "none", 0.0, multi=False)
 
 
-def agree(waves: bool) -> None:
+def agree(waves: bool, plan: Sequence[tuple[str, str]] | None = None) -> None:
   """Barrier 0 of the current attempt: every process has done what can fail on it alone
-  before the first collective. ``waves``: whether barriers follow (else it closes)."""
+  before the first collective. ``waves``: whether barriers follow (else it closes).
+  ``plan``: what every process must agree on, ``(key path, description)`` per leaf (e.g.
+  the target's shape, dtype and sharding): process 0 publishes it, every other process
+  compares it with its own first and, where they differ, fails (so every process raises at
+  the agreement, naming the first leaf that differs)."""
   attempt = current()
-  attempt.barrier(f"{attempt.kind}-agreed")
+  deadline = time.monotonic() + attempt.timeout_s
+  if plan is not None and attempt.multi and not attempt.closed:
+    _same_plan(attempt, [list(e) for e in plan], deadline)
+  left = max(0.001, deadline - time.monotonic())  # (one deadline for the wait and barrier 0)
+  attempt.barrier(f"{attempt.kind}-agreed", timeout_s=left)
   if not waves:
     attempt.closed = True
+
+
+def _same_plan(attempt: Attempt, mine: list[list[str]], deadline: float) -> None:
+  """Raise :class:`CheckpointError` unless ``mine`` is process 0's plan (its digest first;
+  while waiting for it, a failure published for barrier 0 raises)."""
+  text = json.dumps(mine, separators=(",", ":"))
+  digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+  key = f"{attempt.prefix}/plan"
+  if jax.process_index() == 0:
+    attempt.client.key_value_set(key, json.dumps([digest, mine]), allow_overwrite=True)
+    return
+  while True:
+    try:
+      theirs, plan0 = json.loads(attempt.client.blocking_key_value_get(key, int(POLL_S * 1000)))
+      break
+    except Exception:  # (not there yet: a failure published meanwhile ends the wait)
+      attempt.poll("while waiting for process 0's plan")
+      if time.monotonic() > deadline:
+        return  # (barrier 0 times out and says so)
+  if theirs != digest:
+    raise CheckpointError(_difference(attempt, mine, plan0))
+
+
+def _difference(attempt: Attempt, mine: list[list[str]], theirs: list[list[str]]) -> str:
+  p = jax.process_index()
+  where = f"Collective {attempt.kind} of {_paths.display(attempt.location)!r}: "
+  fix = " Pass the same target (shapes, dtypes, shardings) on every process."
+  for a, b in zip(mine, theirs):
+    if a != b:
+      return (
+        f"{where}process {p}'s target differs from process 0's at {a[0]}: {a[1]} on process "
+        f"{p}, {b[1]} on process 0." + fix
+      )
+  return f"{where}process {p}'s target has {len(mine)} leaves and process 0's {len(theirs)}." + fix
 
 
 def close() -> None:

@@ -25,11 +25,12 @@ import io
 import json
 import socket
 import zlib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .._save import copies as _copies
+from . import regrid as _regrid
 
 __all__ = [
   "LeafLayout",
@@ -49,6 +50,7 @@ __all__ = [
   "record_key",
   "piece_key",
   "HOST_MAX_BYTES",
+  "grid_of",
 ]
 
 HOST_MAX_BYTES = 1 << 20  # host leaves travel through the coordination service
@@ -98,13 +100,19 @@ class HeldRecord:
   held: tuple[tuple[int, ...], ...]
   sizes: tuple[tuple[int, ...], ...]
   crcs: tuple[tuple[int, ...], ...]
+  grid: tuple[_regrid.LeafGrid, ...] = ()
 
   def encode(self) -> bytes:
-    return json.dumps(dataclasses.asdict(self)).encode()
+    d = dataclasses.asdict(self)
+    d["grid"] = _regrid.grid_json(self.grid)
+    return json.dumps(d).encode()
 
   @staticmethod
   def decode(raw: bytes) -> HeldRecord:
     d = json.loads(raw)
+    held, sizes, crcs = (
+      tuple(tuple(int(x) for x in row) for row in d[k]) for k in ("held", "sizes", "crcs")
+    )
     return HeldRecord(
       int(d["step"]),
       int(d["process"]),
@@ -112,20 +120,26 @@ class HeldRecord:
       str(d["host"]),
       str(d["layout"]),
       tuple(d["counts"]),
-      *(tuple(tuple(int(x) for x in row) for row in d[k]) for k in ("held", "sizes", "crcs")),
+      held,
+      sizes,
+      crcs,
+      _regrid.grid_of_json(d.get("grid", [])),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class HeldReport:
   """What one process tells the others at recovery: its host and, per step whose record it
-  holds intact, ``(layout digest, counts, held positions)``; ``unusable``: steps it holds a
-  record of that recovery from peers cannot use, with why (saved by another process count)."""
+  holds intact, ``(layout digest, counts, held positions)``; ``foreign``: per step, what it
+  holds intact of records written by another job (another process count, or the records of
+  other processes: :mod:`fnckpt._manager.regrid`); ``unusable``: steps it holds a record of
+  that recovery from peers cannot use, with why."""
 
   process: int
   host: str
   steps: dict[int, tuple[str, tuple[int, ...], tuple[tuple[int, ...], ...]]]
   unusable: dict[int, str] = dataclasses.field(default_factory=dict)
+  foreign: dict[int, _regrid.Foreign] = dataclasses.field(default_factory=dict)
 
   def as_json(self) -> dict:
     return {
@@ -135,6 +149,7 @@ class HeldReport:
         str(s): [d, list(c), [list(h) for h in held]] for s, (d, c, held) in self.steps.items()
       },
       "unusable": {str(s): why for s, why in self.unusable.items()},
+      "foreign": {str(s): f.as_json() for s, f in self.foreign.items()},
     }
 
   @staticmethod
@@ -144,6 +159,7 @@ class HeldReport:
       str(d["host"]),
       {int(s): (v[0], tuple(v[1]), tuple(tuple(h) for h in v[2])) for s, v in d["steps"].items()},
       {int(s): str(why) for s, why in d.get("unusable", {}).items()},
+      {int(s): _regrid.Foreign.from_json(f) for s, f in d.get("foreign", {}).items()},
     )
 
 
@@ -151,7 +167,8 @@ class HeldReport:
 class Choice:
   """Process 0's recovery decision: ``step`` (None: nothing), ``source`` ("local": every
   process's own complete copy; "peers": the held shards over the interconnect; "durable"),
-  ``warning`` (a newer local step skipped, naming the processes lacking shards of it)."""
+  ``warning`` (a newer local step skipped, naming the processes lacking shards of it);
+  "regrid": the pieces of records another job wrote, resharded (:mod:`.regrid`)."""
 
   step: int | None
   source: str
@@ -219,6 +236,20 @@ def layouts_of(tree: Any) -> list[LeafLayout] | None:
   return out
 
 
+def grid_of(layouts: Sequence[LeafLayout]) -> tuple[_regrid.LeafGrid, ...]:
+  """PURE: the grid of ``layouts`` (each leaf's key, shape, dtype and shard shape).
+
+  >>> grid_of([LeafLayout("w", (4, 6), "int8", (((0, 2), (0, 6)), ((2, 4), (0, 6))), ())])
+  (LeafGrid(key='w', shape=(4, 6), dtype='int8', block=(2, 6)),)
+  """
+  return tuple(
+    _regrid.LeafGrid(
+      l.key, l.shape, l.dtype, () if l.dtype == "host" else tuple(b - a for a, b in l.indices[0])
+    )
+    for l in layouts
+  )
+
+
 def covered(reports: Sequence[HeldReport], step: int, layout: str | None) -> bool:
   """PURE: whether the processes' intact records of ``step`` (those with the layout the
   first of them has, or ``layout`` when given) together hold every shard of every leaf.
@@ -266,11 +297,14 @@ def choose(
   durable: Sequence[int],
   skipped: set[int],
   layout: str | None,
+  moved: Mapping[int, str | None] | None = None,
 ) -> Choice:
   """PURE: the newest step every process can restore, and from where: its own complete
   local copy on every process (``local_common``), the processes' held shards together
-  (``layout``: the target's digest, None: any), or the durable tier; not in ``skipped``.
-  A newer step held in some fast tier but not restorable is named in a warning, with why.
+  (``layout``: the target's digest, None: any), the pieces another job's records hold,
+  resharded (``moved[step]``: None when :func:`fnckpt._manager.regrid.plan` found a plan,
+  else why not), or the durable tier; not in ``skipped``. A newer step held in some fast
+  tier but not restorable is named in a warning, with why.
 
   >>> r0 = HeldReport(0, "a", {25: ("L", (1,), ((0,),))})
   >>> choose([r0, HeldReport(1, "b", {})], [], [20], set(), "L").source
@@ -278,16 +312,28 @@ def choose(
   >>> c = choose([r0, HeldReport(1, "b", {})], [], [20], set(), "other")
   >>> c.step, c.source, "process(es) 1 (host b)" in c.warning
   (20, 'durable', True)
-  >>> c = choose([HeldReport(0, "a", {}, {25: "it was saved by 4 processes"})], [], [20],
-  ...            set(), "L")
-  >>> c.step, "Step 25 " in c.warning and "saved by 4 processes" in c.warning
+  >>> f = {25: _regrid.Foreign(4, (), {})}
+  >>> choose([HeldReport(0, "a", {}, {}, f)], [], [20], set(), "L", {25: None}).source
+  'regrid'
+  >>> c = choose([HeldReport(0, "a", {}, {}, f)], [], [20], set(), "L", {25: "no piece 3"})
+  >>> c.step, c.warning.startswith("Step 25 is held") and "4 processes" in c.warning
   (20, True)
   """
+  moved = moved or {}
   local, durable_steps = set(local_common) - skipped, set(durable) - skipped
   peers = {s for r in reports for s in r.steps if s not in skipped and covered(reports, s, layout)}
-  step = max(local | peers | durable_steps, default=None)
-  source = "local" if step in local else "peers" if step in peers else "durable"
-  warning = _skipped(reports, skipped, step)
+  regrid = {s for s, why in moved.items() if why is None and s not in skipped}
+  step = max(local | peers | regrid | durable_steps, default=None)
+  source = (
+    "local"
+    if step in local
+    else "peers"
+    if step in peers
+    else "regrid"
+    if step in regrid
+    else "durable"
+  )
+  warning = _skipped(reports, skipped, step, moved)
   if warning is not None:
     warning += f"step {step} is restored" + (
       " from the durable tier." if source == "durable" else "."
@@ -295,32 +341,37 @@ def choose(
   return Choice(step, source, warning)
 
 
-def _skipped(reports: Sequence[HeldReport], skipped: set[int], step: int | None) -> str | None:
+def _skipped(
+  reports: Sequence[HeldReport], skipped: set[int], step: int | None, moved: Mapping[int, Any]
+) -> str | None:
   """PURE: why the newest step some fast tier holds, if newer than ``step``, is skipped (the
   start of :func:`choose`'s warning), else None."""
-  newest = max({s for r in reports for s in r.steps} - skipped, default=None)
-  unusable = max({s for r in reports for s in r.unusable} - skipped, default=None)
-  if unusable is not None and (step is None or unusable > step):
-    if newest is None or unusable >= newest:
-      who = [(r.process, r.host, r.unusable[unusable]) for r in reports if unusable in r.unusable]
-      return (
-        f"Step {unusable} is held in the fast tier of some processes but cannot be restored "
-        f"from them: {who[0][2]} (process {who[0][0]}, host {who[0][1]}"
-        + (f", and {len(who) - 1} more" if len(who) > 1 else "")
-        + f"); step {unusable} is skipped and "
-      )
+  held = {s for r in reports for s in (*r.steps, *r.unusable, *r.foreign)} - skipped
+  newest = max(held, default=None)
   if newest is None or (step is not None and newest <= step):
     return None
+  start = f"Step {newest} is held in the fast tier of some processes but "
+  end = f"; step {newest} is skipped and "
+  foreign = [r for r in reports if newest in r.foreign]
+  if foreign and isinstance(moved.get(newest), str):
+    return (
+      f"{start}cannot be restored from them: it was saved by "
+      f"{foreign[0].foreign[newest].count} processes (this job has {len(reports)}) and "
+      f"{moved[newest]}{end}"
+    )
+  who = [(r.process, r.host, r.unusable[newest]) for r in reports if newest in r.unusable]
+  if who:
+    return (
+      f"{start}cannot be restored from them: {who[0][2]} (process {who[0][0]}, host "
+      f"{who[0][1]}" + (f", and {len(who) - 1} more" if len(who) > 1 else "") + f"){end}"
+    )
   lacking = [f"{r.process} (host {r.host})" for r in reports if newest not in r.steps]
   why = (
     "process(es) " + ", ".join(lacking) + " hold no copy of it"
     if lacking
     else "its records do not match the target's shardings"
   )
-  return (
-    f"Step {newest} is held in the fast tier of some processes but not every "
-    f"shard of it is held by some process ({why}); step {newest} is skipped and "
-  )
+  return f"{start}not every shard of it is held by some process ({why}){end}"
 
 
 @dataclasses.dataclass
@@ -335,6 +386,7 @@ class Staged:
   counts: tuple[int, ...]
   held: tuple[tuple[int, ...], ...]
   pieces: dict[tuple[int, int], Any]
+  grid: tuple[_regrid.LeafGrid, ...] = ()
 
 
 def materialize(staged: Staged) -> Staged:
@@ -388,7 +440,8 @@ def stage(tree: Any, process: int) -> Staged | None:
         pieces[(i, j)] = copies.get(shard.data)
     held.append(tuple(sorted(j for (k, j) in pieces if k == i)))
   copies.wait()  # (owned copies: landed before the caller may donate the arrays)
-  return Staged(digest(layouts), tuple(len(l.indices) for l in layouts), tuple(held), pieces)
+  counts = tuple(len(l.indices) for l in layouts)
+  return Staged(digest(layouts), counts, tuple(held), pieces, grid_of(layouts))
 
 
 def make_record(staged: Staged, step: int, process: int, count: int) -> HeldRecord:
@@ -407,4 +460,5 @@ def make_record(staged: Staged, step: int, process: int, count: int) -> HeldReco
     held=staged.held,
     sizes=sizes,
     crcs=crcs,
+    grid=staged.grid,
   )

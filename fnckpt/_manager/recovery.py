@@ -22,6 +22,7 @@ from .._restore import restore as _restore
 from . import health as _health
 from . import held as _held
 from . import peers as _peers
+from . import peers_regrid as _peers_regrid
 from . import tiers as _tiers
 from .claims import StepClaims
 from .steps import StepIndex
@@ -71,15 +72,21 @@ class Recovery:
     ]
 
   def _choice(
-    self, local_steps: list[list[int]], reports: list[_held.HeldReport], layout: str | None
+    self,
+    local_steps: list[list[int]],
+    reports: list[_held.HeldReport],
+    layout: str | None,
+    target: Any = None,
   ) -> _held.Choice:
-    """Process 0's :func:`fnckpt._manager.held.choose`, on every process (collective)."""
+    """Process 0's :func:`fnckpt._manager.held.choose`, on every process (collective).
+    ``target``: the restore's (None: any; ``False``: one recovery from peers cannot use)."""
 
     def decide() -> list:
       self.claims.wait_saved()
       durable = self.index.list(in_flight=self.claims.saving()).steps
       common = _tiers.choose(local_steps, [], set()) if local_steps else None
-      c = _held.choose(reports, [] if common is None else [common], durable, set(), layout)
+      moved = {s: _moved(reports, s, target) for r in reports for s in r.foreign}
+      c = _held.choose(reports, [] if common is None else [common], durable, set(), layout, moved)
       return [c.step, c.source, c.warning]
 
     return _held.Choice(
@@ -95,15 +102,18 @@ class Recovery:
       return None
     layouts = None if kwargs else _held.layouts_of(target)
     layout = _held.digest(layouts) if layouts is not None else "(not from peers)"
-    choice = self._choice(self._local_steps(), reports, layout)
+    choice = self._choice(
+      self._local_steps(), reports, layout, target if layouts is not None else False
+    )
     if choice.warning:
       warnings.warn(choice.warning, RuntimeWarning, stacklevel=4)
-    if choice.source != "peers":
+    if choice.source not in ("peers", "regrid"):
       return None
     assert choice.step is not None and self.local is not None  # (peers: a local tier's step)
+    how = _peers.restore if choice.source == "peers" else _peers_regrid.restore
     self.claims.wait_saved(choice.step)
     with self.claims.reading(choice.step):
-      value = _peers.restore(
+      value = how(
         self.index.root,
         self.local.index.at(choice.step),
         choice.step,
@@ -180,6 +190,15 @@ class Recovery:
       RuntimeWarning,
       stacklevel=5,
     )
+
+
+def _moved(reports: list[_held.HeldReport], step: int, target: Any) -> str | None:
+  """None when another job's records of ``step`` the processes hold can be restored into
+  ``target`` (None: any; False: none can), else why not."""
+  if target is False:
+    return "the target (or restore()'s arguments) is not one recovery from peers supports"
+  plan = _peers_regrid.plan_for(reports, step, target)
+  return plan if isinstance(plan, str) else None
 
 
 def _restore_at(index: StepIndex, step: int, target: Any, kwargs: dict[str, Any]) -> Any:

@@ -574,7 +574,7 @@ def _read_all(
     remote=src.location.startswith(("gs://", "s3://")),
   ):
     readers = {}
-  _attempt.agree(waves=bool(readers))  # (a collective restore's barrier 0)
+  _attempt.agree(waves=bool(readers), plan=_plan_entries(wants, reads))  # (barrier 0)
   local = {i: r for i, r in reads.items() if i not in readers}
 
   def read_local() -> None:
@@ -587,6 +587,22 @@ def _read_all(
   else:
     read_local()
   return values
+
+
+def _plan_entries(wants: list[_Want], reads: dict[int, _place.Read]) -> list[tuple[str, str]]:
+  """What every process of a collective restore must agree on, per leaf: its key path, and
+  the target's shape, dtype and sharding (with its devices' order) when it spans processes,
+  else how it is held (a process's own leaves may differ)."""
+  out = []
+  for i, w in enumerate(wants):
+    r = reads.get(i)
+    if r is None or r.sharding is None or r.sharding.is_fully_addressable:
+      what = w.rec.kind if r is None else "host" if r.sharding is None else "on this process"
+    else:
+      ids = [d.id for d in getattr(r.sharding, "_device_assignment", ())]
+      what = f"{w.dtype}{list(r.shape)} {r.sharding} on devices {ids}"
+    out.append((_tree.keystr(w.rec.path), what))
+  return out
 
 
 def _readers(reads: dict[int, _place.Read]) -> dict[int, _broadcast.Reader]:
