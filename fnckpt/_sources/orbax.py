@@ -399,21 +399,7 @@ def open_item(
         scalars[i] = (e, store.read())
         leaves.append(None)
         continue
-      shape = tuple(store.shape)
-      impl = _key_impl(impls, e, store)
-      leaves.append(
-        _records.Leaf(
-          index=i,
-          path=e.path,
-          kind="array" if impl is None else "key",
-          impl=impl,
-          dtype=store.dtype.name,
-          shape=shape,
-          source="jax" if e.value_type == "jax.Array" else "numpy",
-          sharding=_sharding(shardings.get(e.name), len(shape)),
-          stored=_records.Stored(e.name, _chunks(store), _chunks(store), None),
-        )
-      )
+      leaves.append(_array_leaf(i, e, store, _key_impl(impls, e, store), shardings))
       stores[i], names[i] = store, e.name
     else:
       raise _bad(
@@ -441,6 +427,22 @@ def open_item(
     cast(tuple[_records.Leaf, ...], tuple(leaves)),
   )
   return manifest, Reader(location, stores, names)
+
+
+def _array_leaf(i: int, e: Any, store: ts.TensorStore, impl: Any, shardings) -> _records.Leaf:
+  """The record of an Orbax array (or typed PRNG key array, ``impl``) leaf."""
+  shape = tuple(store.shape)
+  return _records.Leaf(
+    index=i,
+    path=e.path,
+    kind="array" if impl is None else "key",
+    impl=impl,
+    dtype=store.dtype.name,
+    shape=shape,
+    source="jax" if e.value_type == "jax.Array" else "numpy",
+    sharding=_sharding(shardings.get(e.name), len(shape)),
+    stored=_records.Stored(e.name, _chunks(store), _chunks(store), None),
+  )
 
 
 def _chunks(store: ts.TensorStore) -> tuple[int, ...]:
