@@ -23,6 +23,14 @@ for is the library's own work). Per state, in the same run:
 States: ``100m`` (examples/lm.py's 100m model: params + AdamW moments + key, 8-way data
 parallel), ``mixed`` and ``transformer`` (``bench/states.py``, quick, mesh (2, 4)). The
 target of issue 33: steady blocked <= 1.5 x floor + 5 ms. ``--json PATH`` writes every figure.
+
+Before and after a change, on one machine:
+
+    git worktree add /tmp/before <rev>
+    mkdir /tmp/before && git archive <rev> | tar -x -C /tmp/before
+    python bench/call_cost.py --before /tmp/before --rounds 2 --json both.json
+
+(each arm in fresh processes, alternating; ``FNCKPT_TREE=<tree>`` runs one arm by hand).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if sys.path and os.path.abspath(sys.path[0]) == str(ROOT / "bench"):
   del sys.path[0]  # (run as a script: bench/ on the path shadows modules jax imports)
 sys.path.insert(0, str(ROOT))
+if os.environ.get("FNCKPT_TREE"):  # another checkout's fnckpt, measured by this script
+  sys.path.insert(0, os.environ["FNCKPT_TREE"])
 
 import jax  # noqa: E402
 
@@ -204,8 +214,61 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def compare(args: argparse.Namespace, argv: list[str]) -> int:
+  """``--before TREE``: this checkout and TREE's fnckpt, each in fresh processes, ``--rounds``
+  times in alternating order; every figure and the per-state medians of each into ``--json``
+  (``{"before": rows, "after": rows, "runs": ...}``, drawn by bench/charts.py)."""
+  import subprocess
+
+  rest, skip = [], False
+  for a in argv:  # the same arguments, minus the comparison's own
+    if skip:
+      skip = False
+    elif a in ("--before", "--rounds", "--json"):
+      skip = True
+    elif not a.startswith(("--before=", "--rounds=", "--json=")):
+      rest.append(a)
+  runs: dict[str, list[list[dict]]] = {"before": [], "after": []}
+  for r in range(args.rounds):
+    for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):
+      out = tempfile.mktemp(suffix=".json")
+      env = {**os.environ, "FNCKPT_TREE": args.before if arm == "before" else ""}
+      got = subprocess.run([sys.executable, __file__, *rest, "--json", out], env=env,
+                           capture_output=True, text=True)
+      print(f"round {r + 1} {arm}:\n{got.stdout.strip()}", flush=True)
+      if got.returncode:
+        raise SystemExit(f"{arm}: {got.stderr[-3000:]}")
+      runs[arm].append(json.loads(Path(out).read_text()))
+      os.remove(out)
+  result = {arm: [_median_rows([rows[k] for rows in runs[arm]]) for k in range(len(runs[arm][0]))]
+            for arm in runs}
+  result.update({"runs": runs, "before_tree": args.before, "rounds": args.rounds,
+                 "argv": ["bench/call_cost.py", *argv], "cpus": os.cpu_count(),
+                 "jax": jax.__version__})
+  for arm in ("before", "after"):
+    print(f"{arm} (medians of {args.rounds} rounds):\n{table(result[arm])}")
+  if args.json:
+    Path(args.json).write_text(json.dumps(result, indent=1))
+  return 0
+
+
+def _median_rows(rows: list[dict]) -> dict:
+  """One state's figures: each number the median over rounds."""
+  out = dict(rows[0])
+  for k, v in rows[0].items():
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+      out[k] = statistics.median(r[k] for r in rows)
+  out["meets"] = out["steady_ms"] <= out["target_ms"]
+  out["verified"] = all(r["verified"] for r in rows)
+  return out
+
+
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--before", default=None, help="another checkout (a tree holding fnckpt/): "
+                 "compare it with this one, in fresh processes (see compare)")
+  p.add_argument("--rounds", type=int, default=2, help="with --before: rounds of each")
   p.add_argument("--states", default=",".join(STATES))
   p.add_argument("--saves", type=int, default=6)
   p.add_argument("--restores", type=int, default=3)
@@ -218,13 +281,15 @@ def main(argv: list[str] | None = None) -> int:
                  "(default: fnckpt's Copies.BATCH)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
+  if args.before:
+    return compare(args, argv)
   if args.staging != "default":
     from fnckpt import _state
     _state.hooks.staging = args.staging
   if args.batch is not None:
     from fnckpt._save import copies
     copies.Copies.BATCH = args.batch
-  print(f"fnckpt {fnckpt.__version__}, jax {jax.__version__}, {jax.device_count()} CPU devices, "
+  print(f"fnckpt {fnckpt.__version__} ({os.path.dirname(fnckpt.__file__)}), jax {jax.__version__}, {jax.device_count()} CPU devices, "
         f"staging {args.staging}, load {os.getloadavg()[0]:.2f}", flush=True)
   root = tempfile.mkdtemp(prefix="fnckpt-call-cost-", dir=args.dir)
   try:

@@ -11,6 +11,7 @@ Run it again whenever a result below changes; it reads only files under ``bench/
 * ``small_leaves.svg``: the newest ``*-small-scaling.json`` (``bench/small_scaling.py``);
 * ``plan_scale.svg``: the newest date's ``*-plan-scale-p<P>.json`` (``bench/plan_scale.py``,
   one file per process count);
+* ``cost_per_call.svg``: the newest ``*-call-cost.json`` (``bench/call_cost.py --before``);
 * ``save_phases.svg`` and ``layout.svg``: diagrams of a save and of a checkpoint directory
   (docs/concepts/async.md, docs/concepts/commit.md, docs/format.md).
 
@@ -506,9 +507,53 @@ def layout(out: str) -> None:
 
 # ------------------------------------------------------------------ main
 
+# ------------------------------------------------------------------ cost_per_call.svg
+
+CALL_SERIES = (("before", "first_ms", "before: first save", "#b9cde3"),
+               ("before", "steady_ms", "before: steady save", "#7fa6cf"),
+               ("after", "first_ms", "plans once per structure: first save", "#5b8fc7"),
+               ("after", "steady_ms", "plans once per structure: steady save", "#1f6fb4"),
+               ("after", "floor_ms", "floor: np.asarray of every shard, same run", "#8c8c8c"))
+
+
+def cost_per_call(out: str) -> None:
+  """Blocked time per save call in a loop, before and after plans made once per structure
+  (the newest ``*-call-cost.json`` of ``bench/call_cost.py --before``)."""
+  path = _newest("*-call-cost.json")
+  with open(path) as f:
+    r = json.load(f)
+  states = [row["state"] for row in r["after"]]
+  fig, ax = plt.subplots(figsize=(9, 5.6))
+  y, ticks, top = 0.0, [], 0.0
+  for k, state in enumerate(states):
+    ticks.append((y + 2, state))
+    for arm, key, _, color in CALL_SERIES:
+      v = r[arm][k][key]
+      top = max(top, v)
+      ax.barh(-y, v, height=0.8, color=color)
+      ax.text(v * 1.04 + 0.3, -y, f"{v:.1f} ms", va="center", fontsize=7.5)
+      y += 1
+    y += 1
+  ax.set_yticks([-t for t, _ in ticks],
+                [f"{s}\n{r['after'][k]['arrays']:,} arrays" for k, (_, s) in enumerate(ticks)])
+  ax.tick_params(axis="y", length=0)
+  ax.set_xlim(0, top * 1.2)
+  ax.set_xlabel("milliseconds the caller is blocked by fnckpt.save (shorter is better)")
+  ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for *_, c in CALL_SERIES],
+            labels=[lab for _, _, lab, _ in CALL_SERIES], loc="lower left",
+            bbox_to_anchor=(0, 1.01), ncol=2, frameon=False)
+  fig.suptitle("Cost per call: what a save in a training loop blocks for\n8 virtual CPU "
+               f"devices, medians of saves 2+ over {r['rounds']} rounds per arm", x=0.01,
+               ha="left")
+  _note(fig, NOTE.format(src=f"{os.path.relpath(path, REPO)} (bench/call_cost.py --before)"))
+  fig.subplots_adjust(left=0.16, right=0.97, top=0.76, bottom=0.13)
+  _save(fig, os.path.join(out, "cost_per_call.svg"))
+
+
 FIGURES: dict[str, Callable[[str], None]] = {
     "save_restore.svg": save_restore, "small_leaves.svg": small_leaves,
-    "plan_scale.svg": plan_scale, "save_phases.svg": save_phases, "layout.svg": layout}
+    "plan_scale.svg": plan_scale, "save_phases.svg": save_phases, "layout.svg": layout,
+    "cost_per_call.svg": cost_per_call}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ TITLES = {
     "plan_scale.svg": "Planning cost per process against the process count",
     "save_phases.svg": "A save's phases",
     "layout.svg": "A checkpoint directory, format 3",
+    "cost_per_call.svg": "Cost per call: what a save in a training loop blocks for",
 }
 
 

@@ -187,6 +187,14 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
   """The validated manifest of a *committed* checkpoint, its bytes and the commit marker's
   bytes. Clear errors for: no such location, an interrupted save, a marker that does not
   match its manifest (also when an overwrite replaced it between the two reads)."""
+  manifest_bytes, commit_bytes = read_committed(kv, location)
+  return (_manifest.decode(manifest_bytes, location), manifest_bytes, commit_bytes)
+
+
+def read_committed(kv: ts.KvStore, location: str) -> tuple[bytes, bytes]:
+  """The manifest's bytes of a *committed* checkpoint, checked against its commit marker
+  (not decoded: :func:`read_header` decodes them), and the marker's bytes; errors as
+  :func:`read_header`'s."""
   try:  # TensorStore I/O errors (no such bucket, access denied, unreachable) name the URL
     commit_r = kv.read(_manifest.COMMIT)
     manifest_r = kv.read(_manifest.MANIFEST)
@@ -214,7 +222,7 @@ def read_header(kv: ts.KvStore, location: str) -> tuple[_records.Manifest, bytes
       f"The manifest of {location!r} does not match its commit marker (missing or "
       "modified after the commit). The checkpoint cannot be trusted; restore an earlier one."
     )
-  return (_manifest.decode(manifest_bytes, location), manifest_bytes, bytes(commit_raw.value))
+  return manifest_bytes, bytes(commit_raw.value)
 
 
 def _has_data(kv: ts.KvStore) -> bool:

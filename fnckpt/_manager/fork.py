@@ -61,8 +61,11 @@ class References:
     if hit is not None and hit[0] == stamp:
       return hit[1]
     kv = _paths.open_kvstore(self.run.join(str(step)))
-    manifest = _commit.read_header(kv, _paths.join(self.run.path, str(step)))[0]
-    out = _siblings(manifest, self.loc, step)
+    where = _paths.join(self.run.path, str(step))
+    raw = _commit.read_committed(kv, where)[0]
+    # a manifest without bases refers to nothing: not decoded (a save per step of a
+    # thousand-leaf tree: a parse of every leaf per save, for nothing)
+    out = _siblings(_manifest.decode(raw, where), self.loc, step) if _has_bases(raw) else set()
     with self._lock:
       self._cache[step] = (stamp, frozenset(out))
     return frozenset(out)
@@ -110,6 +113,17 @@ class References:
     for step, data in pairs:
       out.setdefault(step, set()).add(data)
     return out
+
+
+def _has_bases(raw: bytes) -> bool:
+  """Whether a manifest's bytes may refer to other checkpoints: a map with a ``bases`` entry
+  that is not empty (save writes it only when there are bases), or anything else (decoded
+  in full then, which refuses what is not a manifest)."""
+  try:
+    record = _manifest.unpack(raw)
+  except Exception:
+    return True
+  return not isinstance(record, dict) or record.get("bases") not in (None, [])
 
 
 def _siblings(manifest: _records.Manifest, run: _refs.Location, step: int) -> set[tuple[int, str]]:
