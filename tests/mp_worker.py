@@ -555,7 +555,9 @@ def mode_attempts(cfg):
   for attempt, outcome in zip(cfg["attempts"], outcomes):
     if attempt.get("restore") and "ok" in outcome:
       outcome["checked_shards"] = _restore_and_check(cfg, attempt, mesh)
-  result({"process": jax.process_index(), "outcomes": outcomes})
+  result({"process": jax.process_index(), "outcomes": outcomes,
+          "plans": dict(_state.plans.hits["saves"] and {"reused": _state.plans.hits["saves"]}
+                        or {"reused": 0}, made=_state.plans.misses["saves"])})
 
 
 def main(modes: dict[str, Any] | None = None, devices: int | None = None) -> None:

@@ -31,9 +31,10 @@ NOTHING_COMMITTED = "Nothing was committed; earlier checkpoints are intact."
 GROUP_KILL_S = 400  # a hang shows as BarrierTimeoutError at 120 s first
 
 
-def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2, **more):
+def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2, plans=None, **more):
   """Run ``attempts`` on 2 processes of 2 devices (or 4 of 1: the same 2x2 mesh); per
-  process, its list of outcomes. ``more``: more worker settings (``piece_bytes``)."""
+  process, its list of outcomes. ``more``: more worker settings (``piece_bytes``).
+  ``plans``: a list that gets each process's save plan counts (reused, made)."""
   for a in attempts:
     a["path"] = str(tmp_path / a["path"])
   results = hp.run_group({"mode": "attempts", "devices": 4 // processes, "mesh": MESH,
@@ -41,6 +42,8 @@ def run(tmp_path, attempts, leaves=LEAVES, barrier_s=120, processes=2, **more):
                           **more}, processes, timeout=GROUP_KILL_S)
   for r in results:
     assert r.returncode == 0 and not r.timed_out and r.result, r.describe()
+  if plans is not None:
+    plans.extend(r.result["plans"] for r in results)
   return [r.result["outcomes"] for r in results]
 
 
@@ -328,3 +331,29 @@ def test_four_processes_disagree_or_fail_and_all_learn_it_then_retry(tmp_path):
   assert all("ok" in o[2] for o in outcomes), [o[2] for o in outcomes]
   assert sum(o[2]["checked_shards"] for o in outcomes) == 4 * 4  # e, a, b, f on each device
   check_restores(s)
+
+
+def test_a_kept_plan_agrees_by_digest_and_a_changed_tree_is_still_named(tmp_path):
+  """2 processes save one structure three times (the 2nd and 4th reuse the 1st's plan: the
+  processes compare a digest); on the 3rd, process 1 passes another dtype for ['b']: both
+  processes fail naming it (process 0 under its kept plan, process 1 with a new one); every
+  other save restores bitwise."""
+  b, plans = LEAVES["b"], []
+  outcomes = run(tmp_path, [
+      {"path": "s0", "restore": True},
+      {"path": "s1", "seed": 1, "restore": True},
+      {"path": "d", "change": {"1": {"leaves": {"b": {**b, "dtype": "int32"}}}}},
+      {"path": "s2", "seed": 2, "restore": True},
+  ], plans=plans)
+  d = str(tmp_path / "d")
+  failed(outcomes[1][2], "CheckpointError", f"Saving to {d!r}: processes 1 and 0 passed "
+         "different trees", "the leaf at ['b'] is jax int32[128, 64] P() on mesh {'x': 2, "
+         "'y': 2} (on every process) on process 1 but jax float32[128, 64]", NOTHING_COMMITTED)
+  failed(outcomes[0][2], "PeerFailedError", f"Saving to {d!r} failed on process 1",
+         "the leaf at ['b'] is jax int32[128, 64]")
+  for k in (0, 1, 3):
+    assert all("ok" in o[k] for o in outcomes), [o[k] for o in outcomes]
+  assert plans[0] == {"reused": 3, "made": 1}  # process 0: one plan for all four
+  assert plans[1] == {"reused": 2, "made": 2}  # process 1: and one for its other tree
+  for k, seed in (("s0", 0), ("s1", 1), ("s2", 2)):
+    check_restores(str(tmp_path / k), seed=seed)
