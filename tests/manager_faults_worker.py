@@ -93,6 +93,7 @@ def _one(mgr, t, mesh, target) -> dict:
 
 def mode_tries(cfg):
   import jax
+
   import fnckpt
   mesh, target = mesh_and_target()
   me = jax.process_index()

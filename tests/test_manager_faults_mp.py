@@ -12,9 +12,8 @@ import os
 import random
 import sys
 
-import pytest
-
 import helpers_proc as hp
+import pytest
 
 pytestmark = pytest.mark.slow
 
