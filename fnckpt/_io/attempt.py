@@ -22,6 +22,13 @@ process that cannot publish its error arrives nowhere (fail closed: the others t
 barrier, naming it). Past the attempt's last barrier (:func:`close`) a failure waits for no
 one and is not published. With one process everything here is a no-op.
 
+Attempts nest: a collective call made inside an open attempt (a collective restore inside a
+CheckpointManager call, :func:`fnckpt._io.coordination.operation`) is a *segment* of it: it
+numbers its barriers on, in the same sequence, and publishes failures for them there. So a
+process that fails in the manager's own code before a restore's agreement is seen there, and a
+restore that failed on every process at barrier i leaves every process just past barrier i:
+the enclosing call may go on (the manager exchanges the outcome) or fail at its next barrier.
+
 >>> with collective("memory://doc/attempt", "restore", 10.0, on=True) as a:
 ...   agree(waves=False)
 >>> a.multi, a.closed
@@ -40,7 +47,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 
-from .._errors import CheckpointError, DamagedError
+from .._errors import BarrierTimeoutError, CheckpointError, DamagedError
 from . import collective as _collective
 from . import commit as _commit
 from . import paths as _paths
@@ -80,22 +87,64 @@ class Failure:
 Explain = Callable[[Failure, str], CheckpointError]
 
 
-class Attempt:
-  """One collective attempt at ``location`` (``kind``: ``"restore"``, ``"peers"``); ``count``:
-  barriers entered so far. Made by :func:`collective`."""
+@dataclasses.dataclass
+class _Line:
+  """The numbered barriers of one attempt (and of the segments nested in it): ``count``
+  entered so far, ``broken``: one failed (a deadline, a lost process), so none follows. Keys
+  live under ``fnckpt/<location hash>/<kind>/<attempt>/``."""
 
-  def __init__(self, location: str, kind: str, timeout_s: float, multi: bool = True):
-    self.location, self.kind, self.timeout_s = location, kind, timeout_s
+  location: str
+  kind: str
+  attempt: int
+  count: int = 0
+  broken: bool = False
+
+  @property
+  def base(self) -> str:
+    return f"fnckpt/{_commit._key(self.location)}/{self.kind}"
+
+
+class Attempt:
+  """One collective attempt at ``location`` (``kind``: ``"restore"``, ``"peers"``,
+  ``"manager"``), or a segment of ``parent`` (numbered on in its line); ``count``: barriers
+  entered so far; ``what``: its name in errors. Made by :func:`collective`."""
+
+  def __init__(
+    self,
+    location: str,
+    kind: str,
+    timeout_s: float,
+    multi: bool = True,
+    parent: Attempt | None = None,
+    what: str | None = None,
+  ):
+    self.location, self.kind, self.timeout_s, self.parent = location, kind, timeout_s, parent
+    self.what: str = what or (parent.what if parent else f"Collective {kind}")
+    self.shown: str = parent.shown if parent else location  # (where, in errors: the outermost's)
     self.multi = multi and jax.process_count() > 1
-    self.count = 0
-    self.closed = self.broken = self.failed = False
+    self.closed = self.failed = False
     self.learned: BaseException | None = None
     if not self.multi:
+      self.line = _Line(location, kind, 0)
       return
     self.client = _commit._client()
-    self.base = f"fnckpt/{_commit._key(location)}/{kind}"
-    self.attempt = _collective._next_attempt(self.base)
-    self.prefix = f"{self.base}/{self.attempt}"
+    if parent is not None:
+      self.line = parent.line
+    else:
+      base = f"fnckpt/{_commit._key(location)}/{kind}"
+      self.line = _Line(location, kind, _collective._next_attempt(base))
+
+  @property
+  def count(self) -> int:
+    return self.line.count
+
+  @property
+  def broken(self) -> bool:
+    return self.line.broken
+
+  @property
+  def prefix(self) -> str:
+    return f"{self.line.base}/{self.line.attempt}"
 
   def barrier(self, label: str, explain: Explain | None = None, timeout_s: float = 0) -> None:
     """The attempt's next barrier (``label``: its name in messages); past it, raise what
@@ -103,6 +152,12 @@ class Attempt:
     :meth:`default_error`). ``timeout_s``: a shorter deadline than the attempt's."""
     if not self.multi or self.closed:
       return
+    if self.broken:
+      raise BarrierTimeoutError(
+        f"{self.what} of {_paths.display(self.shown)!r}: an earlier barrier of this attempt "
+        f"failed on process {jax.process_index()} (a deadline, or a lost process), so it "
+        f"cannot reach barrier '{label}'. Call it again on every process."
+      )
     i = self._arrive(label, timeout_s or self.timeout_s)
     if i == 0 and jax.process_index() == 0:
       self._tidy()
@@ -111,25 +166,44 @@ class Attempt:
       self.closed = True  # every process stops at this barrier: none goes further
       raise self._learned((explain or self.default_error)(found, f"at barrier '{label}'"))
 
-  def gather(self, label: str, value: str) -> list[str]:
+  def gather(self, label: str, value: str, last: bool = False) -> list[str]:
     """Every process's ``value``, in process order, on every process: each posts its own,
-    then the attempt's next barrier (``label``), then the reads. One process: ``[value]``."""
+    then the attempt's next barrier (``label``), then the reads. One process: ``[value]``.
+    ``last``: the attempt's last barrier (it closes there)."""
     if not self.multi:
       return [value]
     key = f"{self.prefix}/g{self.count}"
     self.client.key_value_set(f"{key}/{jax.process_index()}", value, allow_overwrite=True)
     self.barrier(label)
+    self.closed = self.closed or last
     ms = max(1, int(self.timeout_s * 1000))
     return [
       self.client.blocking_key_value_get(f"{key}/{p}", ms) for p in range(jax.process_count())
     ]
 
+  def share(self, label: str, value: str | None, last: bool = False) -> str:
+    """Process 0's ``value`` (the others pass None), on every process: process 0 posts it,
+    then the attempt's next barrier (``label``), then the reads (a failure process 0
+    published instead is raised there). ``last``: as :meth:`gather`."""
+    if not self.multi:
+      assert value is not None
+      return value
+    key = f"{self.prefix}/s{self.count}"
+    if jax.process_index() == 0:
+      assert value is not None
+      self.client.key_value_set(key, value, allow_overwrite=True)
+    self.barrier(label)
+    self.closed = self.closed or last
+    if value is not None:
+      return value
+    return self.client.blocking_key_value_get(key, max(1, int(self.timeout_s * 1000)))
+
   def _arrive(self, label: str, timeout_s: float) -> int:
-    i, self.count = self.count, self.count + 1
+    i, self.line.count = self.line.count, self.line.count + 1
     try:
       _commit.barrier_id(f"{self.prefix}/b{i}", self.location, label, timeout_s)
     except BaseException:
-      self.broken = True  # the service failed it for every process: no walking on
+      self.line.broken = True  # the service failed it for every process: no walking on
       raise
     return i
 
@@ -139,7 +213,7 @@ class Attempt:
     i = self.count if index is None else index
     for attempt in range(3):
       try:
-        found = _commit.published(self.location, self._errors(i))
+        found = _commit.published(self.line.location, self._errors(i))
         return Failure.parse(*found[0]) if found else None
       except Exception as e:
         if attempt == 2:
@@ -159,7 +233,9 @@ class Attempt:
   def _learned(self, error: CheckpointError) -> CheckpointError:
     """``error``, remembered as another process's failure (:meth:`fail` does not publish
     it as this process's own)."""
-    self.learned = error
+    attempt: Attempt | None = self
+    while attempt is not None:  # (and of the attempts it is a segment of)
+      attempt.learned, attempt = error, attempt.parent
     return error
 
   def fail(self, error: BaseException) -> None:
@@ -172,7 +248,7 @@ class Attempt:
     if error is not self.learned and not isinstance(error, _collective.PeerFailedError):
       kind = "damaged" if isinstance(error, DamagedError) else "error"
       text = f"{type(error).__name__}: {_paths.error_text(error)}"[:_MAX_ERROR_CHARS]
-      if not _commit.publish(self.location, self._errors(self.count), f"{kind}:{text}"):
+      if not _commit.publish(self.line.location, self._errors(self.count), f"{kind}:{text}"):
         return
     _commit.report(self.location, f"{self.kind}: failed")
     try:
@@ -185,33 +261,49 @@ class Attempt:
     who = f"process {found.process}" if found.process >= 0 else "another process (unknown)"
     error: type[CheckpointError] = DamagedError if found.damaged else PeerFailedError
     return error(
-      f"Collective {self.kind} of {_paths.display(self.location)!r} failed on {who} "
+      f"{self.what} of {_paths.display(self.shown)!r} failed on {who} "
       f"({found.text}); process {jax.process_index()} learned of it {when} and stops too. "
       f"Fix the cause on {who} and call it again on every process (a failed attempt "
       "leaves nothing behind)."
     )
 
   def _errors(self, index: int) -> str:
-    return f"{self.kind}/{self.attempt}/e{index}"
+    return f"{self.line.kind}/{self.line.attempt}/e{index}"
 
   def _tidy(self) -> None:
     """(Process 0, past barrier 0.) Every process has finished the previous attempt: drop
     its keys (the errors it published)."""
-    if self.attempt > 0:
+    if self.line.attempt > 0:
       try:
-        self.client.key_value_delete(f"{self.base}/{self.attempt - 1}")
+        self.client.key_value_delete(f"{self.line.base}/{self.line.attempt - 1}")
       except Exception:  # tidiness only
         pass
 
 
 @contextlib.contextmanager
-def collective(location: str, kind: str, timeout_s: float, on: bool) -> Iterator[Attempt]:
+def collective(
+  location: str,
+  kind: str,
+  timeout_s: float,
+  on: bool,
+  what: str | None = None,
+  done: str | None = None,
+) -> Iterator[Attempt]:
   """The current attempt (``on``: this call is collective with several processes) for the
-  block: an exception leaving it is published (:meth:`Attempt.fail`) before it is raised."""
-  attempt = Attempt(_keyed.get() or location, kind, timeout_s, multi=on)
+  block: an exception leaving it is published (:meth:`Attempt.fail`) before it is raised.
+  Inside an open attempt, a segment of it. ``what``: its name in errors; ``done``: the name
+  of a last barrier, when the block ends still open (a failure anywhere in the block then
+  always has a barrier every process reaches)."""
+  parent = _current.get()
+  if on and parent is not None and parent.multi and not parent.closed:
+    attempt = Attempt(location, kind, timeout_s, parent=parent, what=what)
+  else:
+    attempt = Attempt(_keyed.get() or location, kind, timeout_s, multi=on, what=what)
   token = _current.set(attempt)
   try:
     yield attempt
+    if done is not None:
+      attempt.barrier(done)
   except BaseException as e:
     attempt.fail(e)
     raise
@@ -260,7 +352,7 @@ def _same_plan(attempt: Attempt, mine: list[list[str]], deadline: float) -> None
   while waiting for it, a failure published for barrier 0 raises)."""
   text = json.dumps(mine, separators=(",", ":"))
   digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-  key = f"{attempt.prefix}/plan"
+  key = f"{attempt.prefix}/plan{attempt.count}"
   if jax.process_index() == 0:
     attempt.client.key_value_set(key, json.dumps([digest, mine]), allow_overwrite=True)
     return
@@ -278,7 +370,7 @@ def _same_plan(attempt: Attempt, mine: list[list[str]], deadline: float) -> None
 
 def _difference(attempt: Attempt, mine: list[list[str]], theirs: list[list[str]]) -> str:
   p = jax.process_index()
-  where = f"Collective {attempt.kind} of {_paths.display(attempt.location)!r}: "
+  where = f"{attempt.what} of {_paths.display(attempt.shown)!r}: "
   fix = " Pass the same target (shapes, dtypes, shardings) on every process."
   for a, b in zip(mine, theirs):
     if a != b:

@@ -1,27 +1,35 @@
 """What the manager's processes agree on, through the ``jax.distributed`` coordination service.
 
 :func:`from_process_0` is the one pattern: process 0 decides (the newest step to restore, the
-outcome of a delete, the background errors only it saw), publishes the answer under one key,
-and two barriers bracket the read, so every process returns the same answer (or raises the
-same error) and the key is never overwritten before everyone has read it. No counters: the
-barrier ids are the location and the name, which the service counts itself. The calls are
-collective: with several processes every process makes them, in the same order; with one
-process they are plain local calls.
+outcome of a delete, the background errors only it saw) and publishes the answer; every
+process returns it, or raises: an exception in ``decide()`` is process 0's failure. Each call
+is a barrier of an attempt (:mod:`fnckpt._io.attempt`): of the manager call it is in
+(:func:`operation`: ``restore``, ``save``, ...), or of its own. Barriers are numbered per
+attempt and keys are the attempt's, so a failed call leaves nothing the next one meets, and a
+process that fails anywhere in a manager call publishes its error for the next barrier: every
+other process raises there, naming it. The calls are collective: with several processes every
+process makes them, in the same order; with one process they are plain local calls.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 import jax
 
-from .._errors import CheckpointError
+from . import attempt as _attempt
 from . import commit as _commit
-from . import paths as _paths
 
-__all__ = ["from_process_0", "all_gather", "client", "preemption_sync_manager", "multi"]
+__all__ = [
+  "from_process_0",
+  "all_gather",
+  "operation",
+  "client",
+  "preemption_sync_manager",
+  "multi",
+]
 
 
 def multi() -> bool:
@@ -38,55 +46,66 @@ def preemption_sync_manager() -> Any:
   return _commit._state().preemption_sync_manager
 
 
-def _key(location: str, name: str) -> str:
-  digest = hashlib.sha256(_paths.display(location).encode()).hexdigest()[:24]
-  return f"fnckpt/manager/{digest}/{name}"
+def operation(location: str, name: str, timeout_s: float) -> ContextManager[Any]:
+  """A manager call (``name``: ``restore``, ``save``, ...) at the run ``location`` as one
+  attempt: its collective calls (these, and collective restores) are the attempt's numbered
+  barriers, then one last (``manager-<name>-done``); an exception leaving the block on any
+  process is published for its next barrier, where every other process raises a
+  :class:`fnckpt.CheckpointError` naming that process and the error. One process: nothing.
+
+  >>> with operation("memory://doc/op", "latest", 10.0):   # one process: a no-op
+  ...   from_process_0("memory://doc/op", "latest", lambda: 7, 10.0)
+  7
+  """
+  if not multi():
+    return contextlib.nullcontext()
+  return _attempt.collective(
+    location,
+    "manager",
+    timeout_s,
+    on=True,
+    what=f"CheckpointManager.{name}()",
+    done=f"manager-{name}-done",
+  )
+
+
+@contextlib.contextmanager
+def _within(location: str, name: str, timeout_s: float) -> Iterator[tuple[Any, bool]]:
+  """The open attempt this call is a barrier of, or one of its own (then ``True``: the call
+  is its last barrier)."""
+  current = _attempt.current()
+  if current.multi and not current.closed:
+    yield current, False
+    return
+  what = f"fnckpt's manager ({name})"
+  with _attempt.collective(location, "manager", timeout_s, on=True, what=what) as attempt:
+    yield attempt, True
 
 
 def from_process_0(location: str, name: str, decide: Callable[[], Any], timeout_s: float) -> Any:
   """``decide()`` on process 0 (JSON-able result), returned on every process; an exception
   there is raised on every process (process 0: the original; others: a
-  :class:`CheckpointError` with its message). Collective with several processes.
+  :class:`CheckpointError` naming process 0 and the error). Collective with several
+  processes.
 
   >>> from_process_0("memory://doc/agree", "latest", lambda: 7, 10.0)  # one process: local
   7
   """
   if not multi():
     return decide()
-  kv, key, error = client(), _key(location, name), None
-  if jax.process_index() == 0:
-    try:
-      answer = json.dumps({"ok": decide()})
-    except Exception as e:
-      error, answer = e, json.dumps({"error": f"{type(e).__name__}: {e}"})
-    kv.key_value_set(key, answer, allow_overwrite=True)
-  _commit.barrier(location, f"manager-{name}-decided", timeout_s)
-  answer = json.loads(kv.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
-  _commit.barrier(location, f"manager-{name}-read", timeout_s)
-  if error is not None:
-    raise error
-  if "error" in answer:
-    raise CheckpointError(
-      f"On process 0 ({name} of {_paths.display(location)!r}): {answer['error']}"
-    )
-  return answer["ok"]
+  with _within(location, name, timeout_s) as (attempt, last):
+    mine = json.dumps(decide()) if jax.process_index() == 0 else None
+    return json.loads(attempt.share(f"manager-{name}", mine, last))
 
 
 def all_gather(location: str, name: str, value: Any, timeout_s: float) -> list[Any]:
   """Every process's ``value`` (JSON-able), in process order, on every process (each posts
-  under its own key; two barriers bracket the reads). Collective with several processes.
+  its own, one barrier, then the reads). Collective with several processes.
 
   >>> all_gather("memory://doc/agree", "outcome", {"ok": True}, 10.0)  # one process
   [{'ok': True}]
   """
   if not multi():
     return [value]
-  kv, key = client(), _key(location, name)
-  kv.key_value_set(f"{key}/{jax.process_index()}", json.dumps(value), allow_overwrite=True)
-  _commit.barrier(location, f"manager-{name}-posted", timeout_s)
-  ms = max(1, int(timeout_s * 1000))
-  values = [
-    json.loads(kv.blocking_key_value_get(f"{key}/{p}", ms)) for p in range(jax.process_count())
-  ]
-  _commit.barrier(location, f"manager-{name}-gathered", timeout_s)
-  return values
+  with _within(location, name, timeout_s) as (attempt, last):
+    return [json.loads(v) for v in attempt.gather(f"manager-{name}", json.dumps(value), last)]

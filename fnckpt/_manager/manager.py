@@ -280,7 +280,8 @@ class CheckpointManager:
     raises :class:`fnckpt.CheckpointError`."""
     if step is None:
       self._background.join()
-      value, step = self._recovery.restore_latest(target, kwargs)
+      with _coordination.operation(self._root, "restore", self._timeout):
+        value, step = self._recovery.restore_latest(target, kwargs)
       if step is None:
         raise _nothing_committed(self)
       return value
@@ -311,13 +312,14 @@ class CheckpointManager:
     with ``out_shardings`` that carries the shardings). A ``jax.ShapeDtypeStruct`` without a
     sharding in it is an error with several processes and a warning with one."""
     self._background.join()
-    step = self._recovery.agreed_latest()
-    target = _restore_target(init, target, step, self.directory)
-    if step is not None:  # the newest valid step (older ones when it is damaged)
-      state, step = self._recovery.restore_latest(target, kwargs)
-    if step is None:
-      return (init() if callable(init) else init), None
-    return state, step
+    with _coordination.operation(self._root, "restore_or_init", self._timeout):
+      step = self._recovery.agreed_latest()
+      target = _restore_target(init, target, step, self.directory)
+      if step is not None:  # the newest valid step (older ones when it is damaged)
+        state, step = self._recovery.restore_latest(target, kwargs)
+      if step is None:
+        return (init() if callable(init) else init), None
+      return state, step
 
   # --- preemption ---------------------------------------------------------------------------
 
@@ -381,7 +383,8 @@ def _latest_step(mgr: CheckpointManager) -> int | None:
   else this process's listing once its saves have committed."""
   if mgr._local is not None and _coordination.multi():
     mgr._background.join()
-    return mgr._recovery.agreed_latest()
+    with _coordination.operation(mgr._root, "latest_step", mgr._timeout):
+      return mgr._recovery.agreed_latest()
   mgr._claims.wait_saved()
   steps = mgr.all_steps()
   return steps[-1] if steps else None
@@ -448,13 +451,17 @@ def _warn_leftovers(leftovers: list[int], directory: str) -> None:
 def _delete(mgr: CheckpointManager, step: int) -> None:
   """delete(step): claimed, then process 0 removes it from every tier (collective)."""
   indexes = [mgr._index] + ([mgr._local.index] if mgr._local else [])
-  mgr._claims.claim_delete(step)
-  try:
-    _coordination.from_process_0(
-      mgr._root, "delete", lambda: _remove(indexes, step, mgr.directory, mgr._claims), mgr._timeout
-    )
-  finally:
-    mgr._claims.release_delete([step])
+  with _coordination.operation(mgr._root, "delete", mgr._timeout):
+    mgr._claims.claim_delete(step)
+    try:
+      _coordination.from_process_0(
+        mgr._root,
+        "delete",
+        lambda: _remove(indexes, step, mgr.directory, mgr._claims),
+        mgr._timeout,
+      )
+    finally:
+      mgr._claims.release_delete([step])
   for index in indexes:
     index.forget(step)
 

@@ -78,6 +78,24 @@ class Saver:
     local = self.local is not None and self.local.policy.local_due(step)
     if not (durable or local):
       return None
+    # One attempt from the decision to the save's start: a failure on any process before it
+    # (its metadata, its copy of the held shards) fails every process, and none saves.
+    with _coordination.operation(self.index.root, "save", self.timeout_s):
+      ready = self._decide(step, tree, user, force, durable, local, urgent)
+    return None if ready is None else self._start(step, tree, *ready)
+
+  def _decide(
+    self,
+    step: int,
+    tree: Any,
+    user: Callable[[], Any],
+    force: bool,
+    durable: bool,
+    local: bool,
+    urgent: bool,
+  ) -> tuple[_steps.StepIndex, Any, bool, Any, Any] | None:
+    """save(): process 0's decision for every process; then the base and held shards of a
+    save that goes on (the tier, the metadata, durable, base, staged), else None."""
     metadata = user()
 
     def decide() -> dict[str, Any]:
@@ -107,7 +125,14 @@ class Saver:
     if durable and self._copies():  # back-pressure: one durable copy pending at a time
       assert self.local is not None
       self.cadence.waited(self.local.wait_copied())
-    return self._start(step, tree, self._where(durable), metadata, durable)
+    index = self._where(durable)
+    base = self._base(step, index)
+    try:
+      staged = self._stage_held(step, tree, index)
+    except BaseException:
+      self.incremental.release(base)
+      raise
+    return index, metadata, durable, base, staged
 
   def _copies(self) -> bool:
     """Whether durable steps are saved to the local tier and copied from there: only with
@@ -122,9 +147,7 @@ class Saver:
       return self.local.index
     return self.index
 
-  def _start(
-    self, step: int, tree: Any, index: _steps.StepIndex, metadata: Any, durable: bool
-  ) -> Any:
+  def _base(self, step: int, index: _steps.StepIndex) -> Any:
     inc = self.incremental  # the base: the newest committed step where this save goes
     # (claimed till committed); not with local tiers of several processes (each host's
     # local directory may hold only its own chunks: see fnckpt._manager.tiers)
@@ -141,9 +164,21 @@ class Saver:
         "directory may hold only its host's chunks, so no base there is readable by every "
         "process. Use incremental=True without local_directory to write only what changed.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
       )
-    staged = self._stage_held(step, tree, index)
+    return base
+
+  def _start(
+    self,
+    step: int,
+    tree: Any,
+    index: _steps.StepIndex,
+    metadata: Any,
+    durable: bool,
+    base: Any,
+    staged: Any,
+  ) -> Any:
+    inc = self.incremental
     self.claims.claim_save(step)  # retention and deletes leave it alone from here
     try:
       # A local tier's barriers are keyed on the durable step (per-host paths may differ).
