@@ -19,6 +19,10 @@ data:
   the attempt number per save location. Barrier ids depend on it, so it is alike on every
   process (the same saves in the same order; the least recently used of ``MAX_LOCATIONS``
   locations is dropped alike).
+``attempts`` (``_io.attempt``)
+  the collective attempt open in this context and the location a manager call keys its
+  attempts on: ``contextvars.ContextVar`` s (per thread and asyncio task), set and reset
+  around each collective call by their owner.
 ``plans`` (``_save.plan_cache``, ``_restore``)
   the plans of the latest saves and restores, by the structure they were made for (a training
   loop saves and restores one structure again and again): at most ``MAX_PLANS`` each, the
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import gc
 import itertools
@@ -70,6 +75,7 @@ __all__ = [
   "saves",
   "storage",
   "sessions",
+  "attempts",
   "plans",
   "pieces",
   "reads",
@@ -115,6 +121,19 @@ class _Sessions:
   def __init__(self) -> None:
     self.lock = threading.Lock()
     self.attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+
+class _Attempts:
+  """The collective attempt open in this context (``_io.attempt.Attempt``) and the location
+  its manager call keys attempts on."""
+
+  def __init__(self) -> None:
+    self.current: contextvars.ContextVar[Any] = contextvars.ContextVar(
+      "fnckpt_attempt", default=None
+    )
+    self.keyed: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+      "fnckpt_keyed", default=None
+    )
 
 
 class _Plans:
@@ -241,6 +260,7 @@ def _no_op(name: str) -> None:
 saves = _Saves()
 storage = _Storage()
 sessions = _Sessions()
+attempts = _Attempts()
 plans = _Plans()
 pieces = _Slot()
 reads = _PieceReads()

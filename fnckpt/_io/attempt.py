@@ -38,7 +38,6 @@ the enclosing call may go on (the manager exchanges the outcome) or fail at its 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import json
@@ -47,6 +46,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 
+from .. import _state
 from .._errors import BarrierTimeoutError, CheckpointError, DamagedError
 from . import collective as _collective
 from . import commit as _commit
@@ -57,10 +57,8 @@ __all__ = ["Attempt", "Failure", "collective", "keyed", "current", "agree", "clo
 POLL_S = 0.25  # while in a collective: how often the next barrier's published errors are read
 _MAX_ERROR_CHARS = 4000
 
-_current: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
-  "fnckpt_attempt", default=None
-)
-_keyed: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnckpt_keyed", default=None)
+_current = _state.attempts.current  # (per context: see fnckpt._state)
+_keyed = _state.attempts.keyed
 
 
 class PeerFailedError(_collective.PeerFailedError):

@@ -44,10 +44,10 @@ def agree(session: _collective.Session, mine: list[Entry]) -> None:
   if not session.multi:
     return
   digest = hashlib.sha256(msgpack.packb([m[:2] for m in mine])).digest()
-  if jax.process_index() == 0:
-    session.share("tree", zlib.compress(msgpack.packb(mine), 1))
-  if session.share("tree-digest", digest) != digest:
-    shared = session.share("tree", b"")
+  if jax.process_index() == 0:  # (its entries first: a process that differs reads them)
+    session.share("tree-entries", zlib.compress(msgpack.packb(mine), 1))
+  if session.share("tree", digest) != digest:
+    shared = session.share("tree-entries", b"")
     theirs = [tuple(x) for x in msgpack.unpackb(zlib.decompress(shared), use_list=False)]
     raise CheckpointError(_disagreement(session.location, mine, theirs))
   session.barrier("agreed")
