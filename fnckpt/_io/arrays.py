@@ -162,10 +162,12 @@ def pack_spec(
 
 
 def open_array(spec: dict[str, Any], ctx: ts.Context, *, mode: str) -> ts.Future:
-  """``mode``: ``"write"`` (no I/O), ``"create"`` (writes zarr.json), ``"read"`` (no I/O;
-  missing chunks are errors)."""
+  """``mode``: ``"write"`` (no I/O), ``"create"`` (writes zarr.json; the handle writes as a
+  ``"write"`` one does), ``"read"`` (no I/O; missing chunks are errors)."""
   if mode == "create":
-    return ts.open(spec, create=True, open=True, context=ctx)
+    return ts.open(
+      {**spec, "store_data_equal_to_fill_value": True}, create=True, open=True, context=ctx
+    )
   if mode == "write":
     return ts.open(
       {**spec, "store_data_equal_to_fill_value": True},

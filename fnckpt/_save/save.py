@@ -409,16 +409,19 @@ def _stage_all(
   kv_spec, ctx, kv = opened
   budget = writer.budget
   is_main = jax.process_index() == 0
-  creating = (
-    [
-      _arrays.open_array(a.spec, ctx, mode="create")
+  made = (
+    {
+      a.index: _arrays.open_array(a.spec, ctx, mode="create")
       for a in plan.arrays
       if a.index not in plan.reusable.stored
-    ]
+    }
     if is_main
-    else []
-  )  # (candidates: if changed)
-  writing = [_arrays.open_array(a.spec, ctx, mode="write") for a in plan.arrays]
+    else {}
+  )  # (candidates: if changed); each also the handle that writes its chunks (one open)
+  creating = list(made.values())
+  writing = [
+    made.get(a.index) or _arrays.open_array(a.spec, ctx, mode="write") for a in plan.arrays
+  ]
   _start_copies(plan, budget)
   copies = Copies()
   for a, fut in zip(plan.arrays, writing):

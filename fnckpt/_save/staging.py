@@ -98,7 +98,7 @@ def stage_pack(
   spec = _arrays.pack_spec(kv_spec, pack.dir, pack.nbytes, pack.chunk, pack.inner)
   # Writes its zarr.json, then the chunks through it: every inner chunk stored, zeros too
   # (else a zero range, e.g. fresh optimizer moments, is left out and reads as missing).
-  fut = _arrays.open_array({**spec, "store_data_equal_to_fill_value": True}, ctx, mode="create")
+  fut = _arrays.open_array(spec, ctx, mode="create")
   todo = sorted(
     [
       _piece_writes.PackPart(
