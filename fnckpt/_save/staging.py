@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _state
 from .._format import refs as _refs
 from .._io import arrays as _arrays
 from .._io import direct as _direct
@@ -245,6 +246,8 @@ def start_copies(plan: Any, budget: _arrays.ByteBudget) -> None:
   device-to-host copy of this save at once (when they fit in the budget), so the caller
   waits for about the total transfer time, not a sum of serial round trips. ``"owned"``
   copies start as staging charges them (:class:`Copies`); on CPU views copy nothing."""
+  if _state.hooks.staging != "asarray":  # (only then may an accelerator stage so)
+    return
   asked: dict[Any, bool] = {}  # per sharding (a device's), whether its shards copy so
 
   def forced(s: jax.Array) -> bool:
