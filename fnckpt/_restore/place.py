@@ -364,4 +364,30 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     )
   if host.ndim == 0:  # (indexing a 0-d array gives a numpy scalar)
     return jax.make_array_from_callback((), sharding, lambda index: host)
-  return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+  if not _cpu_shared(sharding.device_set):
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+  return jax.make_array_from_callback(host.shape, sharding, _Slices(host))
+
+
+class _Slices:
+  """A host array's slices for CPU devices to adopt: each distinct slice once, as it lies
+  when it is contiguous and aligned, else copied once into an aligned block that all its
+  replicas share (JAX would copy a strided slice, a column block, once per device)."""
+
+  def __init__(self, host: np.ndarray):
+    self.host = host
+    self.made: dict[tuple, np.ndarray] = {}
+
+  def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
+    if index is None:  # (JAX passes slices for an array of rank >= 1)
+      return self.host
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    got = self.made.get(key)
+    if got is None:
+      view = self.host[index]
+      if not (view.flags.c_contiguous and view.ctypes.data % _arrays.ALIGN == 0):
+        copy = _arrays.aligned_empty(view.shape, view.dtype)
+        np.copyto(copy, view)
+        view = copy
+      got = self.made[key] = view
+    return got
