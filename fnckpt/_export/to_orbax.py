@@ -155,7 +155,7 @@ def _check_target(target: str, overwrite: bool) -> None:
   if not os.path.lexists(target) or (
     os.path.isdir(target) and not os.path.islink(target) and not os.listdir(target)
   ):
-    _make_parent(target)
+    _st.make_parent(target)
     return
   if not overwrite:
     raise CheckpointError(
@@ -186,16 +186,6 @@ def _check_apart(target: str, location: str) -> None:
       f"out={target!r} and the checkpoint {location!r} overlap (one is the other or "
       "inside it). Export to a directory outside the checkpoint."
     )
-
-
-def _make_parent(target: str) -> None:
-  parent = os.path.dirname(target)
-  try:
-    os.makedirs(parent, exist_ok=True)
-  except OSError as e:
-    raise CheckpointError(
-      f"Cannot create the directory {parent!r} for the export ({type(e).__name__}: {e})."
-    ) from None
 
 
 def _write_export(

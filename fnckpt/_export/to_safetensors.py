@@ -28,7 +28,7 @@ from .._sources import slices as _slices
 from .._sources import source as _source
 from . import plan as _export_plan
 
-__all__ = ["export_safetensors", "ExportResult"]
+__all__ = ["export_safetensors", "ExportResult", "make_parent"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,8 @@ _EXPORT_NAME = re.compile(
 )
 
 
-def _check_target(target: str, overwrite: bool) -> None:
+def make_parent(target: str) -> None:
+  """The directory an export's ``target`` goes into, made if missing (or a clear error)."""
   parent = os.path.dirname(target)
   try:
     os.makedirs(parent, exist_ok=True)
@@ -207,6 +208,10 @@ def _check_target(target: str, overwrite: bool) -> None:
     raise CheckpointError(
       f"Cannot create the directory {parent!r} for the export ({type(e).__name__}: {e})."
     ) from None
+
+
+def _check_target(target: str, overwrite: bool) -> None:
+  make_parent(target)
   if overwrite and os.path.isdir(target) and not os.path.islink(target):
     # Replacing a directory removes it whole: only one that holds nothing but an export.
     others = [n for n in os.listdir(target) if not _EXPORT_NAME.fullmatch(n)]
