@@ -17,6 +17,7 @@ from .._errors import CheckpointError, TreeMismatchError
 __all__ = [
   "PathEntry",
   "flatten",
+  "check_paths",
   "keystr",
   "match_key",
   "unflatten_from_paths",
@@ -137,9 +138,16 @@ def flatten(tree: Any, check: bool = True) -> tuple[list[tuple[Path, Any]], Any]
   return out, treedef
 
 
+def check_paths(pairs: Sequence[tuple[Path, Any]]) -> None:
+  """The key paths of :func:`flatten`'s ``check=False`` pairs, checked as it checks them."""
+  for path, _ in pairs:
+    _check_path(path, None)
+
+
 def _check_path(path: Path, kp: Any) -> None:
-  """A key path's depth and keys are ones a reader accepts (``kp``: the pytree key path)."""
-  where = lambda: jax.tree_util.keystr(kp)  # noqa: E731
+  """A key path's depth and keys are ones a reader accepts (``kp``: the pytree key path;
+  None: named from ``path``)."""
+  where = lambda: jax.tree_util.keystr(kp) if kp is not None else keystr(path)  # noqa: E731
   if len(path) > MAX_PATH_DEPTH:
     raise CheckpointError(
       f"The leaf at {where()[:200]} is nested {len(path)} levels deep; a checkpoint's key paths "

@@ -66,7 +66,8 @@ def plan(tree: Any, kv_spec: dict, data_dir: str, options: SaveOptions) -> _plan
   template = _state.plans.get("saves", k)
   if template is not None:
     return template.bind(leaves, kv_spec, data_dir)
-  made = _plan.plan(_tree.flatten(tree)[0], kv_spec, data_dir, options)
+  _tree.check_paths(leaves)
+  made = _plan.plan(leaves, kv_spec, data_dir, options)
   _state.plans.put("saves", k, Template.of(made))
   return made
 
