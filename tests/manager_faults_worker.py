@@ -5,12 +5,16 @@ the manager's collective calls, none synchronized with the others between calls.
 ``python tests/manager_faults_worker.py '<json config>'``; config: ``root`` (the durable
 directory; each process's fast tier is ``<root>-local<process>``), ``barrier_s`` (default
 600, fnckpt's), ``tries``: a list of ``{"op": "restore" | "restore_or_init" | "latest" |
-"save", "step" (save), "fail": {"process", "how"}}``; ``how``: ``listing`` (the second
+"save", "step" (save), "kwargs" (restore's, e.g. ``{"broadcast": true}``), "fail": {"process",
+"how"}}``; ``how``: ``listing`` (the second
 listing of this process's fast tier in the call fails with a PermissionError, as an
 unreadable directory does: after the manager's first collective call), ``internal`` (the
 manager's exchange of local steps raises on this process: between its collective calls),
 ``stage`` (a save's copy of the held shards fails on this process, after process 0's
-decision). Each try reports ``ok`` (the step, and shards checked) or ``error``, ``message``,
+decision), ``wait_saved`` and ``restore_listing`` (inside the restore of the chosen step, after
+process 0's choice and before the restore's agreement: its wait for the step's save, its
+fast tier's listing raise), ``after_restore`` (the manager's restore of the chosen step
+raises once it has restored it). Each try reports ``ok`` (the step, and shards checked) or ``error``, ``message``,
 ``raised_at``, ``failed_at`` (``time.time()`` when the call raised, when this process's fault
 fired) and ``elapsed_s``. ``repeat``: run the tries that many times (timings: ``times``).
 """
@@ -50,6 +54,36 @@ def _inject(how: str, mgr) -> list:
 
     index.list = listing
     return [lambda: delattr(index, "list")]
+  if how == "restore_listing":  # (Recovery.restore lists the fast tier with no arguments)
+    index, real = mgr._local.index, mgr._local.index.list
+
+    def bare_listing(*a, **k):
+      if not a and not k:
+        fire(PermissionError(13, "Permission denied (injected)", index.root))
+      return real(*a, **k)
+
+    index.list = bare_listing
+    return [lambda: delattr(index, "list")]
+  if how == "wait_saved":  # (with a step: the restore of that step waits for its save)
+    claims = mgr._claims
+    real_wait = claims.wait_saved
+
+    def wait_saved(step=None):
+      if step is not None:
+        fire(RuntimeError("injected wait_saved failure"))
+      return real_wait(step)
+
+    claims.wait_saved = wait_saved
+    return [lambda: delattr(claims, "wait_saved")]
+  if how == "after_restore":  # (the step restored, its restore's last barrier passed)
+    real_restore = recovery.Recovery.restore
+
+    def restore_then_fail(*a, **k):
+      real_restore(*a, **k)
+      fire(RuntimeError("injected failure after the restore"))
+
+    recovery.Recovery.restore = restore_then_fail
+    return [lambda: setattr(recovery.Recovery, "restore", real_restore)]
   module, name = {"internal": (recovery.Recovery, "_local_steps"),
                   "stage": (held, "stage")}[how]
   real = getattr(module, name)
@@ -73,10 +107,11 @@ def _one(mgr, t, mesh, target) -> dict:
       got = {"ok": mgr.latest_step()}
     else:
       if t["op"] == "restore":
-        value = mgr.restore(target=target)
+        value = mgr.restore(target=target, **t.get("kwargs", {}))
         step = int(value["step"])
       else:
-        value, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target)
+        value, step = mgr.restore_or_init(lambda: state_at(mesh, 0), target=target,
+                                          **t.get("kwargs", {}))
       got = {"ok": step, "checked": check_state(jax.block_until_ready(value), step)}
   except Exception as e:
     import fnckpt

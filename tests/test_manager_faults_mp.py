@@ -93,3 +93,29 @@ def test_10_mixed_manager_calls_with_failures_on_random_processes(tmp_path):
     if t["op"] == "save":
       newest = t["step"]
     assert [g.get("ok") for g in got] == [newest] * 2, (i, t, got)
+
+
+@pytest.mark.parametrize("failing,how", [(1, "wait_saved"), (1, "restore_listing"),
+                                         (0, "wait_saved"), (1, "after_restore")])
+def test_a_failure_around_a_broadcast_restore_fails_all_then_every_call_works(
+    tmp_path, failing, how):
+  """One process fails inside the manager's restore of the chosen step, after process 0's
+  choice and before the broadcast restore's agreement (its wait for the step's save, its fast
+  tier's listing), or after that restore's last barrier. Before, in the first case the others
+  were at that agreement, the same numbered barrier as the failing process's exchange of
+  outcomes, passed it with it, and waited for the 600 s deadline. Now every other process
+  raises a CheckpointError naming the failing process and the cause within the hang guard
+  (process 0 failing: process 1 learns of it while waiting for its plan); then broadcast
+  restores, restore_or_init and latest_step work on every process."""
+  cause = {"wait_saved": "injected wait_saved failure",
+           "restore_listing": "Permission denied (injected)",
+           "after_restore": "injected failure after the restore"}[how]
+  bcast = {"broadcast": True}
+  tries = group({"root": str(tmp_path / "run"), "tries": [
+      {"op": "restore", "kwargs": bcast, "fail": {"process": failing, "how": how}},
+      {"op": "restore", "kwargs": bcast}, {"op": "restore_or_init", "kwargs": bcast},
+      {"op": "latest"}]}, 2, timeout=75)
+  assert_failed_together([t[0] for t in tries], failing, cause)
+  for t in tries:
+    assert [g.get("ok") for g in t[1:]] == [2, 2, 2], t
+    assert t[1]["checked"] == t[2]["checked"] > 0, t

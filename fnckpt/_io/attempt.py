@@ -88,14 +88,16 @@ Explain = Callable[[Failure, str], CheckpointError]
 @dataclasses.dataclass
 class _Line:
   """The numbered barriers of one attempt (and of the segments nested in it): ``count``
-  entered so far, ``broken``: one failed (a deadline, a lost process), so none follows. Keys
-  live under ``fnckpt/<location hash>/<kind>/<attempt>/``."""
+  entered so far, ``broken``: one failed (a deadline, a lost process), so none follows;
+  ``settled``: the failure this process has met its barrier for (see :meth:`Attempt.fail`).
+  Keys live under ``fnckpt/<location hash>/<kind>/<attempt>/``."""
 
   location: str
   kind: str
   attempt: int
   count: int = 0
   broken: bool = False
+  settled: BaseException | None = None
 
   @property
   def base(self) -> str:
@@ -162,7 +164,9 @@ class Attempt:
     found = self.failure(i)
     if found is not None:
       self.closed = True  # every process stops at this barrier: none goes further
-      raise self._learned((explain or self.default_error)(found, f"at barrier '{label}'"))
+      error = self._learned((explain or self.default_error)(found, f"at barrier '{label}'"))
+      self.line.settled = error  # (met at its barrier: no enclosing segment arrives again)
+      raise error
 
   def gather(self, label: str, value: str, last: bool = False) -> list[str]:
     """Every process's ``value``, in process order, on every process: each posts its own,
@@ -239,8 +243,19 @@ class Attempt:
   def fail(self, error: BaseException) -> None:
     """This process failed: publish ``error`` for the next barrier (unless it is another
     process's failure, already published) and arrive there, once. Nothing past the last
-    barrier, after a failed barrier, or when it could not be published (fail closed)."""
+    barrier, after a failed barrier, or when it could not be published (fail closed).
+
+    A failure costs every process of the line exactly one barrier, the one it was published
+    for: the process that failed arrives there here; one that learned of it at that barrier
+    (:meth:`barrier`) has arrived already; one that learned of it by :meth:`poll` (before
+    arriving) arrives there here. Then the failure is *settled* on the line: an enclosing
+    segment it leaves neither publishes it nor arrives again. So where a caller catches it
+    and goes on in the line (the manager exchanging every process's outcome), every process
+    goes on from the same barrier."""
     if not self.multi or self.closed or self.broken or self.failed:
+      return
+    if error is self.line.settled:
+      self.closed = True
       return
     self.failed = True
     if error is not self.learned and not isinstance(error, _collective.PeerFailedError):
@@ -251,6 +266,7 @@ class Attempt:
     _commit.report(self.location, f"{self.kind}: failed")
     try:
       self._arrive(f"{self.kind}-failed", self.timeout_s)
+      self.line.settled = error
     except CheckpointError:  # the others are gone or late: they time out and say so
       pass
     self.closed = True

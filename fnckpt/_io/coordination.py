@@ -26,6 +26,7 @@ __all__ = [
   "from_process_0",
   "all_gather",
   "operation",
+  "part",
   "client",
   "preemption_sync_manager",
   "multi",
@@ -67,6 +68,19 @@ def operation(location: str, name: str, timeout_s: float) -> ContextManager[Any]
     what=f"CheckpointManager.{name}()",
     done=f"manager-{name}-done",
   )
+
+
+def part(location: str, name: str, timeout_s: float) -> ContextManager[Any]:
+  """A part of the open manager call that a caller goes on after, whatever it raises (the
+  manager's try of one step: every process then exchanges its outcome): a segment of the
+  call's attempt ending with one barrier (``manager-<name>``), so an exception on any
+  process inside it is met by every process at a barrier of the part, never at one after
+  it (the part raises there, on every process: a :class:`fnckpt.CheckpointError` naming
+  the failing process and its error, a :class:`fnckpt.DamagedError` where it found damage).
+  Every process leaves it at the same barrier. One process: nothing."""
+  if not multi():
+    return contextlib.nullcontext()
+  return _attempt.collective(location, "manager", timeout_s, on=True, done=f"manager-{name}")
 
 
 @contextlib.contextmanager

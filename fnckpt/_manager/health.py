@@ -118,19 +118,31 @@ def refuse_marked(index: Any, step: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-  """One process's result of trying to restore a step: ``"ok"``, ``"damaged"`` or
-  ``"error"`` (anything else), with the error's text."""
+  """One process's result of trying to restore a step: ``"ok"``, ``"damaged"``, ``"error"``
+  (anything else) or ``"peer"`` (it stopped for another process's failure), with the
+  error's text."""
 
   kind: str
   text: str = ""
 
 
-def _try(restore: Callable[[int], Any], step: int) -> tuple[Any, Outcome, BaseException | None]:
+def _try(
+  root: str, restore: Callable[[int], Any], step: int, timeout_s: float
+) -> tuple[Any, Outcome, BaseException | None]:
+  """``restore(step)`` on this process, as a part of the manager call (collective with
+  several processes): a failure on any process in it (even before the restore's own
+  agreement) is met by every process at one barrier of the part; a process that learned
+  of another's failure there has the outcome ``"peer"`` (that one's says what it was)."""
+  part = None
   try:
-    return restore(step), Outcome("ok"), None
-  except DamagedError as e:
-    return None, Outcome("damaged", str(e)), e
+    with _coordination.part(root, f"tried-{step}", timeout_s) as part:
+      value = restore(step)
+    return value, Outcome("ok"), None
   except Exception as e:
+    if part is not None and e is part.learned:
+      return None, Outcome("peer", str(e)), e
+    if isinstance(e, DamagedError):
+      return None, Outcome("damaged", str(e)), e
     return None, Outcome("error", f"{type(e).__name__}: {e}"), e
 
 
@@ -155,7 +167,7 @@ def restore_newest_valid(
     step = _coordination.from_process_0(root, "latest", lambda: choose(skipped), timeout_s)
     if step is None:
       return None, None
-    value, mine, error = _try(restore, step)
+    value, mine, error = _try(root, restore, step, timeout_s)
     outcomes = [
       Outcome(**o)
       for o in _coordination.all_gather(
@@ -167,7 +179,9 @@ def restore_newest_valid(
       _fall_back(root, step, damaged, mark)
       skipped.add(step)
       continue
-    failed = [(p, o.text) for p, o in enumerate(outcomes) if o.kind == "error"]
+    failed = [(p, o.text) for p, o in enumerate(outcomes) if o.kind == "error"] + [
+      (p, o.text) for p, o in enumerate(outcomes) if o.kind == "peer"
+    ]
     if error is not None:
       raise error
     if failed:
