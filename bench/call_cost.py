@@ -263,7 +263,7 @@ def _median_rows(rows: list[dict]) -> dict:
   """One state's figures: each number the median over rounds."""
   out = dict(rows[0])
   for k, v in rows[0].items():
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if isinstance(v, float):  # (counts, e.g. arrays, are the same every round)
       out[k] = statistics.median(r[k] for r in rows)
   out["meets"] = out["steady_ms"] <= out["target_ms"]
   out["verified"] = all(r["verified"] for r in rows)

@@ -535,7 +535,7 @@ def cost_per_call(out: str) -> None:
       y += 1
     y += 1
   ax.set_yticks([-t for t, _ in ticks],
-                [f"{s}\n{r['after'][k]['arrays']:,} arrays" for k, (_, s) in enumerate(ticks)])
+                [f"{s}\n{int(r['after'][k]['arrays']):,} arrays" for k, (_, s) in enumerate(ticks)])
   ax.tick_params(axis="y", length=0)
   ax.set_xlim(0, top * 1.2)
   ax.set_xlabel("milliseconds the caller is blocked by fnckpt.save (shorter is better)")
