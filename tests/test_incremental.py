@@ -1068,6 +1068,8 @@ def test_packed_candidates_are_copied_off_the_devices_up_front(tmp_path, monkeyp
   seen = []
   real = _staging.to_copy
   monkeypatch.setattr(_staging, "to_copy", lambda plan: seen.append(real(plan)) or seen[-1])
+  # (the staging start_copies serves: on CPU the default, "asarray", stages views)
+  monkeypatch.setattr(_state.hooks, "staging", "asarray")
   t = {f"m{i}": jax.numpy.full((8192,), i, jax.numpy.float32) for i in range(20)}
   hashed_save(t, str(tmp_path / "1")).wait()
   fnckpt.save(t, str(tmp_path / "2"), base=str(tmp_path / "1")).wait()
