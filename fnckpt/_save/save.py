@@ -235,7 +235,8 @@ def start(
         else _plan_cache.plan(tree, kv_spec, data_dir, options)
       )
     handle.planned = plan.records  # (a later save's base, while in flight)
-    _agreement.agree(session, _entries(plan))
+    if session.multi:  # (one process: nothing to agree on, no entries made)
+      _agreement.agree(session, _entries(plan))
     run.phase = "checking the location"
     _prepare_location(kv, location, options.overwrite, session, handle)
     writer = _start_writer(run, session, options, opened, data_dir, based)
@@ -420,7 +421,8 @@ def _stage_all(
   )  # (candidates: if changed); each also the handle that writes its chunks (one open)
   creating = list(made.values())
   writing = [
-    made.get(a.index) or _arrays.open_array(a.spec, ctx, mode="write") for a in plan.arrays
+    made[a.index] if a.index in made else _arrays.open_array(a.spec, ctx, mode="write")
+    for a in plan.arrays
   ]
   _start_copies(plan, budget)
   copies = Copies()
