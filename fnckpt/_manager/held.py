@@ -114,16 +114,16 @@ class HeldRecord:
       tuple(tuple(int(x) for x in row) for row in d[k]) for k in ("held", "sizes", "crcs")
     )
     return HeldRecord(
-      int(d["step"]),
-      int(d["process"]),
-      int(d["count"]),
-      str(d["host"]),
-      str(d["layout"]),
-      tuple(d["counts"]),
-      held,
-      sizes,
-      crcs,
-      _regrid.grid_of_json(d.get("grid", [])),
+      step=int(d["step"]),
+      process=int(d["process"]),
+      count=int(d["count"]),
+      host=str(d["host"]),
+      layout=str(d["layout"]),
+      counts=tuple(d["counts"]),
+      held=held,
+      sizes=sizes,
+      crcs=crcs,
+      grid=_regrid.grid_of_json(d.get("grid", [])),
     )
 
 

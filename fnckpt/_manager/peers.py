@@ -228,7 +228,9 @@ def restore(
   attempt (:mod:`fnckpt._io.attempt`): its first barrier exchanges the reads' outcomes, its
   second starts the collective; a failure on any process fails every process at once."""
   with _attempt.collective(f"{location}#peers", "peers", timeout_s, on=True) as attempt:
-    return _restore(attempt, location, where, step, reports, target, timeout_s)
+    return _restore(
+      attempt, location, where, step, reports=reports, target=target, timeout_s=timeout_s
+    )
 
 
 def _restore(

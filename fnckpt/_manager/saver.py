@@ -81,7 +81,9 @@ class Saver:
     # One attempt from the decision to the save's start: a failure on any process before it
     # (its metadata, its copy of the held shards) fails every process, and none saves.
     with _coordination.operation(self.index.root, "save", self.timeout_s):
-      ready = self._decide(step, tree, user, force, durable, local, urgent)
+      ready = self._decide(
+        step, tree, user, force=force, durable=durable, local=local, urgent=urgent
+      )
     return None if ready is None else self._start(step, tree, *ready)
 
   def _decide(

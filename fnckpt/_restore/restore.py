@@ -537,10 +537,10 @@ def _restore_in(where: _paths.Location, target: Any, options: RestoreOptions) ->
       location,
       records,
       target,
-      options.partial,
-      options.cast,
-      _match,
-      lambda leaf, rec: _want(leaf, rec, options.cast, _shardings.Resolver()),
+      partial=options.partial,
+      cast=options.cast,
+      match=_match,
+      want=lambda leaf, rec: _want(leaf, rec, options.cast, _shardings.Resolver()),
     )
 
   values = _read_all(src, wants, options.budget(), options.broadcast, options.barrier_timeout_s)
